@@ -1,0 +1,62 @@
+"""Pure-torch attention backend: the CPU path, and the CUDA fallback when flash-attn is missing."""
+import torch
+import torch.nn.functional as F
+
+from nanovllm.utils.context import Context
+
+
+def _attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float) -> torch.Tensor:
+    """Causal attention of q `[Lq, H, D]` over k/v `[Lk, Hkv, D]`, queries aligned to the end of k."""
+    lq, lk = q.size(0), k.size(0)
+    q, k, v = q.transpose(0, 1), k.transpose(0, 1), v.transpose(0, 1)
+    if lq == lk:
+        o = F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scale, enable_gqa=True)
+    else:
+        mask = torch.ones(lq, lk, dtype=torch.bool, device=q.device).tril(diagonal=lk - lq)
+        o = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale, enable_gqa=True)
+    return o.transpose(0, 1)
+
+
+def _gather(cache: torch.Tensor, block_table: torch.Tensor, length: int) -> torch.Tensor:
+    """The first `length` tokens of one sequence, read through its block table."""
+    block_size = cache.size(1)
+    num_blocks = (length + block_size - 1) // block_size
+    return cache[block_table[:num_blocks]].flatten(0, 1)[:length]
+
+
+class TorchBackend:
+    name = "torch"
+
+    @staticmethod
+    def store_kvcache(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                      slot_mapping: torch.Tensor) -> None:
+        valid = slot_mapping >= 0
+        slots = slot_mapping[valid]
+        k_cache.view(-1, *k_cache.shape[2:]).index_copy_(0, slots, k[valid])
+        v_cache.view(-1, *v_cache.shape[2:]).index_copy_(0, slots, v[valid])
+
+    @staticmethod
+    def prefill(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                ctx: Context, scale: float) -> torch.Tensor:
+        o = torch.empty_like(q)
+        cu_q, cu_k = ctx.cu_seqlens_q.tolist(), ctx.cu_seqlens_k.tolist()
+        for i in range(len(cu_q) - 1):
+            if ctx.block_tables is None:
+                k_i, v_i = k[cu_k[i]:cu_k[i + 1]], v[cu_k[i]:cu_k[i + 1]]
+            else:
+                length = cu_k[i + 1] - cu_k[i]
+                k_i = _gather(k_cache, ctx.block_tables[i], length)
+                v_i = _gather(v_cache, ctx.block_tables[i], length)
+            o[cu_q[i]:cu_q[i + 1]] = _attend(q[cu_q[i]:cu_q[i + 1]], k_i, v_i, scale)
+        return o
+
+    @staticmethod
+    def decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, ctx: Context,
+               scale: float) -> torch.Tensor:
+        block_tables, context_lens = ctx.block_tables, ctx.context_lens
+        k = k_cache[block_tables].flatten(1, 2).transpose(1, 2)
+        v = v_cache[block_tables].flatten(1, 2).transpose(1, 2)
+        mask = torch.arange(k.size(2), device=q.device) < context_lens[:, None]
+        o = F.scaled_dot_product_attention(q.unsqueeze(2), k, v, attn_mask=mask[:, None, None, :],
+                                           scale=scale, enable_gqa=True)
+        return o.squeeze(2)

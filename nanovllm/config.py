@@ -1,0 +1,137 @@
+"""Engine settings, validated once, before any model weights are touched."""
+import json
+import os
+from dataclasses import dataclass, field
+
+import torch
+from transformers import AutoConfig, PretrainedConfig
+
+_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+@dataclass
+class Config:
+    """Everything the engine needs to know before it starts.
+
+    `model` is a Hugging Face style directory (config.json, *.safetensors, tokenizer files).
+    With `load_format="dummy"` the weights are random and only config.json is required.
+    On CPU the KV cache is sized from `cpu_kvcache_gib` (GiB of host memory); on CUDA
+    from `gpu_memory_utilization` of the device memory. A positive `num_kvcache_blocks`
+    overrides both.
+    """
+
+    model: str
+    max_num_batched_tokens: int = 16384
+    max_num_seqs: int = 512
+    max_model_len: int = 4096
+    gpu_memory_utilization: float = 0.9
+    tensor_parallel_size: int = 1
+    enforce_eager: bool = False
+    kvcache_block_size: int = 256
+    num_kvcache_blocks: int = -1
+    device: str = "auto"
+    dtype: str = "auto"
+    load_format: str = "auto"
+    cpu_kvcache_gib: float = 4.0
+    seed: int = 0
+    hf_config: PretrainedConfig = field(init=False, repr=False)
+    torch_dtype: torch.dtype = field(init=False)
+
+    def __post_init__(self) -> None:
+        self._check_engine_settings()
+        self.hf_config = load_hf_config(self.model)
+        if self.load_format == "auto":
+            find_weight_files(self.model)
+        self.device = resolve_device(self.device)
+        self.torch_dtype = resolve_dtype(self.dtype, self.device, self.hf_config)
+        self.max_model_len = min(self.max_model_len, self.hf_config.max_position_embeddings)
+        if self.max_num_batched_tokens < self.max_model_len:
+            raise ValueError(
+                f"max_num_batched_tokens ({self.max_num_batched_tokens}) is smaller than max_model_len "
+                f"({self.max_model_len}): a max-length prompt could never be scheduled. "
+                "Raise max_num_batched_tokens or lower max_model_len."
+            )
+        self._check_tensor_parallel()
+
+    def _check_engine_settings(self) -> None:
+        positive = ("max_num_batched_tokens", "max_num_seqs", "max_model_len", "kvcache_block_size", "tensor_parallel_size")
+        for name in positive:
+            value = getattr(self, name)
+            if not isinstance(value, int) or value < 1:
+                raise ValueError(f"{name} must be a positive integer, got {value!r}")
+        if not 0.0 < self.gpu_memory_utilization <= 1.0:
+            raise ValueError(f"gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization}")
+        if not (self.num_kvcache_blocks == -1 or self.num_kvcache_blocks >= 1):
+            raise ValueError(f"num_kvcache_blocks must be -1 (auto) or a positive integer, got {self.num_kvcache_blocks}")
+        if self.cpu_kvcache_gib <= 0:
+            raise ValueError(f"cpu_kvcache_gib must be positive, got {self.cpu_kvcache_gib}")
+        if self.load_format not in ("auto", "dummy"):
+            raise ValueError(f"load_format must be 'auto' or 'dummy', got {self.load_format!r}")
+
+    def _check_tensor_parallel(self) -> None:
+        tp, cfg = self.tensor_parallel_size, self.hf_config
+        if cfg.num_attention_heads % tp or cfg.num_key_value_heads % tp:
+            raise ValueError(
+                f"tensor_parallel_size={tp} must divide num_attention_heads ({cfg.num_attention_heads}) "
+                f"and num_key_value_heads ({cfg.num_key_value_heads})"
+            )
+        if self.device == "cuda" and tp > torch.cuda.device_count():
+            raise ValueError(f"tensor_parallel_size={tp} but only {torch.cuda.device_count()} CUDA device(s) are visible")
+
+
+def load_hf_config(model: str) -> PretrainedConfig:
+    if not os.path.isdir(model):
+        raise FileNotFoundError(f"model directory not found: {model!r} (pass a local Hugging Face model directory)")
+    path = os.path.join(model, "config.json")
+    if not os.path.isfile(path):
+        raise FileNotFoundError(f"no config.json in model directory {model!r}")
+    try:
+        with open(path) as f:
+            json.load(f)
+        cfg = AutoConfig.from_pretrained(model)
+    except (ValueError, OSError, KeyError) as e:
+        raise ValueError(f"{path} is not a valid Hugging Face model config: {e}") from e
+    from nanovllm.models import MODEL_REGISTRY
+
+    if cfg.model_type not in MODEL_REGISTRY:
+        raise ValueError(f"unsupported model_type {cfg.model_type!r} in {path}; nanovllm supports: {sorted(MODEL_REGISTRY)}")
+    return cfg
+
+
+def find_weight_files(model: str) -> list[str]:
+    files = sorted(os.path.join(model, f) for f in os.listdir(model) if f.endswith(".safetensors"))
+    if not files:
+        raise FileNotFoundError(f"no *.safetensors weight files in model directory {model!r}")
+    return files
+
+
+def rope_theta(cfg: PretrainedConfig) -> float:
+    """`rope_theta` lives at the top level of hub configs and in `rope_parameters` since transformers 5."""
+    theta = getattr(cfg, "rope_theta", None)
+    if theta is None:
+        theta = (getattr(cfg, "rope_parameters", None) or {}).get("rope_theta", 10000.0)
+    return float(theta)
+
+
+def resolve_device(device: str) -> str:
+    if device == "auto":
+        return "cuda" if torch.cuda.is_available() else "cpu"
+    if device == "cuda" and not torch.cuda.is_available():
+        raise ValueError("device='cuda' was requested but no CUDA device is available; use device='cpu' or 'auto'")
+    if device not in ("cpu", "cuda"):
+        raise ValueError(f"device must be 'auto', 'cpu' or 'cuda', got {device!r}")
+    return device
+
+
+def resolve_dtype(dtype: str, device: str, cfg: PretrainedConfig) -> torch.dtype:
+    """'auto' is the checkpoint's dtype on CUDA and float32 on CPU (bf16 matmuls are ~8x slower without AMX)."""
+    if dtype != "auto":
+        if dtype not in _DTYPES:
+            raise ValueError(f"dtype must be 'auto' or one of {sorted(_DTYPES)}, got {dtype!r}")
+        return _DTYPES[dtype]
+    if device == "cpu":
+        return torch.float32
+    model_dtype = getattr(cfg, "dtype", None) or getattr(cfg, "torch_dtype", None)
+    if isinstance(model_dtype, str):
+        model_dtype = _DTYPES.get(model_dtype)
+    return model_dtype if model_dtype in (torch.float16, torch.bfloat16) else torch.bfloat16

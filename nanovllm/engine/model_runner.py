@@ -1,0 +1,144 @@
+from contextlib import contextmanager
+
+import torch
+
+from nanovllm.backends import TorchBackend
+from nanovllm.config import Config
+from nanovllm.engine.sequence import Sequence
+from nanovllm.layers.sampler import Sampler
+from nanovllm.models import build_model
+from nanovllm.utils.context import reset_context, set_context
+from nanovllm.utils.loader import init_dummy_weights, load_model
+
+
+@contextmanager
+def default_dtype(dtype: torch.dtype):
+    previous = torch.get_default_dtype()
+    torch.set_default_dtype(dtype)
+    try:
+        yield
+    finally:
+        torch.set_default_dtype(previous)
+
+
+def blocks_per_sequence(config: Config) -> int:
+    return -(-config.max_model_len // config.kvcache_block_size)
+
+
+class ModelRunner:
+    """Owns the model and the KV cache of one tensor-parallel rank; turns batches into tensors and runs them."""
+
+    def __init__(self, config: Config, rank: int = 0):
+        self.config = config
+        self.rank = rank
+        self.block_size = config.kvcache_block_size
+        hf_config = config.hf_config
+        self.device = torch.device("cuda", rank) if config.device == "cuda" else torch.device("cpu")
+        with default_dtype(config.torch_dtype), self.device:
+            self.model = build_model(hf_config)
+        if config.load_format == "dummy":
+            init_dummy_weights(self.model, getattr(hf_config, "initializer_range", 0.02), config.seed)
+        else:
+            load_model(self.model, config.model)
+        self.model.eval()
+        self.sampler = Sampler()
+        self.backend = TorchBackend
+        self.allocate_kv_cache()
+
+    def exit(self) -> None:
+        self.kv_cache = None
+        for module in self.model.modules():
+            if hasattr(module, "k_cache"):
+                module.k_cache = module.v_cache = torch.tensor([])
+
+    def call(self, method: str, *args):
+        return getattr(self, method)(*args)
+
+    def kv_block_bytes(self) -> int:
+        cfg = self.config.hf_config
+        head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
+        num_kv_heads = cfg.num_key_value_heads // self.config.tensor_parallel_size
+        itemsize = torch.tensor([], dtype=self.config.torch_dtype).element_size()
+        return 2 * cfg.num_hidden_layers * self.block_size * num_kv_heads * head_dim * itemsize
+
+    def auto_num_kv_blocks(self) -> int:
+        """Blocks that fit the configured memory budget, never more than the engine can ever use."""
+        budget = int(self.config.cpu_kvcache_gib * 2**30)
+        usable = self.config.max_num_seqs * blocks_per_sequence(self.config)
+        return min(budget // self.kv_block_bytes(), usable)
+
+    def allocate_kv_cache(self) -> None:
+        config, cfg = self.config, self.config.hf_config
+        if config.num_kvcache_blocks == -1:
+            config.num_kvcache_blocks = self.auto_num_kv_blocks()
+        needed = blocks_per_sequence(config)
+        if config.num_kvcache_blocks < needed:
+            raise ValueError(
+                f"the KV cache holds {config.num_kvcache_blocks} blocks of {self.block_size} tokens, but one "
+                f"max_model_len={config.max_model_len} sequence needs {needed}. Give it more memory "
+                "(cpu_kvcache_gib / gpu_memory_utilization / num_kvcache_blocks) or lower max_model_len."
+            )
+        head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
+        num_kv_heads = cfg.num_key_value_heads // config.tensor_parallel_size
+        self.kv_cache = torch.zeros(2, cfg.num_hidden_layers, config.num_kvcache_blocks, self.block_size,
+                                    num_kv_heads, head_dim, dtype=config.torch_dtype, device=self.device)
+        layer = 0
+        for module in self.model.modules():
+            if hasattr(module, "k_cache"):
+                module.k_cache, module.v_cache = self.kv_cache[0, layer], self.kv_cache[1, layer]
+                module.backend = self.backend
+                layer += 1
+
+    def _tensor(self, data: list, dtype: torch.dtype) -> torch.Tensor:
+        return torch.tensor(data, dtype=dtype, device=self.device)
+
+    def prepare_block_tables(self, seqs: list[Sequence]) -> torch.Tensor:
+        width = max(len(seq.block_table) for seq in seqs)
+        return self._tensor([seq.block_table + [-1] * (width - len(seq.block_table)) for seq in seqs], torch.int32)
+
+    def prepare_prefill(self, seqs: list[Sequence]) -> tuple[torch.Tensor, torch.Tensor]:
+        input_ids, positions, slot_mapping = [], [], []
+        cu_seqlens_q, cu_seqlens_k = [0], [0]
+        max_seqlen_q = max_seqlen_k = 0
+        for seq in seqs:
+            seqlen, start = len(seq), seq.num_cached_tokens
+            input_ids.extend(seq[start:])
+            positions.extend(range(start, seqlen))
+            cu_seqlens_q.append(cu_seqlens_q[-1] + seqlen - start)
+            cu_seqlens_k.append(cu_seqlens_k[-1] + seqlen)
+            max_seqlen_q, max_seqlen_k = max(max_seqlen_q, seqlen - start), max(max_seqlen_k, seqlen)
+            for i in range(seq.num_cached_blocks, seq.num_blocks):
+                first = seq.block_table[i] * self.block_size
+                last = first + (self.block_size if i < seq.num_blocks - 1 else seq.last_block_num_tokens)
+                slot_mapping.extend(range(first, last))
+        prefix_cached = cu_seqlens_k[-1] > cu_seqlens_q[-1]
+        set_context(True, self._tensor(cu_seqlens_q, torch.int32), self._tensor(cu_seqlens_k, torch.int32),
+                    max_seqlen_q, max_seqlen_k, self._tensor(slot_mapping, torch.int64),
+                    block_tables=self.prepare_block_tables(seqs) if prefix_cached else None)
+        return self._tensor(input_ids, torch.int64), self._tensor(positions, torch.int64)
+
+    def prepare_decode(self, seqs: list[Sequence]) -> tuple[torch.Tensor, torch.Tensor]:
+        input_ids = [seq.last_token for seq in seqs]
+        positions = [len(seq) - 1 for seq in seqs]
+        context_lens = [len(seq) for seq in seqs]
+        slot_mapping = [seq.block_table[-1] * self.block_size + seq.last_block_num_tokens - 1 for seq in seqs]
+        set_context(False, slot_mapping=self._tensor(slot_mapping, torch.int64),
+                    context_lens=self._tensor(context_lens, torch.int32),
+                    block_tables=self.prepare_block_tables(seqs))
+        return self._tensor(input_ids, torch.int64), self._tensor(positions, torch.int64)
+
+    @torch.inference_mode()
+    def run_model(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor | None:
+        return self.model.compute_logits(self.model(input_ids, positions))
+
+    def run(self, seqs: list[Sequence], is_prefill: bool) -> list[int] | None:
+        """Run one scheduled batch; rank 0 returns one sampled token id per sequence."""
+        input_ids, positions = self.prepare_prefill(seqs) if is_prefill else self.prepare_decode(seqs)
+        logits = self.run_model(input_ids, positions)
+        token_ids = None
+        if self.rank == 0:
+            temperatures = self._tensor([seq.temperature for seq in seqs], torch.float32)
+            with torch.inference_mode():
+                token_ids = self.sampler(logits, temperatures).tolist()
+        reset_context()
+        return token_ids

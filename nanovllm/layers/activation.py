@@ -1,0 +1,11 @@
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+
+class SiluAndMul(nn.Module):
+    """silu(gate) * up for an input laid out as [gate | up] along the last dim."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        gate, up = x.chunk(2, -1)
+        return F.silu(gate) * up

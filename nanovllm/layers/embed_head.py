@@ -1,0 +1,55 @@
+"""Vocab-parallel embedding and LM head: each rank owns a contiguous slice of the vocabulary."""
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch import nn
+
+from nanovllm.utils.context import get_context
+from nanovllm.utils.parallel import tp_rank_and_size
+
+
+class VocabParallelEmbedding(nn.Module):
+    def __init__(self, num_embeddings: int, embedding_dim: int):
+        super().__init__()
+        self.tp_rank, self.tp_size = tp_rank_and_size()
+        self.num_embeddings_per_partition = (num_embeddings + self.tp_size - 1) // self.tp_size
+        self.vocab_start_idx = self.num_embeddings_per_partition * self.tp_rank
+        self.vocab_end_idx = min(self.vocab_start_idx + self.num_embeddings_per_partition, num_embeddings)
+        self.weight = nn.Parameter(torch.empty(self.num_embeddings_per_partition, embedding_dim), requires_grad=False)
+        self.weight.weight_loader = self.weight_loader
+
+    def weight_loader(self, param: nn.Parameter, loaded_weight: torch.Tensor) -> None:
+        shard = loaded_weight[self.vocab_start_idx:self.vocab_end_idx]
+        param.data.zero_()
+        param.data[:shard.size(0)].copy_(shard)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.tp_size == 1:
+            return F.embedding(x, self.weight)
+        mask = (x >= self.vocab_start_idx) & (x < self.vocab_end_idx)
+        y = F.embedding(mask * (x - self.vocab_start_idx), self.weight) * mask.unsqueeze(1)
+        dist.all_reduce(y)
+        return y
+
+
+class ParallelLMHead(VocabParallelEmbedding):
+    """Projects hidden states to logits; in prefill only each sequence's last position.
+
+    With tensor parallelism the vocab slices are gathered on rank 0, which samples; other ranks
+    return None.
+    """
+
+    def __init__(self, num_embeddings: int, embedding_dim: int):
+        super().__init__(num_embeddings, embedding_dim)
+        self.num_embeddings = num_embeddings
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor | None:
+        ctx = get_context()
+        if ctx.is_prefill:
+            x = x[ctx.cu_seqlens_q[1:] - 1].contiguous()
+        logits = F.linear(x, self.weight)
+        if self.tp_size == 1:
+            return logits
+        gathered = [torch.empty_like(logits) for _ in range(self.tp_size)] if self.tp_rank == 0 else None
+        dist.gather(logits, gathered, 0)
+        return torch.cat(gathered, -1)[:, :self.num_embeddings] if self.tp_rank == 0 else None

@@ -1,0 +1,93 @@
+"""Linear layers, replicated or sharded over the tensor-parallel group.
+
+Each parameter carries a `weight_loader(param, loaded_weight[, shard_id])` that copies this
+rank's slice of a full checkpoint tensor into it.
+"""
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch import nn
+
+from nanovllm.utils.parallel import tp_rank_and_size
+
+
+class LinearBase(nn.Module):
+    def __init__(self, input_size: int, output_size: int, bias: bool = False, tp_dim: int | None = None):
+        super().__init__()
+        self.tp_dim = tp_dim
+        self.tp_rank, self.tp_size = tp_rank_and_size()
+        self.weight = nn.Parameter(torch.empty(output_size, input_size), requires_grad=False)
+        self.weight.weight_loader = self.weight_loader
+        if bias:
+            self.bias = nn.Parameter(torch.empty(output_size), requires_grad=False)
+            self.bias.weight_loader = self.weight_loader
+        else:
+            self.register_parameter("bias", None)
+
+    def weight_loader(self, param: nn.Parameter, loaded_weight: torch.Tensor) -> None:
+        if self.tp_dim is not None and param.dim() > self.tp_dim and self.tp_size > 1:
+            shard = param.size(self.tp_dim)
+            loaded_weight = loaded_weight.narrow(self.tp_dim, self.tp_rank * shard, shard)
+        param.data.copy_(loaded_weight)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return F.linear(x, self.weight, self.bias)
+
+
+class ReplicatedLinear(LinearBase):
+    pass
+
+
+class ColumnParallelLinear(LinearBase):
+    """Output features split across ranks; each rank holds `output_size / tp_size` rows."""
+
+    def __init__(self, input_size: int, output_size: int, bias: bool = False):
+        _, tp_size = tp_rank_and_size()
+        super().__init__(input_size, output_size // tp_size, bias, tp_dim=0)
+
+
+class MergedColumnParallelLinear(ColumnParallelLinear):
+    """Several column-parallel projections of the same input in one matmul (e.g. gate and up)."""
+
+    def __init__(self, input_size: int, output_sizes: list[int], bias: bool = False):
+        self.output_sizes = output_sizes
+        super().__init__(input_size, sum(output_sizes), bias)
+
+    def weight_loader(self, param: nn.Parameter, loaded_weight: torch.Tensor, shard_id: int) -> None:
+        offset = sum(self.output_sizes[:shard_id]) // self.tp_size
+        size = self.output_sizes[shard_id] // self.tp_size
+        target = param.data.narrow(0, offset, size)
+        target.copy_(loaded_weight.chunk(self.tp_size, 0)[self.tp_rank])
+
+
+class QKVParallelLinear(ColumnParallelLinear):
+    """Fused q/k/v projection split over heads: each rank owns whole query and KV heads."""
+
+    def __init__(self, hidden_size: int, head_size: int, total_num_heads: int, total_num_kv_heads: int,
+                 bias: bool = False):
+        _, tp_size = tp_rank_and_size()
+        self.head_size = head_size
+        self.num_heads = total_num_heads // tp_size
+        self.num_kv_heads = total_num_kv_heads // tp_size
+        output_size = (total_num_heads + 2 * total_num_kv_heads) * head_size
+        super().__init__(hidden_size, output_size, bias)
+
+    def weight_loader(self, param: nn.Parameter, loaded_weight: torch.Tensor, shard_id: str) -> None:
+        q_size, kv_size = self.num_heads * self.head_size, self.num_kv_heads * self.head_size
+        offset, size = {"q": (0, q_size), "k": (q_size, kv_size), "v": (q_size + kv_size, kv_size)}[shard_id]
+        target = param.data.narrow(0, offset, size)
+        target.copy_(loaded_weight.chunk(self.tp_size, 0)[self.tp_rank])
+
+
+class RowParallelLinear(LinearBase):
+    """Input features split across ranks; partial products are summed with an all-reduce."""
+
+    def __init__(self, input_size: int, output_size: int, bias: bool = False):
+        _, tp_size = tp_rank_and_size()
+        super().__init__(input_size // tp_size, output_size, bias, tp_dim=1)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = F.linear(x, self.weight, self.bias if self.tp_rank == 0 else None)
+        if self.tp_size > 1:
+            dist.all_reduce(y)
+        return y

@@ -1,0 +1,61 @@
+"""Small random Qwen3 checkpoints (weights + tokenizer) built on the fly, and transformers' greedy reference."""
+import os
+
+import torch
+from tokenizers import Tokenizer, models, pre_tokenizers, decoders, trainers
+from transformers import PreTrainedTokenizerFast, Qwen3Config, Qwen3ForCausalLM
+
+CORPUS = [
+    "Hello, my name is Ada and I like to write small fast programs.",
+    "List all primes below 50: 2, 3, 5, 7, 11, 13, 17, 19, 23, 29, 31, 37, 41, 43, 47.",
+    "The quick brown fox jumps over the lazy dog while the cat sleeps in the sun.",
+    "Paged attention stores keys and values in fixed-size blocks of memory.",
+    "Continuous batching admits new requests as soon as old ones finish.",
+] * 20
+
+
+def make_tokenizer(path: str, vocab_size: int) -> None:
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=["<|endoftext|>"],
+                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False)
+    tok.train_from_iterator(CORPUS, trainer)
+    PreTrainedTokenizerFast(tokenizer_object=tok, eos_token="<|endoftext|>").save_pretrained(path)
+
+
+def make_checkpoint(path: str, *, tie_word_embeddings: bool = True, vocab_size: int = 384, hidden_size: int = 64,
+                    num_layers: int = 2, num_heads: int = 4, num_kv_heads: int = 2, head_dim: int = 16,
+                    intermediate_size: int = 128, max_position_embeddings: int = 1024, seed: int = 0,
+                    initializer_range: float = 0.1, tokenizer: bool = True) -> str:
+    """Save a random Qwen3 model in hub format (`rope_theta` at the top level, safetensors)."""
+    torch.manual_seed(seed)
+    config = Qwen3Config(vocab_size=vocab_size, hidden_size=hidden_size, intermediate_size=intermediate_size,
+                         num_hidden_layers=num_layers, num_attention_heads=num_heads,
+                         num_key_value_heads=num_kv_heads, head_dim=head_dim,
+                         max_position_embeddings=max_position_embeddings, rope_theta=10000.0,
+                         tie_word_embeddings=tie_word_embeddings, initializer_range=initializer_range,
+                         eos_token_id=0)
+    model = Qwen3ForCausalLM(config).float()
+    model.save_pretrained(path, safe_serialization=True)
+    if tokenizer:
+        make_tokenizer(path, vocab_size)
+    return path
+
+
+@torch.inference_mode()
+def hf_greedy(path: str, prompts: list[list[int]], max_tokens: int) -> list[list[int]]:
+    """transformers' greedy continuation of each prompt, one prompt at a time, float32, with its KV cache."""
+    model = Qwen3ForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+    outputs = []
+    for prompt in prompts:
+        ids = torch.tensor([prompt])
+        out = model(input_ids=ids, use_cache=True)
+        past, tokens = out.past_key_values, []
+        for _ in range(max_tokens):
+            next_id = int(out.logits[0, -1].argmax())
+            tokens.append(next_id)
+            out = model(input_ids=torch.tensor([[next_id]]), past_key_values=past, use_cache=True)
+            past = out.past_key_values
+        outputs.append(tokens)
+    return outputs
