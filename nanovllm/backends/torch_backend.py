@@ -24,6 +24,42 @@ def _gather(cache: torch.Tensor, block_table: torch.Tensor, length: int) -> torc
     return cache[block_table[:num_blocks]].flatten(0, 1)[:length]
 
 
+def _runs(block_table: list[int], length: int, block_size: int) -> list[tuple[int, int]]:
+    """The first `length` cached tokens of a sequence as (first slot, count) runs of adjacent slots."""
+    runs: list[tuple[int, int]] = []
+    for i in range((length + block_size - 1) // block_size):
+        first, count = block_table[i] * block_size, min(block_size, length - i * block_size)
+        if runs and sum(runs[-1]) == first:
+            runs[-1] = (runs[-1][0], runs[-1][1] + count)
+        else:
+            runs.append((first, count))
+    return runs
+
+
+def _decode_in_place(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_table: list[int],
+                     length: int, scale: float) -> torch.Tensor:
+    """One decode query `[H, D]` over its sequence's cached K/V, read where it lies in the cache.
+
+    Copying K/V out of the paged cache costs more than the attention itself on CPU, so each run of
+    adjacent blocks is attended as a view and the partial results are merged by their
+    log-sum-exp (the flash-decoding split). A sequence whose blocks are adjacent takes one call.
+    """
+    k_flat, v_flat = k_cache.flatten(0, 1), v_cache.flatten(0, 1)
+    q = q[None, :, None, :]
+    outs, lses = [], []
+    for first, count in _runs(block_table, length, k_cache.size(1)):
+        k = k_flat[first:first + count].transpose(0, 1)[None]
+        v = v_flat[first:first + count].transpose(0, 1)[None]
+        o, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(q, k, v, scale=scale)
+        outs.append(o)
+        lses.append(lse)
+    if len(outs) == 1:
+        return outs[0].view(q.size(1), q.size(3))
+    total = torch.logsumexp(torch.stack(lses), dim=0)
+    o = sum(o * (lse - total).exp().unsqueeze(-1) for o, lse in zip(outs, lses))
+    return o.view(q.size(1), q.size(3))
+
+
 class TorchBackend:
     name = "torch"
 
@@ -54,6 +90,11 @@ class TorchBackend:
     def decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, ctx: Context,
                scale: float) -> torch.Tensor:
         block_tables, context_lens = ctx.block_tables, ctx.context_lens
+        if q.device.type == "cpu":
+            o = torch.empty_like(q)
+            for i, (table, length) in enumerate(zip(block_tables.tolist(), context_lens.tolist())):
+                o[i] = _decode_in_place(q[i], k_cache, v_cache, table, length, scale)
+            return o
         k = k_cache[block_tables].flatten(1, 2).transpose(1, 2)
         v = v_cache[block_tables].flatten(1, 2).transpose(1, 2)
         mask = torch.arange(k.size(2), device=q.device) < context_lens[:, None]

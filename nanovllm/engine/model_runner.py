@@ -5,6 +5,7 @@ import torch
 from nanovllm.backends import TorchBackend
 from nanovllm.config import Config
 from nanovllm.engine.sequence import Sequence
+from nanovllm.layers.prepack import can_prepack, prepack_linear_weights
 from nanovllm.layers.sampler import Sampler
 from nanovllm.models import build_model
 from nanovllm.utils.context import reset_context, set_context
@@ -41,6 +42,8 @@ class ModelRunner:
         else:
             load_model(self.model, config.model)
         self.model.eval()
+        if self.device.type == "cpu" and can_prepack(config.torch_dtype):
+            prepack_linear_weights(self.model)
         self.sampler = Sampler()
         self.backend = TorchBackend
         self.allocate_kv_cache()

@@ -4,6 +4,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
+from nanovllm.layers.linear import linear
 from nanovllm.utils.context import get_context
 from nanovllm.utils.parallel import tp_rank_and_size
 
@@ -47,7 +48,7 @@ class ParallelLMHead(VocabParallelEmbedding):
         ctx = get_context()
         if ctx.is_prefill:
             x = x[ctx.cu_seqlens_q[1:] - 1].contiguous()
-        logits = F.linear(x, self.weight)
+        logits = linear(x, self.weight)
         if self.tp_size == 1:
             return logits
         gathered = [torch.empty_like(logits) for _ in range(self.tp_size)] if self.tp_rank == 0 else None
