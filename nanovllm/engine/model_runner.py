@@ -1,14 +1,16 @@
-from contextlib import contextmanager
+from contextlib import contextmanager, nullcontext
 
 import torch
 
 from nanovllm.backends import TorchBackend
 from nanovllm.config import Config
+from nanovllm.engine.distributed import WorkerGroup
 from nanovllm.engine.sequence import Sequence
 from nanovllm.layers.sampler import Sampler
 from nanovllm.models import build_model
 from nanovllm.utils.context import reset_context, set_context
 from nanovllm.utils.loader import init_dummy_weights, load_model
+from nanovllm.utils.parallel import min_over_ranks
 
 
 @contextmanager
@@ -26,9 +28,18 @@ def blocks_per_sequence(config: Config) -> int:
 
 
 class ModelRunner:
-    """Owns the model and the KV cache of one tensor-parallel rank; turns batches into tensors and runs them."""
+    """Owns the model and the KV cache of one tensor-parallel rank; turns batches into tensors and runs them.
+
+    With `tensor_parallel_size > 1`, rank 0 (in the user's process) starts the workers for the other
+    ranks, and `call` forwards each call to them before running it here.
+    """
 
     def __init__(self, config: Config, rank: int = 0):
+        self.workers = WorkerGroup(config) if rank == 0 and config.tensor_parallel_size > 1 else None
+        with self.workers.guard(shutdown=True) if self.workers else nullcontext():
+            self.setup(config, rank)
+
+    def setup(self, config: Config, rank: int) -> None:
         self.config = config
         self.rank = rank
         self.block_size = config.kvcache_block_size
@@ -37,7 +48,7 @@ class ModelRunner:
         with default_dtype(config.torch_dtype), self.device:
             self.model = build_model(hf_config)
         if config.load_format == "dummy":
-            init_dummy_weights(self.model, getattr(hf_config, "initializer_range", 0.02), config.seed)
+            init_dummy_weights(self.model, hf_config, config.seed)
         else:
             load_model(self.model, config.model)
         self.model.eval()
@@ -46,13 +57,20 @@ class ModelRunner:
         self.allocate_kv_cache()
 
     def exit(self) -> None:
+        if self.workers is not None:
+            self.workers.shutdown()
         self.kv_cache = None
         for module in self.model.modules():
             if hasattr(module, "k_cache"):
                 module.k_cache = module.v_cache = torch.tensor([])
 
     def call(self, method: str, *args):
-        return getattr(self, method)(*args)
+        """Run `method(*args)` on this rank; on rank 0 also on every worker (tensors travel by broadcast)."""
+        if self.workers is None:
+            return getattr(self, method)(*args)
+        with self.workers.guard():
+            self.workers.dispatch(method, *args)
+            return getattr(self, method)(*args)
 
     def kv_block_bytes(self) -> int:
         cfg = self.config.hf_config
@@ -70,7 +88,7 @@ class ModelRunner:
     def allocate_kv_cache(self) -> None:
         config, cfg = self.config, self.config.hf_config
         if config.num_kvcache_blocks == -1:
-            config.num_kvcache_blocks = self.auto_num_kv_blocks()
+            config.num_kvcache_blocks = min_over_ranks(self.auto_num_kv_blocks(), self.device)
         needed = blocks_per_sequence(config)
         if config.num_kvcache_blocks < needed:
             raise ValueError(
@@ -134,7 +152,7 @@ class ModelRunner:
     def run(self, seqs: list[Sequence], is_prefill: bool) -> list[int] | None:
         """Run one scheduled batch; rank 0 returns one sampled token id per sequence."""
         input_ids, positions = self.prepare_prefill(seqs) if is_prefill else self.prepare_decode(seqs)
-        logits = self.run_model(input_ids, positions)
+        logits = self.call("run_model", input_ids, positions)
         token_ids = None
         if self.rank == 0:
             temperatures = self._tensor([seq.temperature for seq in seqs], torch.float32)
