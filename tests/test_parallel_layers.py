@@ -5,12 +5,8 @@ import torch.multiprocessing as tmp
 import torch.nn.functional as F
 from torch.testing import assert_close
 
-from nanovllm.config import Config
 from nanovllm.layers.embed_head import ParallelLMHead, VocabParallelEmbedding
 from nanovllm.layers.linear import ColumnParallelLinear, MergedColumnParallelLinear, QKVParallelLinear, RowParallelLinear
-from nanovllm.models import build_model
-from nanovllm.utils.context import reset_context, set_context
-from nanovllm.utils.loader import init_dummy_weights
 
 WORLD = 2
 
@@ -69,34 +65,14 @@ def _check_vocab_layers(rank: int) -> None:
         assert logits is None, "ParallelLMHead returns None off rank 0"
 
 
-@torch.inference_mode()
-def _model_logits(config: Config, input_ids: torch.Tensor) -> torch.Tensor | None:
-    """Logits of the last token of one prompt, prefilled without a KV cache, from dummy weights."""
-    model = build_model(config.hf_config)
-    init_dummy_weights(model, config.hf_config, seed=3)
-    n = len(input_ids)
-    cu = torch.tensor([0, n], dtype=torch.int32)
-    set_context(True, cu, cu, n, n)
-    try:
-        return model.compute_logits(model(input_ids, torch.arange(n)))
-    finally:
-        reset_context()
-
-
-def _worker(rank: int, store_path: str, model_path: str) -> None:
-    config = Config(model_path, load_format="dummy")
-    input_ids = torch.tensor([3, 1, 4, 1, 5, 9, 2, 6])
-    unsharded = _model_logits(config, input_ids)  # built before the group exists: tensor-parallel size 1
+def _worker(rank: int, store_path: str) -> None:
     dist.init_process_group("gloo", store=dist.FileStore(store_path, WORLD), rank=rank, world_size=WORLD)
     try:
         _check_linear_layers(rank)
         _check_vocab_layers(rank)
-        sharded = _model_logits(config, input_ids)
-        if rank == 0:
-            assert_close(sharded, unsharded, msg="2-way Qwen3 with dummy weights equals the unsharded model")
     finally:
         dist.destroy_process_group()
 
 
-def test_sharded_layers_match_unsharded(tmp_path, tied_model):
-    tmp.spawn(_worker, args=(str(tmp_path / "store"), tied_model), nprocs=WORLD, join=True)
+def test_sharded_layers_match_unsharded(tmp_path):
+    tmp.spawn(_worker, args=(str(tmp_path / "store"),), nprocs=WORLD, join=True)

@@ -17,9 +17,10 @@ leave idle workers blocked inside a collective between `generate` calls, where t
 group timeout eventually kills them; shared memory plus events needs a fixed-size buffer and a
 second handshake so that rank 0 never overwrites a message a worker has not read yet, and
 leaves a segment behind if rank 0 is killed. A pipe is ordered and buffered, needs neither,
-and a worker whose rank 0 dies reads EOF and exits, so no orphan is left. Measured on this
-2-core CPU box (float32 tiny Qwen3, gloo): sending the message costs ~15 µs per step on rank 0
-and the two batch broadcasts ~110 µs, next to a ~2 ms decode step.
+and a worker whose rank 0 dies reads EOF and exits, so no orphan is left. Measured per step on
+a 2-core CPU box shared with other jobs (tiny float32 Qwen3, gloo, decode batch of 8): building
+and pickling the message ~80 µs, sending it ~10 µs; the two batch broadcasts 2.3-2.9 ms, mostly
+the worker process waking up on a contended machine, which any channel would pay.
 
 Failure handling: a worker that raises sends its traceback up its pipe and exits; one that is
 killed just exits. Either way rank 0's next collective fails (gloo reports the closed
@@ -110,16 +111,21 @@ def init_process_group(config: Config, rank: int, store: dist.Store) -> None:
     dist.init_process_group(backend, store=store, rank=rank, world_size=config.tensor_parallel_size, timeout=TIMEOUT)
 
 
-def _describe_exit(code: int | None) -> str:
-    if code is None:
-        return "stopped responding"
+def _describe_exit(code: int) -> str:
     if code < 0:
         return f"was killed by {signal.Signals(-code).name}"
     return f"exited with code {code}"
 
 
 class WorkerGroup:
-    """Rank 0's handle on the worker processes of ranks 1..N-1 and on the process group."""
+    """Rank 0's handle on the worker processes of ranks 1..N-1 and on the process group.
+
+    On CPU the ranks share the machine's cores: each runs `torch.get_num_threads() // N` intra-op
+    threads (rank 0's own setting is restored by `shutdown`). With more threads than cores per
+    rank, OpenMP threads spinning in one rank starve the rank it waits for in a collective:
+    measured on 2 cores, tp=2 decode took 113-227 ms per step with 2 threads per rank and
+    15-21 ms with 1.
+    """
 
     def __init__(self, config: Config):
         if dist.is_initialized():
@@ -133,6 +139,9 @@ class WorkerGroup:
         self.processes = []
         self.conns: list[Connection] = []
         self.device = torch.device("cuda", 0) if config.device == "cuda" else torch.device("cpu")
+        self.saved_num_threads = torch.get_num_threads()
+        threads = self.saved_num_threads if config.device == "cuda" else max(1, self.saved_num_threads // world_size)
+        torch.set_num_threads(threads)
         atexit.register(self.shutdown)
         try:
             addr = os.environ.get("MASTER_ADDR", "127.0.0.1")
@@ -145,7 +154,7 @@ class WorkerGroup:
             ctx = get_context("spawn")
             for rank in range(1, world_size):
                 conn, child_conn = ctx.Pipe()
-                process = ctx.Process(target=_worker_main, args=(config, rank, addr, store.port, child_conn),
+                process = ctx.Process(target=_worker_main, args=(config, rank, addr, store.port, child_conn, threads),
                                       name=f"nanovllm-tp-rank{rank}")
                 process.start()
                 child_conn.close()
@@ -199,7 +208,10 @@ class WorkerGroup:
     def _explain(self, error: BaseException) -> BaseException:
         if isinstance(error, WorkerFailure) or not isinstance(error, _COMM_ERRORS) or not self.processes:
             return error
-        wait([p.sentinel for p in self.processes], timeout=FAILURE_GRACE_S)
+        exiting = wait([p.sentinel for p in self.processes], timeout=FAILURE_GRACE_S)
+        for process in self.processes:
+            if process.sentinel in exiting:
+                process.join()  # its sentinel closes just before it can be reaped
         if all(p.exitcode is None for p in self.processes):
             return error
         return self._worker_failure()
@@ -219,7 +231,11 @@ class WorkerGroup:
         return WorkerFailure("\n".join(lines) + "\nThe engine cannot continue: call exit() and create a new LLM.")
 
     def shutdown(self) -> None:
-        """Stop the workers (killing any that hang), destroy the process group; safe to call twice."""
+        """Stop the workers, destroy the process group; safe to call twice.
+
+        Workers get an orderly exit message and `JOIN_TIMEOUT_S` to act on it; after a failure they
+        are out of step (possibly blocked in a collective), so they are killed at once.
+        """
         if self.closed:
             return
         self.closed = True
@@ -233,19 +249,22 @@ class WorkerGroup:
         if dist.is_initialized():
             dist.destroy_process_group()
         for process in self.processes:
-            process.join(JOIN_TIMEOUT_S)
+            if not self.broken:  # a broken group's workers may be stuck in a collective: do not wait for them
+                process.join(JOIN_TIMEOUT_S)
             if process.exitcode is None:
                 process.kill()
                 process.join()
         for conn in self.conns:
             conn.close()
+        torch.set_num_threads(self.saved_num_threads)
 
 
-def _worker_main(config: Config, rank: int, addr: str, port: int, conn: Connection) -> None:
+def _worker_main(config: Config, rank: int, addr: str, port: int, conn: Connection, num_threads: int) -> None:
     """Entry point of the worker process for `rank`."""
     from nanovllm.engine.model_runner import ModelRunner
 
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C reaches rank 0, which shuts the workers down
+    torch.set_num_threads(num_threads)
     runner = None
     try:
         store = dist.TCPStore(addr, port, config.tensor_parallel_size, is_master=False, timeout=TIMEOUT)
