@@ -52,9 +52,11 @@ def _disturb_mid_generate(llm: LLM, action) -> tuple[BaseException, float]:
     return info.value, time.monotonic() - acted_at[0]
 
 
-@pytest.mark.parametrize("size", [0, -1, 3, 4])
-def test_invalid_sizes_rejected_before_workers_start(tied_model, size):
-    with pytest.raises(ValueError, match="tensor_parallel_size"):
+@pytest.mark.parametrize("size, message", [(0, "positive integer"), (-1, "positive integer"),
+                                           (3, r"must divide .*valid sizes for this model: \[1, 2\]"),
+                                           (4, r"num_key_value_heads \(2\).*valid sizes for this model: \[1, 2\]")])
+def test_invalid_sizes_rejected_before_workers_start(tied_model, size, message):
+    with pytest.raises(ValueError, match=f"tensor_parallel_size.*{message}"):
         LLM(tied_model, tensor_parallel_size=size)
     _assert_nothing_left()
 
@@ -77,7 +79,8 @@ def test_tp2_matches_tp1_and_transformers_then_ctrl_c_cleans_up(tied_model):
 
 
 def test_second_engine_dummy_weights_match_tp1_and_worker_error_surfaces(tied_model):
-    """Runs after the first TP engine in this process: the port and process group were released."""
+    """The tests in this file start their tensor-parallel engines one after another in one process, so each
+    relies on the previous one having released its port, process group and workers."""
     with LLM(tied_model, load_format="dummy", **SMALL_CACHE) as llm:
         expected = _token_ids(llm.generate(PROMPTS, GREEDY, use_tqdm=False))
     with LLM(tied_model, tensor_parallel_size=2, load_format="dummy", **SMALL_CACHE) as llm:
