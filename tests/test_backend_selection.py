@@ -65,7 +65,7 @@ def test_cuda_without_flash_attn_warns_once_and_runs_torch_attention():
     assert len(record) == 1
     assert first is second and issubclass(first, TorchBackend)
     assert first.prefill is TorchBackend.prefill and first.decode is TorchBackend.decode
-    assert first.capturable and first.store_kvcache is not TorchBackend.store_kvcache
+    assert first.store_kvcache is not TorchBackend.store_kvcache and not first.capturable
 
 
 @pytest.mark.skipif(not has_triton, reason="triton not installed")
@@ -73,7 +73,7 @@ def test_cuda_float32_falls_back_to_torch_attention_with_any_block_size():
     with pytest.warns(RuntimeWarning, match="flash-attn does not support torch.float32") as record:
         backend = select(dtype=torch.float32, block_size=16)
     assert len(record) == 1
-    assert issubclass(backend, TorchBackend) and backend.decode is TorchBackend.decode and backend.capturable
+    assert issubclass(backend, TorchBackend) and backend.decode is TorchBackend.decode and not backend.capturable
 
 
 def test_cuda_without_triton_keeps_torch_store_and_disables_graphs():
@@ -105,7 +105,6 @@ def test_import_and_cpu_engine_work_without_flash_attn_and_triton(tied_model):
         "out = llm.generate([[1, 2, 3]], SamplingParams(temperature=0, max_tokens=3, ignore_eos=True), use_tqdm=False)\n"
         "assert len(out[0]['token_ids']) == 3, out\n"
         "assert llm.model_runner.backend.name == 'torch' and llm.model_runner.graphs is None\n"
-        "assert 'triton' not in sys.modules or sys.modules['triton'] is None\n"
     )
     env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [REPO_ROOT, os.environ.get("PYTHONPATH")]))}
     proc = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=300)

@@ -1,8 +1,9 @@
 """The CUDA path on a real GPU (skipped without one; `.ci/gpu` runs these).
 
 flash-attn vs the torch backend on random inputs, the compiled Triton K/V writer vs torch,
-greedy parity with transformers with and without CUDA graphs, graph replay vs eager decode,
-and KV-cache sizing from gpu_memory_utilization.
+greedy parity with transformers (float32, torch attention; bfloat16, flash-attn, with and
+without CUDA graphs), graph replay vs eager decode, and KV-cache sizing from
+gpu_memory_utilization.
 """
 import gc
 import random
@@ -16,6 +17,7 @@ from nanovllm import LLM, SamplingParams
 from nanovllm.backends import TorchBackend, importable
 from nanovllm.engine.cuda_graph import pick_batch_size
 from nanovllm.engine.model_runner import blocks_per_sequence
+from nanovllm.utils import compile as compile_mod
 from nanovllm.utils.context import Context, get_context, reset_context
 
 pytestmark = pytest.mark.cuda
@@ -133,24 +135,19 @@ def test_compiled_triton_store_equals_torch_store(dtype):
 
 @pytest.mark.parametrize("enforce_eager", [True, False])
 def test_greedy_parity_with_transformers_float32(gpu_model, enforce_eager):
-    """float32 runs the torch attention backend on CUDA (flash-attn has no fp32) with Triton K/V writes;
-    without enforce_eager, decode replays CUDA graphs and the fused ops are compiled."""
+    """float32 runs the torch attention backend on CUDA (flash-attn has no fp32) with Triton K/V writes,
+    decoding eagerly; without enforce_eager the fused ops are compiled."""
     rng = random.Random(4)
     shared = [rng.randrange(384) for _ in range(40)]
     prompts = [[rng.randrange(384) for _ in range(n)] for n in (1, 7, 33)] + [shared + [1, 2], shared + [3]]
     expected = hf_greedy(gpu_model, prompts, GREEDY.max_tokens)
     with LLM(gpu_model, dtype="float32", kvcache_block_size=16, enforce_eager=enforce_eager) as llm:
-        runner = llm.model_runner
-        assert (runner.graphs is None) == enforce_eager
-        replays = []
-        if runner.graphs is not None:
-            run = runner.graphs.run
-            runner.graphs.run = lambda *args: replays.append(args[0].size(0)) or run(*args)
+        assert llm.model_runner.backend.name == "torch+triton" and llm.model_runner.graphs is None
+        assert compile_mod._enabled != enforce_eager
         outputs = llm.generate(prompts[:3], GREEDY, use_tqdm=False)
         outputs += llm.generate(prompts[3:], GREEDY, use_tqdm=False)
         assert llm.stats()["num_cached_tokens"] > 0
     assert [o["token_ids"] for o in outputs] == expected
-    assert bool(replays) != enforce_eager
 
 
 @needs_flash
@@ -165,10 +162,16 @@ def test_flash_bfloat16_generation_follows_transformers(gpu_model, enforce_eager
     shared = [rng.randrange(384) for _ in range(300)]
     prompts = [[rng.randrange(384) for _ in range(n)] for n in (1, 250, 600)] + [shared + [1], shared + [2, 3]]
     with LLM(gpu_model, dtype="bfloat16", enforce_eager=enforce_eager) as llm:
-        assert issubclass(llm.model_runner.backend, FlashBackend)
+        runner = llm.model_runner
+        assert issubclass(runner.backend, FlashBackend) and (runner.graphs is None) == enforce_eager
+        replays = []
+        if runner.graphs is not None:
+            run = runner.graphs.run
+            runner.graphs.run = lambda *args: replays.append(args[0].size(0)) or run(*args)
         outputs = llm.generate(prompts[:3] + prompts[3:4], GREEDY, use_tqdm=False)
         outputs += llm.generate(prompts[4:], GREEDY, use_tqdm=False)
         assert llm.stats()["num_cached_tokens"] >= BLOCK
+    assert bool(replays) != enforce_eager
     hf = Qwen3ForCausalLM.from_pretrained(gpu_model, dtype=torch.float32).eval()
     exact = total = 0
     for prompt, out in zip(prompts, outputs):
@@ -182,7 +185,8 @@ def test_flash_bfloat16_generation_follows_transformers(gpu_model, enforce_eager
     assert exact >= 0.9 * total
 
 
-@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+@needs_flash
+@pytest.mark.parametrize("dtype", ["bfloat16", "float16"])
 @pytest.mark.parametrize("batch_size", [1, 3, 17, 100])
 def test_graph_replay_equals_eager_decode(gpu_model, dtype, batch_size):
     rng = random.Random(batch_size)
@@ -201,12 +205,7 @@ def test_graph_replay_equals_eager_decode(gpu_model, dtype, batch_size):
         with torch.inference_mode():
             replayed = runner.graphs.run(input_ids, positions, get_context()).clone()
             eager = runner.model(input_ids, positions)
-        tol = 1e-4 if dtype == "float32" else 3e-2
-        torch.testing.assert_close(replayed, eager, atol=tol, rtol=tol)
-        if dtype == "float32":
-            with torch.inference_mode():
-                assert torch.equal(runner.model.compute_logits(replayed).argmax(-1),
-                                   runner.model.compute_logits(eager).argmax(-1))
+        torch.testing.assert_close(replayed, eager, atol=3e-2, rtol=3e-2)
 
 
 def test_kv_cache_is_sized_from_gpu_memory_utilization(gpu_model):

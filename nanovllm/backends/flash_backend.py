@@ -13,7 +13,7 @@ class FlashBackend:
     """
 
     name = "flash-attn"
-    capturable = False
+    capturable = False  # until select_backend swaps in the Triton K/V writer, which never syncs
     store_kvcache = staticmethod(TorchBackend.store_kvcache)
 
     @staticmethod
