@@ -10,7 +10,8 @@ def tied_model(tmp_path_factory) -> str:
 
 @pytest.fixture(scope="session")
 def untied_model(tmp_path_factory) -> str:
-    return make_checkpoint(str(tmp_path_factory.mktemp("qwen3-untied")), tie_word_embeddings=False, seed=1)
+    return make_checkpoint(str(tmp_path_factory.mktemp("qwen3-untied")), tie_word_embeddings=False, seed=1,
+                           hub_style=False, rope_theta=5e5, max_shard_size="100KB")
 
 
 def pytest_collection_modifyitems(config, items) -> None:
