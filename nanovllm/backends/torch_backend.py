@@ -26,6 +26,7 @@ def _gather(cache: torch.Tensor, block_table: torch.Tensor, length: int) -> torc
 
 class TorchBackend:
     name = "torch"
+    capturable = False  # the store's boolean mask syncs with the host; decode gathers whole block tables
 
     @staticmethod
     def store_kvcache(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,

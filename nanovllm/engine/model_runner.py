@@ -2,13 +2,16 @@ from contextlib import contextmanager, nullcontext
 
 import torch
 
-from nanovllm.backends import TorchBackend
+from nanovllm.backends import choose_backend, importable
 from nanovllm.config import Config
+from nanovllm.engine.cuda_graph import DecodeGraphs
 from nanovllm.engine.distributed import WorkerGroup
+from nanovllm.engine.gpu_memory import gpu_kv_cache_bytes
 from nanovllm.engine.sequence import Sequence
 from nanovllm.layers.sampler import Sampler
 from nanovllm.models import build_model
-from nanovllm.utils.context import reset_context, set_context
+from nanovllm.utils.compile import set_compile
+from nanovllm.utils.context import get_context, reset_context, set_context
 from nanovllm.utils.loader import init_dummy_weights, load_model
 from nanovllm.utils.parallel import min_over_ranks
 
@@ -45,6 +48,9 @@ class ModelRunner:
         self.block_size = config.kvcache_block_size
         hf_config = config.hf_config
         self.device = torch.device("cuda", rank) if config.device == "cuda" else torch.device("cpu")
+        on_gpu = self.device.type == "cuda"
+        self.backend = choose_backend(self.device.type, config.torch_dtype, self.block_size)
+        set_compile(on_gpu and not config.enforce_eager and importable("triton"))
         with default_dtype(config.torch_dtype), self.device:
             self.model = build_model(hf_config)
         if config.load_format == "dummy":
@@ -53,12 +59,19 @@ class ModelRunner:
             load_model(self.model, config.model)
         self.model.eval()
         self.sampler = Sampler()
-        self.backend = TorchBackend
+        for module in self.model.modules():
+            if hasattr(module, "k_cache"):
+                module.backend = self.backend
         self.allocate_kv_cache()
+        self.graphs = None
+        if on_gpu and not config.enforce_eager and self.backend.capturable:
+            self.graphs = DecodeGraphs(self.model, config.max_num_seqs, blocks_per_sequence(config),
+                                       hf_config.hidden_size, config.torch_dtype, self.device)
 
     def exit(self) -> None:
         if self.workers is not None:
             self.workers.shutdown()
+        self.graphs = None
         self.kv_cache = None
         for module in self.model.modules():
             if hasattr(module, "k_cache"):
@@ -81,7 +94,10 @@ class ModelRunner:
 
     def auto_num_kv_blocks(self) -> int:
         """Blocks that fit the configured memory budget, never more than the engine can ever use."""
-        budget = int(self.config.cpu_kvcache_gib * 2**30)
+        if self.device.type == "cuda":
+            budget = gpu_kv_cache_bytes(self.model, self.sampler, self.config, self.device)
+        else:
+            budget = int(self.config.cpu_kvcache_gib * 2**30)
         usable = self.config.max_num_seqs * blocks_per_sequence(self.config)
         return min(budget // self.kv_block_bytes(), usable)
 
@@ -104,7 +120,6 @@ class ModelRunner:
         for module in self.model.modules():
             if hasattr(module, "k_cache"):
                 module.k_cache, module.v_cache = self.kv_cache[0, layer], self.kv_cache[1, layer]
-                module.backend = self.backend
                 layer += 1
 
     def _tensor(self, data: list, dtype: torch.dtype) -> torch.Tensor:
@@ -147,7 +162,13 @@ class ModelRunner:
 
     @torch.inference_mode()
     def run_model(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor | None:
-        return self.model.compute_logits(self.model(input_ids, positions))
+        """Decode replays a captured CUDA graph when one fits; the LM head always runs eagerly."""
+        ctx = get_context()
+        if self.graphs is not None and not ctx.is_prefill and self.graphs.fits(input_ids.size(0)):
+            hidden_states = self.graphs.run(input_ids, positions, ctx)
+        else:
+            hidden_states = self.model(input_ids, positions)
+        return self.model.compute_logits(hidden_states)
 
     def run(self, seqs: list[Sequence], is_prefill: bool) -> list[int] | None:
         """Run one scheduled batch; rank 0 returns one sampled token id per sequence."""
