@@ -7,6 +7,7 @@ import threading
 import time
 
 import pytest
+import torch
 import torch.distributed as dist
 
 from checkpoints import hf_greedy
@@ -106,4 +107,16 @@ def test_killed_worker_raises_on_rank0_in_bounded_time(tied_model):
         assert elapsed < BOUND_S
     finally:
         llm.exit()
+    _assert_nothing_left()
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 CUDA GPUs for tensor_parallel_size=2")
+@pytest.mark.parametrize("enforce_eager", [True, False])
+def test_tp2_nccl_matches_transformers(tied_model, enforce_eager):
+    """The same engine over NCCL, eager and with CUDA-graph decode (all-reduces captured in the graph)."""
+    expected = hf_greedy(tied_model, PROMPTS, GREEDY.max_tokens)
+    with LLM(tied_model, tensor_parallel_size=2, dtype="float32", kvcache_block_size=16,
+             enforce_eager=enforce_eager) as llm:
+        assert _token_ids(llm.generate(PROMPTS, GREEDY, use_tqdm=False)) == expected
     _assert_nothing_left()
