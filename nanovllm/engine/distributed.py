@@ -138,7 +138,6 @@ class WorkerGroup:
         self.reports: dict[int, str] = {}
         self.processes = []
         self.conns: list[Connection] = []
-        self.device = torch.device("cuda", 0) if config.device == "cuda" else torch.device("cpu")
         self.saved_num_threads = torch.get_num_threads()
         threads = self.saved_num_threads if config.device == "cuda" else max(1, self.saved_num_threads // world_size)
         torch.set_num_threads(threads)
@@ -188,7 +187,7 @@ class WorkerGroup:
         for conn in self.conns:
             conn.send_bytes(message)
         if tensors:
-            _broadcast([_slot(t) for t in tensors], tensors, self.device)
+            _broadcast([_slot(t) for t in tensors], tensors, tensors[0].device)
 
     @contextmanager
     def guard(self, shutdown: bool = False):
