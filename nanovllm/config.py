@@ -69,12 +69,19 @@ class Config:
             raise ValueError(f"load_format must be 'auto' or 'dummy', got {self.load_format!r}")
 
     def _check_tensor_parallel(self) -> None:
+        """Every rank must own whole query heads, whole KV heads and an equal slice of the MLP.
+
+        KV heads are never replicated: a size with fewer KV heads than ranks is rejected, which keeps
+        each rank's KV cache disjoint (replication would store the same heads on several ranks).
+        """
         tp, cfg = self.tensor_parallel_size, self.hf_config
-        if cfg.num_attention_heads % tp or cfg.num_key_value_heads % tp:
-            raise ValueError(
-                f"tensor_parallel_size={tp} must divide num_attention_heads ({cfg.num_attention_heads}) "
-                f"and num_key_value_heads ({cfg.num_key_value_heads})"
-            )
+        sizes = {"num_attention_heads": cfg.num_attention_heads, "num_key_value_heads": cfg.num_key_value_heads,
+                 "intermediate_size": cfg.intermediate_size}
+        if any(size % tp for size in sizes.values()):
+            valid = [n for n in range(1, cfg.num_key_value_heads + 1) if not any(size % n for size in sizes.values())]
+            shown = ", ".join(f"{name} ({size})" for name, size in sizes.items())
+            raise ValueError(f"tensor_parallel_size={tp} must divide the model's {shown}; "
+                             f"valid sizes for this model: {valid}")
         if self.device == "cuda" and tp > torch.cuda.device_count():
             raise ValueError(f"tensor_parallel_size={tp} but only {torch.cuda.device_count()} CUDA device(s) are visible")
 

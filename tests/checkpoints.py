@@ -1,4 +1,5 @@
 """Small random Qwen3 checkpoints (weights + tokenizer) built on the fly, and transformers' greedy reference."""
+import json
 import os
 
 import torch
@@ -27,17 +28,30 @@ def make_tokenizer(path: str, vocab_size: int) -> None:
 def make_checkpoint(path: str, *, tie_word_embeddings: bool = True, vocab_size: int = 384, hidden_size: int = 64,
                     num_layers: int = 2, num_heads: int = 4, num_kv_heads: int = 2, head_dim: int = 16,
                     intermediate_size: int = 128, max_position_embeddings: int = 1024, seed: int = 0,
-                    initializer_range: float = 0.1, tokenizer: bool = True) -> str:
-    """Save a random Qwen3 model in hub format (`rope_theta` at the top level, safetensors)."""
+                    initializer_range: float = 0.1, rope_theta: float = 1e6, hub_style: bool = True,
+                    max_shard_size: str | None = None, tokenizer: bool = True) -> str:
+    """Save a random Qwen3 model as safetensors.
+
+    `hub_style` writes config.json as hub checkpoints do (`rope_theta` at the top level);
+    otherwise as transformers 5 does (inside `rope_parameters`).
+    """
     torch.manual_seed(seed)
     config = Qwen3Config(vocab_size=vocab_size, hidden_size=hidden_size, intermediate_size=intermediate_size,
                          num_hidden_layers=num_layers, num_attention_heads=num_heads,
                          num_key_value_heads=num_kv_heads, head_dim=head_dim,
-                         max_position_embeddings=max_position_embeddings, rope_theta=10000.0,
+                         max_position_embeddings=max_position_embeddings, rope_theta=rope_theta,
                          tie_word_embeddings=tie_word_embeddings, initializer_range=initializer_range,
                          eos_token_id=0)
     model = Qwen3ForCausalLM(config).float()
-    model.save_pretrained(path, safe_serialization=True)
+    model.save_pretrained(path, **({"max_shard_size": max_shard_size} if max_shard_size else {}))
+    if hub_style:
+        config_path = os.path.join(path, "config.json")
+        with open(config_path) as f:
+            saved = json.load(f)
+        saved.pop("rope_parameters", None)
+        saved["rope_theta"] = rope_theta
+        with open(config_path, "w") as f:
+            json.dump(saved, f, indent=2)
     if tokenizer:
         make_tokenizer(path, vocab_size)
     return path

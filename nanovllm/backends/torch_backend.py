@@ -62,6 +62,7 @@ def _decode_in_place(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
 
 class TorchBackend:
     name = "torch"
+    capturable = False  # the store's boolean mask syncs with the host; decode gathers whole block tables
 
     @staticmethod
     def store_kvcache(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,

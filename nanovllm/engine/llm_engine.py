@@ -99,7 +99,7 @@ class LLMEngine:
         if not seqs:
             return [], 0
         num_tokens = sum(len(seq) - seq.num_cached_tokens for seq in seqs) if is_prefill else -len(seqs)
-        token_ids = self.model_runner.call("run", seqs, is_prefill)
+        token_ids = self.model_runner.run(seqs, is_prefill)
         self.scheduler.postprocess(seqs, token_ids)
         finished = [(seq.seq_id, seq.completion_token_ids) for seq in seqs if seq.is_finished]
         return finished, num_tokens

@@ -1,15 +1,20 @@
-from contextlib import contextmanager
+from contextlib import contextmanager, nullcontext
 
 import torch
 
-from nanovllm.backends import TorchBackend
+from nanovllm.backends import choose_backend, importable
 from nanovllm.config import Config
+from nanovllm.engine.cuda_graph import DecodeGraphs
+from nanovllm.engine.distributed import WorkerGroup
+from nanovllm.engine.gpu_memory import gpu_kv_cache_bytes
 from nanovllm.engine.sequence import Sequence
 from nanovllm.layers.prepack import can_prepack, prepack_linear_weights
 from nanovllm.layers.sampler import Sampler
 from nanovllm.models import build_model
-from nanovllm.utils.context import reset_context, set_context
+from nanovllm.utils.compile import set_compile
+from nanovllm.utils.context import get_context, reset_context, set_context
 from nanovllm.utils.loader import init_dummy_weights, load_model
+from nanovllm.utils.parallel import min_over_ranks
 
 
 @contextmanager
@@ -27,35 +32,61 @@ def blocks_per_sequence(config: Config) -> int:
 
 
 class ModelRunner:
-    """Owns the model and the KV cache of one tensor-parallel rank; turns batches into tensors and runs them."""
+    """Owns the model and the KV cache of one tensor-parallel rank; turns batches into tensors and runs them.
+
+    With `tensor_parallel_size > 1`, rank 0 (in the user's process) starts the workers for the other
+    ranks, and `call` forwards each call to them before running it here.
+    """
 
     def __init__(self, config: Config, rank: int = 0):
+        self.workers = WorkerGroup(config) if rank == 0 and config.tensor_parallel_size > 1 else None
+        with self.workers.guard(shutdown=True) if self.workers else nullcontext():
+            self.setup(config, rank)
+
+    def setup(self, config: Config, rank: int) -> None:
         self.config = config
         self.rank = rank
         self.block_size = config.kvcache_block_size
         hf_config = config.hf_config
         self.device = torch.device("cuda", rank) if config.device == "cuda" else torch.device("cpu")
+        on_gpu = self.device.type == "cuda"
+        self.backend = choose_backend(self.device.type, config.torch_dtype, self.block_size)
+        set_compile(on_gpu and not config.enforce_eager and importable("triton"))
         with default_dtype(config.torch_dtype), self.device:
             self.model = build_model(hf_config)
         if config.load_format == "dummy":
-            init_dummy_weights(self.model, getattr(hf_config, "initializer_range", 0.02), config.seed)
+            init_dummy_weights(self.model, hf_config, config.seed)
         else:
             load_model(self.model, config.model)
         self.model.eval()
         if self.device.type == "cpu" and can_prepack(config.torch_dtype):
             prepack_linear_weights(self.model)
         self.sampler = Sampler()
-        self.backend = TorchBackend
+        for module in self.model.modules():
+            if hasattr(module, "k_cache"):
+                module.backend = self.backend
         self.allocate_kv_cache()
+        self.graphs = None
+        if on_gpu and not config.enforce_eager and self.backend.capturable:
+            self.graphs = DecodeGraphs(self.model, config.max_num_seqs, blocks_per_sequence(config),
+                                       hf_config.hidden_size, config.torch_dtype, self.device)
 
     def exit(self) -> None:
+        if self.workers is not None:
+            self.workers.shutdown()
+        self.graphs = None
         self.kv_cache = None
         for module in self.model.modules():
             if hasattr(module, "k_cache"):
                 module.k_cache = module.v_cache = torch.tensor([])
 
     def call(self, method: str, *args):
-        return getattr(self, method)(*args)
+        """Run `method(*args)` on this rank; on rank 0 also on every worker (tensors travel by broadcast)."""
+        if self.workers is None:
+            return getattr(self, method)(*args)
+        with self.workers.guard():
+            self.workers.dispatch(method, *args)
+            return getattr(self, method)(*args)
 
     def kv_block_bytes(self) -> int:
         cfg = self.config.hf_config
@@ -66,14 +97,17 @@ class ModelRunner:
 
     def auto_num_kv_blocks(self) -> int:
         """Blocks that fit the configured memory budget, never more than the engine can ever use."""
-        budget = int(self.config.cpu_kvcache_gib * 2**30)
+        if self.device.type == "cuda":
+            budget = gpu_kv_cache_bytes(self.model, self.sampler, self.config, self.device)
+        else:
+            budget = int(self.config.cpu_kvcache_gib * 2**30)
         usable = self.config.max_num_seqs * blocks_per_sequence(self.config)
         return min(budget // self.kv_block_bytes(), usable)
 
     def allocate_kv_cache(self) -> None:
         config, cfg = self.config, self.config.hf_config
         if config.num_kvcache_blocks == -1:
-            config.num_kvcache_blocks = self.auto_num_kv_blocks()
+            config.num_kvcache_blocks = min_over_ranks(self.auto_num_kv_blocks(), self.device)
         needed = blocks_per_sequence(config)
         if config.num_kvcache_blocks < needed:
             raise ValueError(
@@ -89,7 +123,6 @@ class ModelRunner:
         for module in self.model.modules():
             if hasattr(module, "k_cache"):
                 module.k_cache, module.v_cache = self.kv_cache[0, layer], self.kv_cache[1, layer]
-                module.backend = self.backend
                 layer += 1
 
     def _tensor(self, data: list, dtype: torch.dtype) -> torch.Tensor:
@@ -132,12 +165,18 @@ class ModelRunner:
 
     @torch.inference_mode()
     def run_model(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor | None:
-        return self.model.compute_logits(self.model(input_ids, positions))
+        """Decode replays a captured CUDA graph when one fits; the LM head always runs eagerly."""
+        ctx = get_context()
+        if self.graphs is not None and not ctx.is_prefill and self.graphs.fits(input_ids.size(0)):
+            hidden_states = self.graphs.run(input_ids, positions, ctx)
+        else:
+            hidden_states = self.model(input_ids, positions)
+        return self.model.compute_logits(hidden_states)
 
     def run(self, seqs: list[Sequence], is_prefill: bool) -> list[int] | None:
         """Run one scheduled batch; rank 0 returns one sampled token id per sequence."""
         input_ids, positions = self.prepare_prefill(seqs) if is_prefill else self.prepare_decode(seqs)
-        logits = self.run_model(input_ids, positions)
+        logits = self.call("run_model", input_ids, positions)
         token_ids = None
         if self.rank == 0:
             temperatures = self._tensor([seq.temperature for seq in seqs], torch.float32)

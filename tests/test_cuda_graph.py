@@ -1,0 +1,97 @@
+"""CUDA-graph decode bookkeeping (batch-size buckets, padding into static buffers), tested on CPU."""
+import pytest
+import torch
+
+from nanovllm import LLM, SamplingParams
+from nanovllm.engine.cuda_graph import DecodeBuffers, graph_batch_sizes, pick_batch_size
+from nanovllm.utils.context import Context, get_context, reset_context
+
+
+@pytest.mark.parametrize("max_num_seqs, expected", [
+    (1, [1]),
+    (3, [1, 2, 3]),
+    (8, [1, 2, 4, 8]),
+    (16, [1, 2, 4, 8, 16]),
+    (20, [1, 2, 4, 8, 16, 20]),
+    (100, [1, 2, 4, 8, 16, 32, 48, 64, 80, 96, 100]),
+    (512, [1, 2, 4, 8] + list(range(16, 513, 16))),
+    (4096, [1, 2, 4, 8] + list(range(16, 513, 16))),
+])
+def test_graph_batch_sizes(max_num_seqs, expected):
+    assert graph_batch_sizes(max_num_seqs) == expected
+
+
+@pytest.mark.parametrize("max_num_seqs", [1, 7, 100, 512, 1000])
+def test_pick_batch_size_is_the_smallest_bucket_that_fits(max_num_seqs):
+    sizes = graph_batch_sizes(max_num_seqs)
+    for batch in range(1, sizes[-1] + 1):
+        assert pick_batch_size(sizes, batch) == min(s for s in sizes if s >= batch)
+    assert pick_batch_size(sizes, sizes[-1] + 1) is None
+
+
+def decode_context(slots: list[int], lens: list[int], tables: list[list[int]]) -> Context:
+    return Context(slot_mapping=torch.tensor(slots), context_lens=torch.tensor(lens, dtype=torch.int32),
+                   block_tables=torch.tensor(tables, dtype=torch.int32))
+
+
+def test_load_pads_rows_and_clears_stale_ones():
+    b = DecodeBuffers.allocate(8, 4, hidden_size=6, dtype=torch.float32, device=torch.device("cpu"))
+    b.load(torch.tensor([5, 6, 7]), torch.tensor([10, 11, 12]),
+           decode_context([40, 41, 9], [11, 12, 13], [[10, 11, 12], [3, 4, -1], [2, -1, -1]]))
+    b.load(torch.tensor([8]), torch.tensor([3]), decode_context([2], [4], [[7]]))
+    assert b.input_ids[0] == 8 and b.positions[0] == 3
+    assert b.slot_mapping.tolist() == [2] + [-1] * 7
+    assert b.context_lens.tolist() == [4] + [0] * 7
+    assert b.block_tables.tolist() == [[7, -1, -1, -1]] + [[-1] * 4] * 7
+
+
+def test_set_context_views_the_buffers():
+    b = DecodeBuffers.allocate(8, 4, hidden_size=6, dtype=torch.float32, device=torch.device("cpu"))
+    try:
+        b.set_context(4)
+        ctx = get_context()
+        assert not ctx.is_prefill
+        for name in ("slot_mapping", "context_lens", "block_tables"):
+            view, buffer = getattr(ctx, name), getattr(b, name)
+            assert view.size(0) == 4 and view.data_ptr() == buffer.data_ptr()
+    finally:
+        reset_context()
+
+
+def test_padded_decode_equals_unpadded_decode(tied_model):
+    """What a graph replays (the batch padded to its bucket in the static buffers) gives the same hidden
+    states for the real rows as the eager forward, and the padding rows write nothing to the KV cache."""
+    with LLM(tied_model, device="cpu", kvcache_block_size=4, max_model_len=64, max_num_seqs=8) as llm:
+        runner = llm.model_runner
+        prompts = [[1, 2, 3, 4, 5], [9] * 11, [7, 8]]
+        for prompt in prompts:
+            llm.add_request(prompt, SamplingParams(temperature=0, max_tokens=4))
+        llm.step()
+        seqs, is_prefill = llm.scheduler.schedule()
+        assert not is_prefill and len(seqs) == 3 and len(set(len(seq.block_table) for seq in seqs)) > 1
+        sizes = graph_batch_sizes(runner.config.max_num_seqs)
+        size = pick_batch_size(sizes, len(seqs))
+        assert size == 4
+        buffers = DecodeBuffers.allocate(sizes[-1], 16, runner.config.hf_config.hidden_size, torch.float32,
+                                         torch.device("cpu"))
+        before = runner.kv_cache.clone()
+        input_ids, positions = runner.prepare_decode(seqs)
+        ctx = get_context()
+        with torch.inference_mode():
+            stale = torch.arange(sizes[-1])  # a previous, larger batch whose slots the padding must not reuse
+            buffers.load(stale, stale, decode_context(stale.tolist(), [1] * sizes[-1], [[0]] * sizes[-1]))
+            buffers.load(input_ids, positions, ctx)
+            buffers.forward(runner.model, size)
+            padded = buffers.hidden_states[:len(seqs)].clone()
+            written = (runner.kv_cache != before).flatten(4).any(-1)  # [k/v, layer, block, offset]
+            expected = torch.zeros_like(written)
+            for slot in ctx.slot_mapping.tolist():
+                expected[:, :, slot // 4, slot % 4] = True
+            assert torch.equal(written, expected)
+            reset_context()
+            runner.prepare_decode(seqs)
+            eager = runner.model(input_ids, positions)
+        reset_context()
+        torch.testing.assert_close(padded, eager, rtol=1e-5, atol=1e-5)
+        assert torch.equal(runner.model.compute_logits(padded).argmax(-1),
+                           runner.model.compute_logits(eager).argmax(-1))

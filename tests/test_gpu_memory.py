@@ -1,0 +1,41 @@
+"""GPU KV-cache sizing: the budget arithmetic and the warm-up pass, exercised on CPU."""
+import pytest
+import torch
+
+from nanovllm import LLM
+from nanovllm.engine.gpu_memory import kv_cache_budget, warmup, warmup_batch_size
+from nanovllm.utils.context import Context, get_context
+
+GiB = 2**30
+
+
+def test_budget_subtracts_usage_and_the_warmup_transient():
+    # 80 GiB device at 90%: 72 GiB; 10 GiB in use (weights, other processes); warm-up peaked 6 GiB above
+    # what is still allocated, and later steps need that again.
+    assert kv_cache_budget(80 * GiB, 70 * GiB, peak=9 * GiB, current=3 * GiB, utilization=0.9) == 56 * GiB
+
+
+def test_budget_is_never_negative():
+    assert kv_cache_budget(16 * GiB, 1 * GiB, peak=8 * GiB, current=2 * GiB, utilization=0.5) == 0
+
+
+@pytest.mark.parametrize("batched, max_len, max_seqs, expected", [(16384, 4096, 512, 4), (8192, 1024, 3, 3),
+                                                                    (4096, 4096, 512, 1)])
+def test_warmup_batch_is_the_largest_prefill_the_budget_allows(batched, max_len, max_seqs, expected):
+    class Settings:
+        max_num_batched_tokens, max_model_len, max_num_seqs = batched, max_len, max_seqs
+
+    assert warmup_batch_size(Settings) == expected
+
+
+def test_warmup_runs_without_a_kv_cache(tied_model):
+    with LLM(tied_model, device="cpu", kvcache_block_size=16, max_model_len=64, max_num_batched_tokens=160,
+             max_num_seqs=5) as llm:
+        runner = llm.model_runner
+        runner.exit()
+        calls = []
+        sample = runner.sampler.forward
+        runner.sampler.forward = lambda logits, temperatures: calls.append(logits.shape) or sample(logits, temperatures)
+        warmup(runner.model, runner.sampler, runner.config, torch.device("cpu"))
+        assert calls == [torch.Size([5, runner.config.hf_config.vocab_size])]
+        assert get_context() == Context()

@@ -1,0 +1,78 @@
+"""Each sharded layer, run 2-way over two gloo processes, equals the unsharded computation on the same weights."""
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as tmp
+import torch.nn.functional as F
+from torch.testing import assert_close
+
+from nanovllm.layers.embed_head import ParallelLMHead, VocabParallelEmbedding
+from nanovllm.layers.linear import ColumnParallelLinear, MergedColumnParallelLinear, QKVParallelLinear, RowParallelLinear
+
+WORLD = 2
+
+
+def _check_linear_layers(rank: int) -> None:
+    g = torch.Generator().manual_seed(0)  # every rank draws the same full weights and inputs
+    x = torch.randn(5, 16, generator=g)
+
+    w, b = torch.randn(8, 16, generator=g), torch.randn(8, generator=g)
+    column = ColumnParallelLinear(16, 8, bias=True)
+    column.weight.weight_loader(column.weight, w)
+    column.bias.weight_loader(column.bias, b)
+    assert_close(column(x), F.linear(x, w, b).chunk(WORLD, -1)[rank], msg="ColumnParallelLinear")
+
+    gate, up = torch.randn(6, 16, generator=g), torch.randn(10, 16, generator=g)
+    merged = MergedColumnParallelLinear(16, [6, 10])
+    merged.weight.weight_loader(merged.weight, gate, 0)
+    merged.weight.weight_loader(merged.weight, up, 1)
+    expected = torch.cat([F.linear(x, gate).chunk(WORLD, -1)[rank], F.linear(x, up).chunk(WORLD, -1)[rank]], -1)
+    assert_close(merged(x), expected, msg="MergedColumnParallelLinear")
+
+    head_size, heads, kv_heads = 4, 4, 2
+    qkv = QKVParallelLinear(16, head_size, heads, kv_heads, bias=True)
+    full = {"q": heads * head_size, "k": kv_heads * head_size, "v": kv_heads * head_size}
+    expected = []
+    for shard_id, rows in full.items():
+        wq, bq = torch.randn(rows, 16, generator=g), torch.randn(rows, generator=g)
+        qkv.weight.weight_loader(qkv.weight, wq, shard_id)
+        qkv.bias.weight_loader(qkv.bias, bq, shard_id)
+        expected.append(F.linear(x, wq, bq).chunk(WORLD, -1)[rank])  # whole heads: rank r owns the r-th chunk
+    assert_close(qkv(x), torch.cat(expected, -1), msg="QKVParallelLinear")
+
+    w, b = torch.randn(8, 16, generator=g), torch.randn(8, generator=g)
+    row = RowParallelLinear(16, 8, bias=True)
+    row.weight.weight_loader(row.weight, w)
+    row.bias.weight_loader(row.bias, b)
+    assert_close(row(x.chunk(WORLD, -1)[rank]), F.linear(x, w, b), msg="RowParallelLinear (bias added once)")
+
+
+def _check_vocab_layers(rank: int) -> None:
+    g = torch.Generator().manual_seed(1)
+    vocab, dim = 11, 8  # odd vocabulary: the last rank's slice is padded
+    table = torch.randn(vocab, dim, generator=g)
+    ids = torch.tensor([0, 5, 6, 10, 3, 10])
+    embed = VocabParallelEmbedding(vocab, dim)
+    embed.weight.weight_loader(embed.weight, table)
+    assert_close(embed(ids), F.embedding(ids, table), msg="VocabParallelEmbedding")
+
+    head = ParallelLMHead(vocab, dim)
+    head.weight.weight_loader(head.weight, table)
+    hidden = torch.randn(3, dim, generator=g)
+    logits = head(hidden)
+    if rank == 0:
+        assert_close(logits, F.linear(hidden, table), msg="ParallelLMHead gathers full logits on rank 0")
+    else:
+        assert logits is None, "ParallelLMHead returns None off rank 0"
+
+
+def _worker(rank: int, store_path: str) -> None:
+    dist.init_process_group("gloo", store=dist.FileStore(store_path, WORLD), rank=rank, world_size=WORLD)
+    try:
+        _check_linear_layers(rank)
+        _check_vocab_layers(rank)
+    finally:
+        dist.destroy_process_group()
+
+
+def test_sharded_layers_match_unsharded(tmp_path):
+    tmp.spawn(_worker, args=(str(tmp_path / "store"),), nprocs=WORLD, join=True)

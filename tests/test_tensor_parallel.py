@@ -1,0 +1,122 @@
+"""tensor_parallel_size=2 on CPU (gloo): token-exact output, lifecycle, and failures that surface on rank 0."""
+import _thread
+import multiprocessing
+import os
+import signal
+import threading
+import time
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from checkpoints import hf_greedy
+from nanovllm import LLM, SamplingParams
+from nanovllm.engine.distributed import WorkerFailure
+
+# Tiny blocks and a 16-block cache: four 28-token sequences need 28 blocks, so decoding preempts.
+SMALL_CACHE = dict(kvcache_block_size=4, num_kvcache_blocks=16, max_model_len=64, max_num_batched_tokens=64)
+SHARED = list(range(1, 9))
+PROMPTS = [SHARED + [10, 11, 12, 13], SHARED + [20, 21, 22], list(range(30, 42)), SHARED + [10, 11, 12, 13, 14]]
+GREEDY = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True)
+BOUND_S = 30.0
+
+
+def _token_ids(outputs: list[dict]) -> list[list[int]]:
+    return [o["token_ids"] for o in outputs]
+
+
+def _assert_nothing_left() -> None:
+    assert multiprocessing.active_children() == []
+    assert not dist.is_initialized()
+
+
+def _disturb_mid_generate(llm: LLM, action) -> tuple[BaseException, float]:
+    """Start a long generate, run `action` from another thread once it is under way; return what
+    generate raised and how long after the action it raised."""
+    acted_at: list[float] = []
+
+    def disturb():
+        time.sleep(1.0)
+        acted_at.append(time.monotonic())
+        action()
+
+    prompts = [[i % 300 + 1, 7, 8, 9] for i in range(40)]
+    thread = threading.Thread(target=disturb)
+    thread.start()
+    try:
+        with pytest.raises(BaseException) as info:
+            llm.generate(prompts, SamplingParams(temperature=0, max_tokens=60, ignore_eos=True), use_tqdm=False)
+    finally:
+        thread.join()
+    assert acted_at, "generate finished before it could be disturbed; make the workload longer"
+    return info.value, time.monotonic() - acted_at[0]
+
+
+@pytest.mark.parametrize("size, message", [(0, "positive integer"), (-1, "positive integer"),
+                                           (3, r"must divide .*valid sizes for this model: \[1, 2\]"),
+                                           (4, r"num_key_value_heads \(2\).*valid sizes for this model: \[1, 2\]")])
+def test_invalid_sizes_rejected_before_workers_start(tied_model, size, message):
+    with pytest.raises(ValueError, match=f"tensor_parallel_size.*{message}"):
+        LLM(tied_model, tensor_parallel_size=size)
+    _assert_nothing_left()
+
+
+def test_tp2_matches_tp1_and_transformers_then_ctrl_c_cleans_up(tied_model):
+    expected = hf_greedy(tied_model, PROMPTS, GREEDY.max_tokens)
+    with LLM(tied_model, **SMALL_CACHE) as llm:
+        assert _token_ids(llm.generate(PROMPTS, GREEDY, use_tqdm=False)) == expected
+    with LLM(tied_model, tensor_parallel_size=2, **SMALL_CACHE) as llm:
+        assert len(multiprocessing.active_children()) == 1
+        assert _token_ids(llm.generate(PROMPTS, GREEDY, use_tqdm=False)) == expected
+        stats = llm.stats()
+        assert stats["num_preemptions"] > 0
+        assert stats["num_cached_tokens"] > 0
+        assert stats["num_free_blocks"] == stats["num_blocks"]
+
+        error, _ = _disturb_mid_generate(llm, _thread.interrupt_main)
+        assert isinstance(error, KeyboardInterrupt)
+    _assert_nothing_left()
+
+
+def test_second_engine_dummy_weights_match_tp1_and_worker_error_surfaces(tied_model):
+    """The tests in this file start their tensor-parallel engines one after another in one process, so each
+    relies on the previous one having released its port, process group and workers."""
+    with LLM(tied_model, load_format="dummy", **SMALL_CACHE) as llm:
+        expected = _token_ids(llm.generate(PROMPTS, GREEDY, use_tqdm=False))
+    with LLM(tied_model, tensor_parallel_size=2, load_format="dummy", **SMALL_CACHE) as llm:
+        assert _token_ids(llm.generate(PROMPTS, GREEDY, use_tqdm=False)) == expected
+
+        llm.model_runner.workers.dispatch("no_such_method")
+        start = time.monotonic()
+        with pytest.raises(WorkerFailure, match=r"(?s)worker rank 1 .*exited with code 1.*no_such_method"):
+            llm.generate(PROMPTS, GREEDY, use_tqdm=False)
+        assert time.monotonic() - start < BOUND_S
+        with pytest.raises(RuntimeError, match="create a new LLM"):
+            llm.generate(PROMPTS, GREEDY, use_tqdm=False)
+    _assert_nothing_left()
+
+
+def test_killed_worker_raises_on_rank0_in_bounded_time(tied_model):
+    llm = LLM(tied_model, tensor_parallel_size=2, **SMALL_CACHE)
+    try:
+        (worker,) = llm.model_runner.workers.processes
+        error, elapsed = _disturb_mid_generate(llm, lambda: os.kill(worker.pid, signal.SIGKILL))
+        assert isinstance(error, WorkerFailure)
+        assert f"worker rank 1 (pid {worker.pid}) was killed by SIGKILL" in str(error)
+        assert elapsed < BOUND_S
+    finally:
+        llm.exit()
+    _assert_nothing_left()
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 CUDA GPUs for tensor_parallel_size=2")
+@pytest.mark.parametrize("enforce_eager", [True, False])
+def test_tp2_nccl_matches_transformers(tied_model, enforce_eager):
+    """The same engine over NCCL, eager and with CUDA-graph decode (all-reduces captured in the graph)."""
+    expected = hf_greedy(tied_model, PROMPTS, GREEDY.max_tokens)
+    with LLM(tied_model, tensor_parallel_size=2, dtype="float32", kvcache_block_size=16,
+             enforce_eager=enforce_eager) as llm:
+        assert _token_ids(llm.generate(PROMPTS, GREEDY, use_tqdm=False)) == expected
+    _assert_nothing_left()
