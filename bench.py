@@ -147,35 +147,40 @@ def _rss_bytes() -> int:
         return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
 
 
-@contextmanager
-def peak_memory(device: str):
-    """Yields a dict whose "gib" is, on exit, the peak memory the block added (device memory on CUDA,
-    resident host memory on CPU, sampled every 20 ms)."""
-    result = {"gib": float("nan")}
-    if device == "cuda":
-        torch.cuda.reset_peak_memory_stats()
-        base = torch.cuda.memory_allocated()
-        yield result
-        result["gib"] = (torch.cuda.max_memory_allocated() - base) / 2**30
-        return
-    if not os.path.exists("/proc/self/statm"):
-        yield result
-        return
-    base, peak, done = _rss_bytes(), [0], threading.Event()
+class PeakMemory:
+    """Peak memory above a baseline taken at construction, seen while `watch()` is active: allocated
+    device memory on CUDA, resident host memory on CPU (sampled every 20 ms)."""
 
-    def sample() -> None:
-        while not done.is_set():
-            peak[0] = max(peak[0], _rss_bytes())
-            done.wait(0.02)
+    def __init__(self, device: str):
+        self.device = device
+        self.base = torch.cuda.memory_allocated() if device == "cuda" else _rss_bytes()
+        self.peak = self.base
 
-    sampler = threading.Thread(target=sample, daemon=True)
-    sampler.start()
-    try:
-        yield result
-    finally:
-        done.set()
-        sampler.join()
-        result["gib"] = (max(peak[0], _rss_bytes()) - base) / 2**30
+    @contextmanager
+    def watch(self):
+        if self.device == "cuda":
+            torch.cuda.reset_peak_memory_stats()
+            yield
+            self.peak = max(self.peak, torch.cuda.max_memory_allocated())
+            return
+        done = threading.Event()
+
+        def sample() -> None:
+            while not done.is_set():
+                self.peak = max(self.peak, _rss_bytes())
+                done.wait(0.02)
+
+        sampler = threading.Thread(target=sample, daemon=True)
+        sampler.start()
+        try:
+            yield
+        finally:
+            done.set()
+            sampler.join()
+
+    @property
+    def gib(self) -> float:
+        return (self.peak - self.base) / 2**30
 
 
 def count_parameters(model_dir: str) -> int:
@@ -196,8 +201,11 @@ def write_random_checkpoint(config_path: str, out_dir: str, seed: int) -> None:
     model.save_pretrained(out_dir, safe_serialization=True)
 
 
-def run_engine(model_dir: str, load_format: str, requests: Requests, args: argparse.Namespace) -> tuple[float, int, dict]:
-    """Time nanovllm on the requests; returns (seconds, output tokens, engine facts)."""
+def run_engine(model_dir: str, load_format: str, requests: Requests, args: argparse.Namespace,
+               memory: PeakMemory) -> tuple[float, int, dict]:
+    """Time nanovllm on the requests; returns (seconds, output tokens, engine facts). `memory` watches
+    the timed run, so its peak is the serving footprint (weights, KV cache, activations), not the
+    transient of reading the checkpoint."""
     settings = dict(device=args.device, dtype=args.dtype, enforce_eager=args.enforce_eager, load_format=load_format,
                     seed=args.seed, max_model_len=args.max_input_len + args.max_output_len)
     if args.kvcache_block_size:
@@ -206,10 +214,11 @@ def run_engine(model_dir: str, load_format: str, requests: Requests, args: argpa
         params = [SamplingParams(temperature=args.temperature, max_tokens=n, ignore_eos=True) for n in requests.max_tokens]
         llm.generate([requests.prompts[0][:16]], SamplingParams(max_tokens=4), use_tqdm=False)
         synchronize(llm.config.device)
-        start = time.perf_counter()
-        outputs = llm.generate(requests.prompts, params)
-        synchronize(llm.config.device)
-        seconds = time.perf_counter() - start
+        with memory.watch():
+            start = time.perf_counter()
+            outputs = llm.generate(requests.prompts, params)
+            synchronize(llm.config.device)
+            seconds = time.perf_counter() - start
         runner = llm.model_runner
         weights = sum(p.numel() * p.element_size() for p in runner.model.parameters())
         facts = {"device": llm.config.device, "dtype": str(llm.config.torch_dtype).removeprefix("torch."),
@@ -221,7 +230,8 @@ def run_engine(model_dir: str, load_format: str, requests: Requests, args: argpa
 
 
 @torch.inference_mode()
-def run_hf(model_dir: str, requests: Requests, device: str, dtype: torch.dtype, args: argparse.Namespace) -> tuple[float, int]:
+def run_hf(model_dir: str, requests: Requests, device: str, dtype: torch.dtype, args: argparse.Namespace,
+           memory: PeakMemory) -> tuple[float, int]:
     """Time transformers' generate: groups of `--hf-batch-size` requests, left-padded, each group
     sampling up to its longest request; only the tokens each request asked for are counted."""
     from transformers import AutoModelForCausalLM
@@ -246,13 +256,14 @@ def run_hf(model_dir: str, requests: Requests, device: str, dtype: torch.dtype, 
     size = args.hf_batch_size
     groups = [range(i, min(i + size, len(requests.prompts))) for i in range(0, len(requests.prompts), size)]
     tokens = 0
-    start = time.perf_counter()
-    for group in tqdm(groups, desc="transformers", dynamic_ncols=True):
-        wanted = [requests.max_tokens[i] for i in group]
-        generated = generate([requests.prompts[i] for i in group], max(wanted))
-        tokens += sum(min(n, generated) for n in wanted)
-    synchronize(device)
-    return time.perf_counter() - start, tokens
+    with memory.watch():
+        start = time.perf_counter()
+        for group in tqdm(groups, desc="transformers", dynamic_ncols=True):
+            wanted = [requests.max_tokens[i] for i in group]
+            generated = generate([requests.prompts[i] for i in group], max(wanted))
+            tokens += sum(min(n, generated) for n in wanted)
+        synchronize(device)
+        return time.perf_counter() - start, tokens
 
 
 def format_table(rows: list[Row]) -> str:
@@ -292,20 +303,20 @@ def main(argv: list[str] | None = None) -> dict:
         from transformers import AutoConfig
 
         requests = make_requests(args, AutoConfig.from_pretrained(model_dir).vocab_size)
-        with peak_memory(device) as mem:
-            seconds, tokens, facts = run_engine(model_dir, load_format, requests, args)
+        mem = PeakMemory(device)
+        seconds, tokens, facts = run_engine(model_dir, load_format, requests, args, mem)
         gc.collect()
         dtype = getattr(torch, facts["dtype"])
         peak = matmul_peak(facts["device"], dtype)
         model_flops = lambda out_tokens: 2 * num_params * (requests.prompt_tokens + out_tokens)
         rows = [Row("nanovllm", model_name, facts["device"], facts["dtype"], len(requests.prompts), tokens, seconds,
-                    tokens / seconds, None, model_flops(tokens) / seconds / peak, mem["gib"])]
+                    tokens / seconds, None, model_flops(tokens) / seconds / peak, mem.gib)]
         if args.baseline == "hf":
-            with peak_memory(device) as mem:
-                hf_seconds, hf_tokens = run_hf(model_dir, requests, facts["device"], dtype, args)
+            mem = PeakMemory(device)
+            hf_seconds, hf_tokens = run_hf(model_dir, requests, facts["device"], dtype, args, mem)
             rows.append(Row("transformers", model_name, facts["device"], facts["dtype"], len(requests.prompts), hf_tokens,
                             hf_seconds, hf_tokens / hf_seconds, 1.0, model_flops(hf_tokens) / hf_seconds / peak,
-                            mem["gib"]))
+                            mem.gib))
             rows[0].ratio = rows[0].tokens_per_s / rows[1].tokens_per_s
     finally:
         if tmp:
