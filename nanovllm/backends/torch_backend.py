@@ -92,9 +92,10 @@ class TorchBackend:
                scale: float) -> torch.Tensor:
         block_tables, context_lens = ctx.block_tables, ctx.context_lens
         if q.device.type == "cpu":
-            o = torch.empty_like(q)
+            o = torch.zeros_like(q)
             for i, (table, length) in enumerate(zip(block_tables.tolist(), context_lens.tolist())):
-                o[i] = _decode_in_place(q[i], k_cache, v_cache, table, length, scale)
+                if length:  # rows padding a batch (context length 0) attend to nothing
+                    o[i] = _decode_in_place(q[i], k_cache, v_cache, table, length, scale)
             return o
         k = k_cache[block_tables].flatten(1, 2).transpose(1, 2)
         v = v_cache[block_tables].flatten(1, 2).transpose(1, 2)
