@@ -120,6 +120,10 @@ def rope_theta(cfg: PretrainedConfig) -> float:
     return float(theta)
 
 
+def head_dim(cfg: PretrainedConfig) -> int:
+    return getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
+
+
 def resolve_device(device: str) -> str:
     if device == "auto":
         return "cuda" if torch.cuda.is_available() else "cpu"

@@ -1,9 +1,10 @@
+import math
 from contextlib import contextmanager, nullcontext
 
 import torch
 
 from nanovllm.backends import choose_backend, importable
-from nanovllm.config import Config
+from nanovllm.config import Config, head_dim
 from nanovllm.engine.cuda_graph import DecodeGraphs
 from nanovllm.engine.distributed import WorkerGroup
 from nanovllm.engine.gpu_memory import gpu_kv_cache_bytes
@@ -88,12 +89,14 @@ class ModelRunner:
             self.workers.dispatch(method, *args)
             return getattr(self, method)(*args)
 
-    def kv_block_bytes(self) -> int:
+    def kv_cache_shape(self, num_blocks: int) -> tuple[int, ...]:
+        """(k/v, layer, block, token in block, this rank's KV heads, head dim)."""
         cfg = self.config.hf_config
-        head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
         num_kv_heads = cfg.num_key_value_heads // self.config.tensor_parallel_size
-        itemsize = torch.tensor([], dtype=self.config.torch_dtype).element_size()
-        return 2 * cfg.num_hidden_layers * self.block_size * num_kv_heads * head_dim * itemsize
+        return 2, cfg.num_hidden_layers, num_blocks, self.block_size, num_kv_heads, head_dim(cfg)
+
+    def kv_block_bytes(self) -> int:
+        return math.prod(self.kv_cache_shape(1)) * self.config.torch_dtype.itemsize
 
     def auto_num_kv_blocks(self) -> int:
         """Blocks that fit the configured memory budget, never more than the engine can ever use."""
@@ -105,7 +108,7 @@ class ModelRunner:
         return min(budget // self.kv_block_bytes(), usable)
 
     def allocate_kv_cache(self) -> None:
-        config, cfg = self.config, self.config.hf_config
+        config = self.config
         if config.num_kvcache_blocks == -1:
             config.num_kvcache_blocks = min_over_ranks(self.auto_num_kv_blocks(), self.device)
         needed = blocks_per_sequence(config)
@@ -115,10 +118,8 @@ class ModelRunner:
                 f"max_model_len={config.max_model_len} sequence needs {needed}. Give it more memory "
                 "(cpu_kvcache_gib / gpu_memory_utilization / num_kvcache_blocks) or lower max_model_len."
             )
-        head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
-        num_kv_heads = cfg.num_key_value_heads // config.tensor_parallel_size
-        self.kv_cache = torch.zeros(2, cfg.num_hidden_layers, config.num_kvcache_blocks, self.block_size,
-                                    num_kv_heads, head_dim, dtype=config.torch_dtype, device=self.device)
+        self.kv_cache = torch.zeros(self.kv_cache_shape(config.num_kvcache_blocks), dtype=config.torch_dtype,
+                                    device=self.device)
         layer = 0
         for module in self.model.modules():
             if hasattr(module, "k_cache"):

@@ -2,7 +2,7 @@ import torch
 from torch import nn
 from transformers import PretrainedConfig
 
-from nanovllm.config import rope_theta
+from nanovllm.config import head_dim, rope_theta
 from nanovllm.layers.activation import SiluAndMul
 from nanovllm.layers.attention import Attention
 from nanovllm.layers.embed_head import ParallelLMHead, VocabParallelEmbedding
@@ -13,10 +13,10 @@ from nanovllm.utils.parallel import tp_rank_and_size
 
 
 class Qwen3Attention(nn.Module):
-    def __init__(self, config: PretrainedConfig):
+    def __init__(self, config: PretrainedConfig, rotary_emb: RotaryEmbedding):
         super().__init__()
         _, tp_size = tp_rank_and_size()
-        self.head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+        self.head_dim = head_dim(config)
         self.num_heads = config.num_attention_heads // tp_size
         self.num_kv_heads = config.num_key_value_heads // tp_size
         self.q_size = self.num_heads * self.head_dim
@@ -25,7 +25,7 @@ class Qwen3Attention(nn.Module):
         self.qkv_proj = QKVParallelLinear(config.hidden_size, self.head_dim, config.num_attention_heads,
                                           config.num_key_value_heads, bias=bias)
         self.o_proj = RowParallelLinear(config.num_attention_heads * self.head_dim, config.hidden_size, bias=bias)
-        self.rotary_emb = RotaryEmbedding(self.head_dim, config.max_position_embeddings, rope_theta(config))
+        self.rotary_emb = rotary_emb
         self.attn = Attention(self.num_heads, self.head_dim, self.head_dim ** -0.5, self.num_kv_heads)
         self.q_norm = RMSNorm(self.head_dim, eps=config.rms_norm_eps)
         self.k_norm = RMSNorm(self.head_dim, eps=config.rms_norm_eps)
@@ -54,9 +54,9 @@ class Qwen3MLP(nn.Module):
 
 
 class Qwen3DecoderLayer(nn.Module):
-    def __init__(self, config: PretrainedConfig):
+    def __init__(self, config: PretrainedConfig, rotary_emb: RotaryEmbedding):
         super().__init__()
-        self.self_attn = Qwen3Attention(config)
+        self.self_attn = Qwen3Attention(config, rotary_emb)
         self.mlp = Qwen3MLP(config)
         self.input_layernorm = RMSNorm(config.hidden_size, eps=config.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, eps=config.rms_norm_eps)
@@ -76,7 +76,8 @@ class Qwen3Model(nn.Module):
     def __init__(self, config: PretrainedConfig):
         super().__init__()
         self.embed_tokens = VocabParallelEmbedding(config.vocab_size, config.hidden_size)
-        self.layers = nn.ModuleList([Qwen3DecoderLayer(config) for _ in range(config.num_hidden_layers)])
+        rotary_emb = RotaryEmbedding(head_dim(config), config.max_position_embeddings, rope_theta(config))
+        self.layers = nn.ModuleList([Qwen3DecoderLayer(config, rotary_emb) for _ in range(config.num_hidden_layers)])
         self.norm = RMSNorm(config.hidden_size, eps=config.rms_norm_eps)
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
