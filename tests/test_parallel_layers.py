@@ -1,4 +1,6 @@
 """Each sharded layer, run 2-way over two gloo processes, equals the unsharded computation on the same weights."""
+from datetime import timedelta
+
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as tmp
@@ -7,6 +9,7 @@ from torch.testing import assert_close
 
 from nanovllm.layers.embed_head import ParallelLMHead, VocabParallelEmbedding
 from nanovllm.layers.linear import ColumnParallelLinear, MergedColumnParallelLinear, QKVParallelLinear, RowParallelLinear
+from nanovllm.utils.parallel import join_tp_group, leave_tp_group, tp_rank_and_size
 
 WORLD = 2
 
@@ -66,13 +69,27 @@ def _check_vocab_layers(rank: int) -> None:
 
 
 def _worker(rank: int, store_path: str) -> None:
-    dist.init_process_group("gloo", store=dist.FileStore(store_path, WORLD), rank=rank, world_size=WORLD)
+    join_tp_group("gloo", dist.FileStore(store_path, WORLD), rank, WORLD, timedelta(minutes=2))
     try:
         _check_linear_layers(rank)
         _check_vocab_layers(rank)
     finally:
-        dist.destroy_process_group()
+        leave_tp_group()
 
 
 def test_sharded_layers_match_unsharded(tmp_path):
     tmp.spawn(_worker, args=(str(tmp_path / "store"),), nprocs=WORLD, join=True)
+
+
+def _foreign_group_worker(rank: int, store_path: str) -> None:
+    dist.init_process_group("gloo", store=dist.FileStore(store_path, WORLD), rank=rank, world_size=WORLD)
+    try:
+        assert tp_rank_and_size() == (0, 1)
+        assert ColumnParallelLinear(8, 16).weight.shape == (16, 8)
+    finally:
+        dist.destroy_process_group()
+
+
+def test_a_process_group_of_the_users_does_not_shard_layers(tmp_path):
+    """Under torchrun, say, each process's single-process engine keeps whole layers."""
+    tmp.spawn(_foreign_group_worker, args=(str(tmp_path / "store"),), nprocs=WORLD, join=True)

@@ -48,6 +48,7 @@ import torch.distributed as dist
 from nanovllm.config import Config
 from nanovllm.utils.context import get_context as get_attention_context
 from nanovllm.utils.context import reset_context, set_context
+from nanovllm.utils.parallel import join_tp_group, leave_tp_group
 
 TIMEOUT = timedelta(minutes=10)
 """Rendezvous and per-collective timeout: only reached when a live rank stops taking part."""
@@ -108,7 +109,7 @@ def init_process_group(config: Config, rank: int, store: dist.Store) -> None:
     if config.device == "cuda":
         torch.cuda.set_device(rank)
     backend = "nccl" if config.device == "cuda" else "gloo"
-    dist.init_process_group(backend, store=store, rank=rank, world_size=config.tensor_parallel_size, timeout=TIMEOUT)
+    join_tp_group(backend, store, rank, config.tensor_parallel_size, TIMEOUT)
 
 
 def _describe_exit(code: int) -> str:
@@ -245,8 +246,7 @@ class WorkerGroup:
                 conn.send_bytes(exit_message)
             except OSError:
                 pass
-        if dist.is_initialized():
-            dist.destroy_process_group()
+        leave_tp_group()
         for process in self.processes:
             if not self.broken:  # a broken group's workers may be stuck in a collective: do not wait for them
                 process.join(JOIN_TIMEOUT_S)
@@ -292,6 +292,5 @@ def _worker_main(config: Config, rank: int, addr: str, port: int, conn: Connecti
     finally:
         if runner is not None:
             runner.exit()
-        if dist.is_initialized():
-            dist.destroy_process_group()
+        leave_tp_group()
         conn.close()
