@@ -124,3 +124,10 @@ def test_checkpoint_missing_weights(tied_model, tmp_path):
     save_file(weights, path / "model.safetensors")
     with pytest.raises(ValueError, match=r"missing weights for: model.layers.1.self_attn.qkv_proj.weight"):
         LLM(str(path))
+
+
+def test_a_shut_down_engine_says_so(tied_model):
+    llm = LLM(tied_model, max_model_len=128)
+    llm.exit()
+    with pytest.raises(RuntimeError, match="has been shut down"):
+        llm.generate([GOOD], GREEDY, use_tqdm=False)

@@ -82,6 +82,8 @@ class LLMEngine:
         return token_ids
 
     def _new_sequence(self, token_ids: list[int], params: SamplingParams) -> Sequence:
+        if self.model_runner is None:
+            raise RuntimeError("this engine has been shut down (exit() was called); create a new LLM")
         if not isinstance(params, SamplingParams):
             raise ValueError(f"sampling params must be SamplingParams, got {type(params).__name__}")
         return Sequence(next(self._seq_ids), token_ids, self.config.kvcache_block_size, params)
