@@ -46,7 +46,7 @@ def test_cuda_with_flash_attn_gets_flash_backend_and_triton_store(dtype, block_s
         warnings.simplefilter("error")
         backend = select(dtype=dtype, block_size=block_size)
     assert issubclass(backend, FlashBackend)
-    assert backend.prefill is FlashBackend.prefill and backend.decode is FlashBackend.decode
+    assert backend.attend is FlashBackend.attend
     assert backend.store_kvcache is store_kvcache
     assert backend.capturable and backend.name == "flash-attn+triton"
 
@@ -64,7 +64,7 @@ def test_cuda_without_flash_attn_warns_once_and_runs_torch_attention():
         second = select(flash=False, block_size=16)
     assert len(record) == 1
     assert first is second and issubclass(first, TorchBackend)
-    assert first.prefill is TorchBackend.prefill and first.decode is TorchBackend.decode
+    assert first.attend is TorchBackend.attend
     assert first.store_kvcache is not TorchBackend.store_kvcache and not first.capturable
 
 
@@ -73,7 +73,7 @@ def test_cuda_float32_falls_back_to_torch_attention_with_any_block_size():
     with pytest.warns(RuntimeWarning, match="flash-attn does not support torch.float32") as record:
         backend = select(dtype=torch.float32, block_size=16)
     assert len(record) == 1
-    assert issubclass(backend, TorchBackend) and backend.decode is TorchBackend.decode and not backend.capturable
+    assert issubclass(backend, TorchBackend) and backend.attend is TorchBackend.attend and not backend.capturable
 
 
 def test_cuda_without_triton_keeps_torch_store_and_disables_graphs():
@@ -112,7 +112,7 @@ def test_import_and_cpu_engine_work_without_flash_attn_and_triton(tied_model):
 
 
 def test_cpu_engine_skips_warmup_graphs_and_compile(tied_model, monkeypatch):
-    import nanovllm.engine.model_runner as model_runner
+    import nanovllm.execution.model_runner as model_runner
     from nanovllm import LLM
 
     def no_warmup(*args):

@@ -1,10 +1,10 @@
-"""The CPU fast path: prepacked oneDNN weights and copy-free decode attention.
+"""The CPU fast path: prepacked oneDNN weights, and the torch backend's one varlen attention contract.
 
 Its token-exactness against transformers is covered by test_engine_parity.py, which runs on this path."""
 import torch
 
 from nanovllm import LLM
-from nanovllm.backends.torch_backend import TorchBackend, _attend
+from nanovllm.backends.torch_backend import TorchBackend
 from nanovllm.utils.context import Context
 
 
@@ -16,6 +16,15 @@ def test_linear_weights_are_prepacked_on_cpu(tied_model):
         assert all(layer.mlp.down_proj.weight.is_mkldnn for layer in model.model.layers)
 
 
+def naive_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float) -> torch.Tensor:
+    """Softmax attention written out: q `[Lq, H, D]` over k/v `[Lk, Hkv, D]`, queries the last Lq positions."""
+    lq, lk, group = q.size(0), k.size(0), q.size(1) // k.size(1)
+    k, v = k.repeat_interleave(group, 1), v.repeat_interleave(group, 1)
+    scores = torch.einsum("qhd,khd->hqk", q, k) * scale
+    allowed = torch.arange(lk)[None, :] <= torch.arange(lk - lq, lk)[:, None]
+    return torch.einsum("hqk,khd->qhd", scores.masked_fill(~allowed, float("-inf")).softmax(-1), v)
+
+
 def test_cpu_decode_reads_scattered_blocks_in_place():
     """Blocks out of order and split into runs give the same attention as gathering them first."""
     torch.manual_seed(0)
@@ -23,10 +32,29 @@ def test_cpu_decode_reads_scattered_blocks_in_place():
     block_tables = torch.tensor([[7, 2, 3, 9], [0, 1, 2, -1], [5, -1, -1, -1]])
     context_lens = torch.tensor([14, 9, 3])
     q = torch.randn(3, 4, 8)
-    ctx = Context(block_tables=block_tables, context_lens=context_lens)
-    out = TorchBackend.decode(q, k_cache, v_cache, ctx, 0.3)
+    ctx = Context(cu_seqlens_q=torch.arange(4), max_seqlen_q=1, context_lens=context_lens, block_tables=block_tables)
+    out = TorchBackend.attend(q, k_cache, v_cache, ctx, 0.3)
     for i in range(3):
         length = int(context_lens[i])
         k = k_cache[block_tables[i]].flatten(0, 1)[:length]
         v = v_cache[block_tables[i]].flatten(0, 1)[:length]
-        torch.testing.assert_close(out[i:i + 1], _attend(q[i:i + 1], k, v, 0.3))
+        torch.testing.assert_close(out[i:i + 1], naive_attention(q[i:i + 1], k, v, 0.3))
+
+
+def test_mixed_batch_of_prefill_chunk_decode_and_padding():
+    """One varlen batch: a whole prefill, a chunk over a cached prefix, a decode and a padding row."""
+    torch.manual_seed(0)
+    k_cache, v_cache = torch.randn(2, 12, 4, 2, 8).unbind(0)
+    block_tables = torch.tensor([[3, 1, -1], [0, 5, 9], [11, 2, 7], [-1, -1, -1]])
+    q_lens, context_lens = [6, 5, 1, 1], torch.tensor([6, 11, 10, 0])
+    cu_seqlens_q = torch.tensor([0, 6, 11, 12, 13])
+    q = torch.randn(13, 4, 8)
+    ctx = Context(cu_seqlens_q=cu_seqlens_q, max_seqlen_q=6, context_lens=context_lens, block_tables=block_tables)
+    out = TorchBackend.attend(q, k_cache, v_cache, ctx, 0.3)
+    for i in range(3):
+        length, rows = int(context_lens[i]), slice(int(cu_seqlens_q[i]), int(cu_seqlens_q[i + 1]))
+        k = k_cache[block_tables[i]].flatten(0, 1)[:length]
+        v = v_cache[block_tables[i]].flatten(0, 1)[:length]
+        torch.testing.assert_close(out[rows], naive_attention(q[rows], k, v, 0.3))
+    assert q_lens == (cu_seqlens_q[1:] - cu_seqlens_q[:-1]).tolist()
+    assert torch.equal(out[12], torch.zeros(4, 8))

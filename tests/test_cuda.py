@@ -15,8 +15,8 @@ from transformers import Qwen3ForCausalLM
 from checkpoints import hf_greedy, make_checkpoint
 from nanovllm import LLM, SamplingParams
 from nanovllm.backends import TorchBackend, importable
-from nanovllm.engine.cuda_graph import pick_batch_size
-from nanovllm.engine.model_runner import blocks_per_sequence
+from nanovllm.execution.cuda_graph import pick_batch_size
+from nanovllm.execution.model_runner import blocks_per_sequence
 from nanovllm.utils import compile as compile_mod
 from nanovllm.utils.context import Context, get_context, reset_context
 
@@ -201,7 +201,7 @@ def test_graph_replay_equals_eager_decode(gpu_model, dtype, batch_size):
             llm.scheduler.postprocess(seqs, [0] * len(seqs))
             seqs, is_prefill = llm.scheduler.schedule()
         assert len(seqs) == batch_size
-        input_ids, positions = runner.prepare_decode(seqs)
+        input_ids, positions = runner.prepare(seqs, [len(seq) - 1 for seq in seqs])
         with torch.inference_mode():
             replayed = runner.graphs.run(input_ids, positions, get_context()).clone()
             eager = runner.model(input_ids, positions)

@@ -3,7 +3,7 @@ import pytest
 import torch
 
 from nanovllm import LLM, SamplingParams
-from nanovllm.engine.cuda_graph import DecodeBuffers, graph_batch_sizes, pick_batch_size
+from nanovllm.execution.cuda_graph import DecodeBuffers, graph_batch_sizes, pick_batch_size
 from nanovllm.utils.context import Context, get_context, reset_context
 
 
@@ -30,12 +30,13 @@ def test_pick_batch_size_is_the_smallest_bucket_that_fits(max_num_seqs):
 
 
 def decode_context(slots: list[int], lens: list[int], tables: list[list[int]]) -> Context:
-    return Context(slot_mapping=torch.tensor(slots), context_lens=torch.tensor(lens, dtype=torch.int32),
+    return Context(cu_seqlens_q=torch.arange(len(slots) + 1, dtype=torch.int32), max_seqlen_q=1,
+                   slot_mapping=torch.tensor(slots), context_lens=torch.tensor(lens, dtype=torch.int32),
                    block_tables=torch.tensor(tables, dtype=torch.int32))
 
 
 def test_load_pads_rows_and_clears_stale_ones():
-    b = DecodeBuffers.allocate(8, 4, hidden_size=6, dtype=torch.float32, device=torch.device("cpu"))
+    b = DecodeBuffers.allocate(8, 4, max_seqlen_k=16, hidden_size=6, dtype=torch.float32, device=torch.device("cpu"))
     b.load(torch.tensor([5, 6, 7]), torch.tensor([10, 11, 12]),
            decode_context([40, 41, 9], [11, 12, 13], [[10, 11, 12], [3, 4, -1], [2, -1, -1]]))
     b.load(torch.tensor([8]), torch.tensor([3]), decode_context([2], [4], [[7]]))
@@ -46,11 +47,11 @@ def test_load_pads_rows_and_clears_stale_ones():
 
 
 def test_set_context_views_the_buffers():
-    b = DecodeBuffers.allocate(8, 4, hidden_size=6, dtype=torch.float32, device=torch.device("cpu"))
+    b = DecodeBuffers.allocate(8, 4, max_seqlen_k=16, hidden_size=6, dtype=torch.float32, device=torch.device("cpu"))
     try:
         b.set_context(4)
         ctx = get_context()
-        assert not ctx.is_prefill
+        assert ctx.is_decode and ctx.max_seqlen_k == 16 and ctx.cu_seqlens_q.tolist() == [0, 1, 2, 3, 4]
         for name in ("slot_mapping", "context_lens", "block_tables"):
             view, buffer = getattr(ctx, name), getattr(b, name)
             assert view.size(0) == 4 and view.data_ptr() == buffer.data_ptr()
@@ -72,10 +73,10 @@ def test_padded_decode_equals_unpadded_decode(tied_model):
         sizes = graph_batch_sizes(runner.config.max_num_seqs)
         size = pick_batch_size(sizes, len(seqs))
         assert size == 4
-        buffers = DecodeBuffers.allocate(sizes[-1], 16, runner.config.hf_config.hidden_size, torch.float32,
+        buffers = DecodeBuffers.allocate(sizes[-1], 16, 64, runner.config.hf_config.hidden_size, torch.float32,
                                          torch.device("cpu"))
         before = runner.kv_cache.clone()
-        input_ids, positions = runner.prepare_decode(seqs)
+        input_ids, positions = runner.prepare(seqs, [len(seq) - 1 for seq in seqs])
         ctx = get_context()
         with torch.inference_mode():
             stale = torch.arange(sizes[-1])  # a previous, larger batch whose slots the padding must not reuse
@@ -89,7 +90,7 @@ def test_padded_decode_equals_unpadded_decode(tied_model):
                 expected[:, :, slot // 4, slot % 4] = True
             assert torch.equal(written, expected)
             reset_context()
-            runner.prepare_decode(seqs)
+            runner.prepare(seqs, [len(seq) - 1 for seq in seqs])
             eager = runner.model(input_ids, positions)
         reset_context()
         torch.testing.assert_close(padded, eager, rtol=1e-5, atol=1e-5)

@@ -3,7 +3,8 @@ import pytest
 import torch
 
 from nanovllm import LLM
-from nanovllm.engine.gpu_memory import kv_cache_budget, warmup, warmup_batch_size
+from nanovllm.execution.gpu_memory import kv_cache_budget, warmup, warmup_batch_size, warmup_cache_blocks
+from nanovllm.layers.attention import bind_kv_cache
 from nanovllm.utils.context import Context, get_context
 
 GiB = 2**30
@@ -28,14 +29,22 @@ def test_warmup_batch_is_the_largest_prefill_the_budget_allows(batched, max_len,
     assert warmup_batch_size(Settings) == expected
 
 
-def test_warmup_runs_without_a_kv_cache(tied_model):
+def test_warmup_runs_over_one_shared_layer_of_cache(tied_model):
     with LLM(tied_model, device="cpu", kvcache_block_size=16, max_model_len=64, max_num_batched_tokens=160,
              max_num_seqs=5) as llm:
         runner = llm.model_runner
+        config = runner.config
+        blocks = warmup_cache_blocks(config)
+        assert blocks == 2 * 4  # two max-length sequences of four 16-token blocks
+        shape = list(runner.kv_cache_shape(blocks))
+        num_layers, shape[1] = shape[1], 1
+        scratch = torch.zeros(shape)
         runner.exit()
+        bind_kv_cache(runner.model, scratch.expand(-1, num_layers, *shape[2:]))
         calls = []
         sample = runner.sampler.forward
         runner.sampler.forward = lambda logits, temperatures: calls.append(logits.shape) or sample(logits, temperatures)
-        warmup(runner.model, runner.sampler, runner.config, torch.device("cpu"))
-        assert calls == [torch.Size([5, runner.config.hf_config.vocab_size])]
+        warmup(runner.model, runner.sampler, config, torch.device("cpu"))
+        assert calls == [torch.Size([5, config.hf_config.vocab_size])]
         assert get_context() == Context()
+        assert scratch.abs().sum(dim=(1, 3, 4, 5)).gt(0).all()  # every block of both sequences was written

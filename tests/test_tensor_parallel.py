@@ -12,7 +12,7 @@ import torch.distributed as dist
 
 from checkpoints import hf_greedy
 from nanovllm import LLM, SamplingParams
-from nanovllm.engine.distributed import WorkerFailure
+from nanovllm.execution.workers import WorkerFailure
 
 # Tiny blocks and a 16-block cache: four 28-token sequences need 28 blocks, so decoding preempts.
 SMALL_CACHE = dict(kvcache_block_size=4, num_kvcache_blocks=16, max_model_len=64, max_num_batched_tokens=64)

@@ -17,21 +17,16 @@ class FlashBackend:
     store_kvcache = staticmethod(TorchBackend.store_kvcache)
 
     @staticmethod
-    def prefill(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-                ctx: Context, scale: float) -> torch.Tensor:
+    def attend(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, ctx: Context,
+               scale: float) -> torch.Tensor:
+        if ctx.is_decode:
+            from flash_attn import flash_attn_with_kvcache
+
+            o = flash_attn_with_kvcache(q.unsqueeze(1), k_cache, v_cache, cache_seqlens=ctx.context_lens,
+                                        block_table=ctx.block_tables, softmax_scale=scale, causal=True)
+            return o.squeeze(1)
         from flash_attn import flash_attn_varlen_func
 
-        if ctx.block_tables is not None:
-            k, v = k_cache, v_cache
-        return flash_attn_varlen_func(q, k, v, cu_seqlens_q=ctx.cu_seqlens_q, cu_seqlens_k=ctx.cu_seqlens_k,
+        return flash_attn_varlen_func(q, k_cache, v_cache, cu_seqlens_q=ctx.cu_seqlens_q, cu_seqlens_k=ctx.cu_seqlens_k,
                                       max_seqlen_q=ctx.max_seqlen_q, max_seqlen_k=ctx.max_seqlen_k,
                                       softmax_scale=scale, causal=True, block_table=ctx.block_tables)
-
-    @staticmethod
-    def decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, ctx: Context,
-               scale: float) -> torch.Tensor:
-        from flash_attn import flash_attn_with_kvcache
-
-        o = flash_attn_with_kvcache(q.unsqueeze(1), k_cache, v_cache, cache_seqlens=ctx.context_lens,
-                                    block_table=ctx.block_tables, softmax_scale=scale, causal=True)
-        return o.squeeze(1)

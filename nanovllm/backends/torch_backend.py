@@ -1,4 +1,4 @@
-"""Pure-torch attention backend: the CPU path, and the CUDA fallback when flash-attn is missing."""
+"""Pure-torch attention backend: the CPU path, and the CUDA fallback of last resort."""
 import torch
 import torch.nn.functional as F
 
@@ -73,33 +73,32 @@ class TorchBackend:
         v_cache.view(-1, *v_cache.shape[2:]).index_copy_(0, slots, v[valid])
 
     @staticmethod
-    def prefill(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-                ctx: Context, scale: float) -> torch.Tensor:
-        o = torch.empty_like(q)
-        cu_q, cu_k = ctx.cu_seqlens_q.tolist(), ctx.cu_seqlens_k.tolist()
-        for i in range(len(cu_q) - 1):
-            if ctx.block_tables is None:
-                k_i, v_i = k[cu_k[i]:cu_k[i + 1]], v[cu_k[i]:cu_k[i + 1]]
+    def attend(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, ctx: Context,
+               scale: float) -> torch.Tensor:
+        """One sequence at a time; on CUDA a pure decode step is one batched masked SDPA instead."""
+        if ctx.is_decode and q.device.type == "cuda":
+            return _decode_batched(q, k_cache, v_cache, ctx, scale)
+        o = torch.zeros_like(q)
+        cu_q, lengths = ctx.cu_seqlens_q.tolist(), ctx.context_lens.tolist()
+        tables = ctx.block_tables.tolist() if q.device.type == "cpu" else ctx.block_tables
+        for i, length in enumerate(lengths):
+            rows = slice(cu_q[i], cu_q[i + 1])
+            if not length:  # rows padding a batch attend to nothing
+                continue
+            if cu_q[i + 1] - cu_q[i] == 1 and q.device.type == "cpu":
+                o[rows] = _decode_in_place(q[cu_q[i]], k_cache, v_cache, tables[i], length, scale)
             else:
-                length = cu_k[i + 1] - cu_k[i]
-                k_i = _gather(k_cache, ctx.block_tables[i], length)
-                v_i = _gather(v_cache, ctx.block_tables[i], length)
-            o[cu_q[i]:cu_q[i + 1]] = _attend(q[cu_q[i]:cu_q[i + 1]], k_i, v_i, scale)
+                table = torch.as_tensor(tables[i], device=q.device)
+                o[rows] = _attend(q[rows], _gather(k_cache, table, length), _gather(v_cache, table, length), scale)
         return o
 
-    @staticmethod
-    def decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, ctx: Context,
-               scale: float) -> torch.Tensor:
-        block_tables, context_lens = ctx.block_tables, ctx.context_lens
-        if q.device.type == "cpu":
-            o = torch.zeros_like(q)
-            for i, (table, length) in enumerate(zip(block_tables.tolist(), context_lens.tolist())):
-                if length:  # rows padding a batch (context length 0) attend to nothing
-                    o[i] = _decode_in_place(q[i], k_cache, v_cache, table, length, scale)
-            return o
-        k = k_cache[block_tables].flatten(1, 2).transpose(1, 2)
-        v = v_cache[block_tables].flatten(1, 2).transpose(1, 2)
-        mask = torch.arange(k.size(2), device=q.device) < context_lens[:, None]
-        o = F.scaled_dot_product_attention(q.unsqueeze(2), k, v, attn_mask=mask[:, None, None, :],
-                                           scale=scale, enable_gqa=True)
-        return o.squeeze(2)
+
+def _decode_batched(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, ctx: Context,
+                    scale: float) -> torch.Tensor:
+    """Every sequence's single query over its whole block table, masked to its context length."""
+    k = k_cache[ctx.block_tables].flatten(1, 2).transpose(1, 2)
+    v = v_cache[ctx.block_tables].flatten(1, 2).transpose(1, 2)
+    mask = torch.arange(k.size(2), device=q.device) < ctx.context_lens[:, None]
+    o = F.scaled_dot_product_attention(q.unsqueeze(2), k, v, attn_mask=mask[:, None, None, :],
+                                       scale=scale, enable_gqa=True)
+    return o.squeeze(2)

@@ -6,9 +6,9 @@ from nanovllm.utils.context import get_context
 
 
 class Attention(nn.Module):
-    """Writes this step's K/V into the paged cache, then runs the backend's prefill or decode.
+    """Writes this step's K/V into the paged cache, then attends over the cache (see `Context`).
 
-    The model runner assigns `k_cache`, `v_cache` and `backend` once the cache is allocated.
+    The model runner assigns `backend`, and the cache through `bind_kv_cache`.
     """
 
     def __init__(self, num_heads: int, head_dim: int, scale: float, num_kv_heads: int):
@@ -22,8 +22,13 @@ class Attention(nn.Module):
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         ctx = get_context()
-        if self.k_cache.numel():
-            self.backend.store_kvcache(k, v, self.k_cache, self.v_cache, ctx.slot_mapping)
-        if ctx.is_prefill:
-            return self.backend.prefill(q, k, v, self.k_cache, self.v_cache, ctx, self.scale)
-        return self.backend.decode(q, self.k_cache, self.v_cache, ctx, self.scale)
+        self.backend.store_kvcache(k, v, self.k_cache, self.v_cache, ctx.slot_mapping)
+        return self.backend.attend(q, self.k_cache, self.v_cache, ctx, self.scale)
+
+
+def bind_kv_cache(model: nn.Module, kv_cache: torch.Tensor | None) -> None:
+    """Point the model's attention layers at `kv_cache` `[k/v, layer, block, offset, kv_heads, head_dim]`
+    (layer i gets `kv_cache[:, i]`), or at no cache with None."""
+    layers = [module for module in model.modules() if isinstance(module, Attention)]
+    for i, layer in enumerate(layers):
+        layer.k_cache, layer.v_cache = (torch.tensor([]),) * 2 if kv_cache is None else kv_cache[:, i]

@@ -34,7 +34,7 @@ class VocabParallelEmbedding(nn.Module):
 
 
 class ParallelLMHead(VocabParallelEmbedding):
-    """Projects hidden states to logits; in prefill only each sequence's last position.
+    """Projects hidden states to logits, at each sequence's last query position only.
 
     With tensor parallelism the vocab slices are gathered on rank 0, which samples; other ranks
     return None.
@@ -46,7 +46,7 @@ class ParallelLMHead(VocabParallelEmbedding):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor | None:
         ctx = get_context()
-        if ctx.is_prefill:
+        if ctx.max_seqlen_q > 1:
             x = x[ctx.cu_seqlens_q[1:] - 1].contiguous()
         logits = linear(x, self.weight)
         if self.tp_size == 1:

@@ -6,14 +6,29 @@ import torch
 
 @dataclass
 class Context:
-    is_prefill: bool = False
+    """One step's batch, in the single shape every attention backend takes.
+
+    Queries are packed along dim 0: sequence i owns rows `cu_seqlens_q[i]:cu_seqlens_q[i + 1]`,
+    which are the last positions of its first `context_lens[i]` tokens (bottom-right causal
+    alignment). Keys and values are always read from the paged cache through `block_tables[i]`,
+    after this step's K/V were written to `slot_mapping` (slot -1: write nothing). A prefill, a
+    prefill over a cached prefix, a prefill chunk, a decode and any mix of them are all this one
+    shape; a row with context length 0 pads a batch and attends to nothing. `cu_seqlens_k` is the
+    prefix sum of `context_lens`, for kernels that take offsets instead of lengths.
+    """
+
     cu_seqlens_q: torch.Tensor | None = None
     cu_seqlens_k: torch.Tensor | None = None
     max_seqlen_q: int = 0
     max_seqlen_k: int = 0
-    slot_mapping: torch.Tensor | None = None
     context_lens: torch.Tensor | None = None
     block_tables: torch.Tensor | None = None
+    slot_mapping: torch.Tensor | None = None
+
+    @property
+    def is_decode(self) -> bool:
+        """Every sequence has exactly one query: what CUDA graphs capture and decode kernels serve."""
+        return self.max_seqlen_q == 1
 
 
 _CONTEXT = Context()
@@ -23,11 +38,9 @@ def get_context() -> Context:
     return _CONTEXT
 
 
-def set_context(is_prefill: bool, cu_seqlens_q=None, cu_seqlens_k=None, max_seqlen_q=0, max_seqlen_k=0,
-                slot_mapping=None, context_lens=None, block_tables=None) -> None:
+def set_context(**fields) -> None:
     global _CONTEXT
-    _CONTEXT = Context(is_prefill, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
-                       slot_mapping, context_lens, block_tables)
+    _CONTEXT = Context(**fields)
 
 
 def reset_context() -> None:

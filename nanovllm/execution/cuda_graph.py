@@ -33,23 +33,27 @@ class DecodeBuffers:
 
     input_ids: torch.Tensor
     positions: torch.Tensor
+    cu_seqlens_q: torch.Tensor
     slot_mapping: torch.Tensor
     context_lens: torch.Tensor
     block_tables: torch.Tensor
     hidden_states: torch.Tensor
+    max_seqlen_k: int
 
     @classmethod
-    def allocate(cls, max_batch_size: int, max_blocks_per_seq: int, hidden_size: int, dtype: torch.dtype,
-                 device: torch.device) -> "DecodeBuffers":
+    def allocate(cls, max_batch_size: int, max_blocks_per_seq: int, max_seqlen_k: int, hidden_size: int,
+                 dtype: torch.dtype, device: torch.device) -> "DecodeBuffers":
         def full(*shape, value, dtype):
             return torch.full(shape, value, dtype=dtype, device=device)
 
         return cls(input_ids=full(max_batch_size, value=0, dtype=torch.int64),
                    positions=full(max_batch_size, value=0, dtype=torch.int64),
+                   cu_seqlens_q=torch.arange(max_batch_size + 1, dtype=torch.int32, device=device),
                    slot_mapping=full(max_batch_size, value=-1, dtype=torch.int64),
                    context_lens=full(max_batch_size, value=0, dtype=torch.int32),
                    block_tables=full(max_batch_size, max_blocks_per_seq, value=-1, dtype=torch.int32),
-                   hidden_states=full(max_batch_size, hidden_size, value=0, dtype=dtype))
+                   hidden_states=full(max_batch_size, hidden_size, value=0, dtype=dtype),
+                   max_seqlen_k=max_seqlen_k)
 
     def load(self, input_ids: torch.Tensor, positions: torch.Tensor, ctx: Context) -> None:
         """Copy one decode batch into the first rows. Every other row becomes padding that writes no
@@ -65,9 +69,11 @@ class DecodeBuffers:
         self.block_tables[:n, :width] = ctx.block_tables
 
     def set_context(self, batch_size: int) -> None:
-        """Point the attention context at the first `batch_size` rows of the buffers."""
-        set_context(False, slot_mapping=self.slot_mapping[:batch_size],
-                    context_lens=self.context_lens[:batch_size], block_tables=self.block_tables[:batch_size])
+        """Point the attention context at the first `batch_size` rows of the buffers. `max_seqlen_k` is the
+        longest context any replay may see, so that a kernel sized from it stays valid for every replay."""
+        set_context(cu_seqlens_q=self.cu_seqlens_q[:batch_size + 1], max_seqlen_q=1, max_seqlen_k=self.max_seqlen_k,
+                    context_lens=self.context_lens[:batch_size], block_tables=self.block_tables[:batch_size],
+                    slot_mapping=self.slot_mapping[:batch_size])
 
     def forward(self, model: nn.Module, batch_size: int) -> None:
         """The decode forward over the first `batch_size` rows, into `hidden_states`: what a graph captures."""
@@ -83,11 +89,12 @@ class DecodeGraphs:
     allocated, since the graphs bake in its addresses.
     """
 
-    def __init__(self, model: nn.Module, max_num_seqs: int, max_blocks_per_seq: int, hidden_size: int,
-                 dtype: torch.dtype, device: torch.device):
+    def __init__(self, model: nn.Module, max_num_seqs: int, max_blocks_per_seq: int, max_seqlen_k: int,
+                 hidden_size: int, dtype: torch.dtype, device: torch.device):
         self.model = model
         self.sizes = graph_batch_sizes(max_num_seqs)
-        self.buffers = DecodeBuffers.allocate(self.sizes[-1], max_blocks_per_seq, hidden_size, dtype, device)
+        self.buffers = DecodeBuffers.allocate(self.sizes[-1], max_blocks_per_seq, max_seqlen_k, hidden_size, dtype,
+                                              device)
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
         self._capture()
 

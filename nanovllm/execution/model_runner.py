@@ -5,10 +5,11 @@ import torch
 
 from nanovllm.backends import choose_backend, importable
 from nanovllm.config import Config, head_dim
-from nanovllm.engine.cuda_graph import DecodeGraphs
-from nanovllm.engine.distributed import WorkerGroup
-from nanovllm.engine.gpu_memory import gpu_kv_cache_bytes
+from nanovllm.execution.cuda_graph import DecodeGraphs
+from nanovllm.execution.workers import WorkerGroup
+from nanovllm.execution.gpu_memory import gpu_kv_cache_bytes
 from nanovllm.engine.sequence import Sequence
+from nanovllm.layers.attention import Attention, bind_kv_cache
 from nanovllm.layers.prepack import can_prepack, prepack_linear_weights
 from nanovllm.layers.sampler import Sampler
 from nanovllm.models import build_model
@@ -40,7 +41,7 @@ class ModelRunner:
     """
 
     def __init__(self, config: Config, rank: int = 0):
-        self.workers = WorkerGroup(config) if rank == 0 and config.tensor_parallel_size > 1 else None
+        self.workers = WorkerGroup(config, type(self)) if rank == 0 and config.tensor_parallel_size > 1 else None
         with self.workers.guard(shutdown=True) if self.workers else nullcontext():
             self.setup(config, rank)
 
@@ -64,22 +65,20 @@ class ModelRunner:
             prepack_linear_weights(self.model)
         self.sampler = Sampler()
         for module in self.model.modules():
-            if hasattr(module, "k_cache"):
+            if isinstance(module, Attention):
                 module.backend = self.backend
         self.allocate_kv_cache()
         self.graphs = None
         if on_gpu and not config.enforce_eager and self.backend.capturable:
             self.graphs = DecodeGraphs(self.model, config.max_num_seqs, blocks_per_sequence(config),
-                                       hf_config.hidden_size, config.torch_dtype, self.device)
+                                       config.max_model_len, hf_config.hidden_size, config.torch_dtype, self.device)
 
     def exit(self) -> None:
         if self.workers is not None:
             self.workers.shutdown()
         self.graphs = None
         self.kv_cache = None
-        for module in self.model.modules():
-            if hasattr(module, "k_cache"):
-                module.k_cache = module.v_cache = torch.tensor([])
+        bind_kv_cache(self.model, None)
 
     def call(self, method: str, *args):
         """Run `method(*args)` on this rank; on rank 0 also on every worker (tensors travel by broadcast)."""
@@ -101,7 +100,7 @@ class ModelRunner:
     def auto_num_kv_blocks(self) -> int:
         """Blocks that fit the configured memory budget, never more than the engine can ever use."""
         if self.device.type == "cuda":
-            budget = gpu_kv_cache_bytes(self.model, self.sampler, self.config, self.device)
+            budget = gpu_kv_cache_bytes(self.model, self.sampler, self.config, self.device, self.kv_cache_shape)
         else:
             budget = int(self.config.cpu_kvcache_gib * 2**30)
         usable = self.config.max_num_seqs * blocks_per_sequence(self.config)
@@ -120,11 +119,7 @@ class ModelRunner:
             )
         self.kv_cache = torch.zeros(self.kv_cache_shape(config.num_kvcache_blocks), dtype=config.torch_dtype,
                                     device=self.device)
-        layer = 0
-        for module in self.model.modules():
-            if hasattr(module, "k_cache"):
-                module.k_cache, module.v_cache = self.kv_cache[0, layer], self.kv_cache[1, layer]
-                layer += 1
+        bind_kv_cache(self.model, self.kv_cache)
 
     def _tensor(self, data: list, dtype: torch.dtype) -> torch.Tensor:
         """A host list on this rank's device; on CUDA through pinned memory, so the copy does not block."""
@@ -134,42 +129,40 @@ class ModelRunner:
         width = max(len(seq.block_table) for seq in seqs)
         return self._tensor([seq.block_table + [-1] * (width - len(seq.block_table)) for seq in seqs], torch.int32)
 
-    def prepare_prefill(self, seqs: list[Sequence]) -> tuple[torch.Tensor, torch.Tensor]:
-        input_ids, positions, slot_mapping = [], [], []
-        cu_seqlens_q, cu_seqlens_k = [0], [0]
-        max_seqlen_q = max_seqlen_k = 0
-        for seq in seqs:
-            seqlen, start = len(seq), seq.num_cached_tokens
-            input_ids.extend(seq[start:])
-            positions.extend(range(start, seqlen))
-            cu_seqlens_q.append(cu_seqlens_q[-1] + seqlen - start)
-            cu_seqlens_k.append(cu_seqlens_k[-1] + seqlen)
-            max_seqlen_q, max_seqlen_k = max(max_seqlen_q, seqlen - start), max(max_seqlen_k, seqlen)
-            for i in range(seq.num_cached_blocks, seq.num_blocks):
-                first = seq.block_table[i] * self.block_size
-                last = first + (self.block_size if i < seq.num_blocks - 1 else seq.last_block_num_tokens)
-                slot_mapping.extend(range(first, last))
-        prefix_cached = cu_seqlens_k[-1] > cu_seqlens_q[-1]
-        set_context(True, self._tensor(cu_seqlens_q, torch.int32), self._tensor(cu_seqlens_k, torch.int32),
-                    max_seqlen_q, max_seqlen_k, self._tensor(slot_mapping, torch.int64),
-                    block_tables=self.prepare_block_tables(seqs) if prefix_cached else None)
-        return self._tensor(input_ids, torch.int64), self._tensor(positions, torch.int64)
+    def slots(self, block_table: list[int], start: int, end: int) -> list[int]:
+        """Flat cache slots of token positions `start..end-1` of a sequence with this block table."""
+        bs, slots = self.block_size, []
+        for i in range(start // bs, (end + bs - 1) // bs):
+            first = block_table[i] * bs
+            slots.extend(range(first + max(start - i * bs, 0), first + min(end - i * bs, bs)))
+        return slots
 
-    def prepare_decode(self, seqs: list[Sequence]) -> tuple[torch.Tensor, torch.Tensor]:
-        input_ids = [seq.last_token for seq in seqs]
-        positions = [len(seq) - 1 for seq in seqs]
-        context_lens = [len(seq) for seq in seqs]
-        slot_mapping = [seq.block_table[-1] * self.block_size + seq.last_block_num_tokens - 1 for seq in seqs]
-        set_context(False, slot_mapping=self._tensor(slot_mapping, torch.int64),
-                    context_lens=self._tensor(context_lens, torch.int32),
-                    block_tables=self.prepare_block_tables(seqs))
+    def prepare(self, seqs: list[Sequence], starts: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
+        """Set the attention context for one varlen step: sequence i computes its tokens from
+        `starts[i]` to its end (the tokens before are already in its KV cache); return the input ids
+        and positions."""
+        input_ids, positions, slot_mapping, context_lens = [], [], [], []
+        cu_seqlens_q, cu_seqlens_k = [0], [0]
+        for seq, start in zip(seqs, starts):
+            end = len(seq)
+            input_ids.extend(seq[start:end])
+            positions.extend(range(start, end))
+            slot_mapping.extend(self.slots(seq.block_table, start, end))
+            cu_seqlens_q.append(cu_seqlens_q[-1] + end - start)
+            cu_seqlens_k.append(cu_seqlens_k[-1] + end)
+            context_lens.append(end)
+        set_context(cu_seqlens_q=self._tensor(cu_seqlens_q, torch.int32),
+                    cu_seqlens_k=self._tensor(cu_seqlens_k, torch.int32),
+                    max_seqlen_q=max(end - start for end, start in zip(context_lens, starts)),
+                    max_seqlen_k=max(context_lens), context_lens=self._tensor(context_lens, torch.int32),
+                    block_tables=self.prepare_block_tables(seqs), slot_mapping=self._tensor(slot_mapping, torch.int64))
         return self._tensor(input_ids, torch.int64), self._tensor(positions, torch.int64)
 
     @torch.inference_mode()
     def run_model(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor | None:
         """Decode replays a captured CUDA graph when one fits; the LM head always runs eagerly."""
         ctx = get_context()
-        if self.graphs is not None and not ctx.is_prefill and self.graphs.fits(input_ids.size(0)):
+        if self.graphs is not None and ctx.is_decode and self.graphs.fits(input_ids.size(0)):
             hidden_states = self.graphs.run(input_ids, positions, ctx)
         else:
             hidden_states = self.model(input_ids, positions)
@@ -177,7 +170,8 @@ class ModelRunner:
 
     def run(self, seqs: list[Sequence], is_prefill: bool) -> list[int] | None:
         """Run one scheduled batch; rank 0 returns one sampled token id per sequence."""
-        input_ids, positions = self.prepare_prefill(seqs) if is_prefill else self.prepare_decode(seqs)
+        starts = [seq.num_cached_tokens if is_prefill else len(seq) - 1 for seq in seqs]
+        input_ids, positions = self.prepare(seqs, starts)
         logits = self.call("run_model", input_ids, positions)
         token_ids = None
         if self.rank == 0:

@@ -1,6 +1,7 @@
 """Tensor-parallel processes: rank 0 lives in the user's process and drives workers for ranks 1..N-1.
 
-Each worker is a `spawn`ed process that owns a `ModelRunner` for its rank and loops: receive a
+Each worker is a `spawn`ed process that owns a model runner for its rank (an instance of the class
+rank 0 passes in, so this module never imports the runner) and loops: receive a
 call from rank 0, run it, repeat. Rank 0 forwards a call with `WorkerGroup.dispatch` right
 before running the same call itself, so every rank enters the model's collectives in the same
 order.
@@ -128,7 +129,7 @@ class WorkerGroup:
     15-21 ms with 1.
     """
 
-    def __init__(self, config: Config):
+    def __init__(self, config: Config, runner_cls: type):
         if dist.is_initialized():
             raise RuntimeError("torch.distributed is already initialized in this process, so tensor parallelism "
                                "cannot create its own process group; exit() the previous engine first, or use "
@@ -154,8 +155,8 @@ class WorkerGroup:
             ctx = get_context("spawn")
             for rank in range(1, world_size):
                 conn, child_conn = ctx.Pipe()
-                process = ctx.Process(target=_worker_main, args=(config, rank, addr, store.port, child_conn, threads),
-                                      name=f"nanovllm-tp-rank{rank}")
+                process = ctx.Process(target=_worker_main, name=f"nanovllm-tp-rank{rank}",
+                                      args=(runner_cls, config, rank, addr, store.port, child_conn, threads))
                 process.start()
                 child_conn.close()
                 self.processes.append(process)
@@ -258,17 +259,16 @@ class WorkerGroup:
         torch.set_num_threads(self.saved_num_threads)
 
 
-def _worker_main(config: Config, rank: int, addr: str, port: int, conn: Connection, num_threads: int) -> None:
-    """Entry point of the worker process for `rank`."""
-    from nanovllm.engine.model_runner import ModelRunner
-
+def _worker_main(runner_cls: type, config: Config, rank: int, addr: str, port: int, conn: Connection,
+                 num_threads: int) -> None:
+    """Entry point of the worker process for `rank`; `runner_cls(config, rank)` builds its model runner."""
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C reaches rank 0, which shuts the workers down
     torch.set_num_threads(num_threads)
     runner = None
     try:
         store = dist.TCPStore(addr, port, config.tensor_parallel_size, is_master=False, timeout=TIMEOUT)
         init_process_group(config, rank, store)
-        runner = ModelRunner(config, rank)
+        runner = runner_cls(config, rank)
         while True:
             try:
                 method, args, context = pickle.loads(conn.recv_bytes())

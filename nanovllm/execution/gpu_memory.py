@@ -1,0 +1,90 @@
+"""GPU KV-cache sizing: measure a warm-up forward pass, then give the cache what the budget leaves."""
+from collections.abc import Callable
+
+import torch
+from torch import nn
+
+from nanovllm.config import Config
+from nanovllm.layers.attention import bind_kv_cache
+from nanovllm.utils.context import reset_context, set_context
+
+
+def kv_cache_budget(total: int, free: int, peak: int, current: int, utilization: float) -> int:
+    """Bytes the KV cache may take: `utilization` of the device, minus what is in use now (by this
+    process and any other) and minus the warm-up's transient activations (`peak - current`),
+    which later steps need again."""
+    return max(0, int(total * utilization) - (total - free) - (peak - current))
+
+
+def warmup_batch_size(config: Config) -> int:
+    """The most max-length sequences one prefill step can hold."""
+    return min(config.max_num_batched_tokens // config.max_model_len, config.max_num_seqs)
+
+
+def warmup_cache_blocks(config: Config) -> int:
+    """Blocks the warm-up batch occupies in its (one-layer) KV cache."""
+    return warmup_batch_size(config) * -(-config.max_model_len // config.kvcache_block_size)
+
+
+@torch.inference_mode()
+def warmup(model: nn.Module, sampler: nn.Module, config: Config, device: torch.device) -> None:
+    """The largest prefill the budget allows, then sampling over a full decode batch (its logits are
+    `max_num_seqs x vocab` and often the biggest single allocation).
+
+    The model must be bound to a cache of at least `warmup_cache_blocks(config)` blocks; every layer
+    may share one, since only the attention kernels' working memory is being measured.
+    """
+    num_seqs, seq_len, block_size = warmup_batch_size(config), config.max_model_len, config.kvcache_block_size
+    blocks_per_seq = -(-seq_len // block_size)
+    positions = torch.arange(seq_len, device=device).repeat(num_seqs)
+    block_tables = torch.arange(num_seqs * blocks_per_seq, dtype=torch.int32, device=device).view(num_seqs, -1)
+    seq_index = torch.arange(num_seqs, device=device).repeat_interleave(seq_len)
+    slot_mapping = (block_tables[seq_index, positions // block_size] * block_size + positions % block_size).long()
+    context_lens = torch.full((num_seqs,), seq_len, dtype=torch.int32, device=device)
+    cu_seqlens = torch.arange(0, num_seqs + 1, dtype=torch.int32, device=device) * seq_len
+    try:
+        set_context(cu_seqlens_q=cu_seqlens, cu_seqlens_k=cu_seqlens, max_seqlen_q=seq_len, max_seqlen_k=seq_len,
+                    context_lens=context_lens, block_tables=block_tables, slot_mapping=slot_mapping)
+        hidden_states = model(torch.zeros_like(positions), positions)
+        model.compute_logits(hidden_states)
+        set_context(max_seqlen_q=1)
+        decode_batch = hidden_states.new_zeros(config.max_num_seqs, hidden_states.size(-1))
+        del hidden_states
+        logits = model.compute_logits(decode_batch)
+        if logits is not None:
+            sampler(logits, torch.ones(config.max_num_seqs, device=device))
+    finally:
+        reset_context()
+
+
+def gpu_kv_cache_bytes(model: nn.Module, sampler: nn.Module, config: Config, device: torch.device,
+                       kv_cache_shape: Callable[[int], tuple[int, ...]]) -> int:
+    """Run the warm-up and size the KV cache from `gpu_memory_utilization` and what it measured.
+
+    The warm-up runs the serving attention path over a temporary cache of one layer that every
+    layer shares (`kv_cache_shape(num_blocks)` is the full cache's shape); it is allocated before
+    the peak is reset, so it does not count as transient memory, and freed before sizing.
+    """
+    torch.cuda.empty_cache()
+    shape = list(kv_cache_shape(warmup_cache_blocks(config)))
+    num_layers, shape[1] = shape[1], 1
+    scratch = torch.zeros(shape, dtype=config.torch_dtype, device=device)
+    bind_kv_cache(model, scratch.expand(-1, num_layers, *shape[2:]))
+    torch.cuda.reset_peak_memory_stats(device)
+    try:
+        warmup(model, sampler, config, device)
+        torch.cuda.synchronize(device)
+        stats = torch.cuda.memory_stats(device)
+    except torch.cuda.OutOfMemoryError as e:
+        raise ValueError(
+            f"the warm-up pass ({warmup_batch_size(config)} sequence(s) of max_model_len={config.max_model_len} "
+            "tokens) ran out of GPU memory before the KV cache was allocated; lower max_num_batched_tokens, "
+            "max_num_seqs or max_model_len, or free GPU memory"
+        ) from e
+    finally:
+        bind_kv_cache(model, None)
+        del scratch
+        torch.cuda.empty_cache()
+    free, total = torch.cuda.mem_get_info(device)
+    return kv_cache_budget(total, free, stats["allocated_bytes.all.peak"], stats["allocated_bytes.all.current"],
+                           config.gpu_memory_utilization)
