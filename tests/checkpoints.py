@@ -1,10 +1,17 @@
-"""Small random Qwen3 checkpoints (weights + tokenizer) built on the fly, and transformers' greedy reference."""
+"""Small random checkpoints of each supported family (weights + tokenizer) built on the fly, and transformers'
+greedy reference."""
 import json
 import os
 
 import torch
 from tokenizers import Tokenizer, models, pre_tokenizers, decoders, trainers
-from transformers import PreTrainedTokenizerFast, Qwen3Config, Qwen3ForCausalLM
+from transformers import (AutoModelForCausalLM, LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast, Qwen2Config,
+                          Qwen2ForCausalLM, Qwen3Config, Qwen3ForCausalLM)
+
+FAMILIES = {"qwen3": (Qwen3Config, Qwen3ForCausalLM), "qwen2": (Qwen2Config, Qwen2ForCausalLM),
+            "llama": (LlamaConfig, LlamaForCausalLM)}
+LLAMA3_ROPE = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+               "original_max_position_embeddings": 64}
 
 CORPUS = [
     "Hello, my name is Ada and I like to write small fast programs.",
@@ -25,24 +32,34 @@ def make_tokenizer(path: str, vocab_size: int) -> None:
     PreTrainedTokenizerFast(tokenizer_object=tok, eos_token="<|endoftext|>").save_pretrained(path)
 
 
-def make_checkpoint(path: str, *, tie_word_embeddings: bool = True, vocab_size: int = 384, hidden_size: int = 64,
-                    num_layers: int = 2, num_heads: int = 4, num_kv_heads: int = 2, head_dim: int = 16,
-                    intermediate_size: int = 128, max_position_embeddings: int = 1024, seed: int = 0,
-                    initializer_range: float = 0.1, rope_theta: float = 1e6, hub_style: bool = True,
-                    max_shard_size: str | None = None, tokenizer: bool = True) -> str:
-    """Save a random Qwen3 model as safetensors.
+def make_checkpoint(path: str, *, family: str = "qwen3", tie_word_embeddings: bool = True, vocab_size: int = 384,
+                    hidden_size: int = 64, num_layers: int = 2, num_heads: int = 4, num_kv_heads: int = 2,
+                    head_dim: int = 16, intermediate_size: int = 128, max_position_embeddings: int = 1024,
+                    seed: int = 0, initializer_range: float = 0.1, rope_theta: float = 1e6,
+                    rope_scaling: dict | None = None, hub_style: bool = True, max_shard_size: str | None = None,
+                    tokenizer: bool = True, **family_settings) -> str:
+    """Save a random model of `family` ("qwen3", "qwen2", "llama") as safetensors.
 
-    `hub_style` writes config.json as hub checkpoints do (`rope_theta` at the top level);
-    otherwise as transformers 5 does (inside `rope_parameters`).
+    Biases are drawn like the weights (transformers initializes them to zero, which would hide a
+    missing bias). `rope_scaling` is a rope parameters dict such as `LLAMA3_ROPE`. `hub_style`
+    writes config.json as hub checkpoints do (`rope_theta` and `rope_scaling` at the top level);
+    otherwise as transformers 5 does (inside `rope_parameters`). `family_settings` go to the config
+    (e.g. `attention_bias`, `mlp_bias`).
     """
     torch.manual_seed(seed)
-    config = Qwen3Config(vocab_size=vocab_size, hidden_size=hidden_size, intermediate_size=intermediate_size,
-                         num_hidden_layers=num_layers, num_attention_heads=num_heads,
-                         num_key_value_heads=num_kv_heads, head_dim=head_dim,
-                         max_position_embeddings=max_position_embeddings, rope_theta=rope_theta,
-                         tie_word_embeddings=tie_word_embeddings, initializer_range=initializer_range,
-                         eos_token_id=0)
-    model = Qwen3ForCausalLM(config).float()
+    config_class, model_class = FAMILIES[family]
+    config = config_class(vocab_size=vocab_size, hidden_size=hidden_size, intermediate_size=intermediate_size,
+                          num_hidden_layers=num_layers, num_attention_heads=num_heads,
+                          num_key_value_heads=num_kv_heads, head_dim=head_dim,
+                          max_position_embeddings=max_position_embeddings, rope_theta=rope_theta,
+                          rope_scaling=rope_scaling,
+                          tie_word_embeddings=tie_word_embeddings, initializer_range=initializer_range,
+                          eos_token_id=0, **family_settings)
+    model = model_class(config).float()
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            if name.endswith(".bias"):
+                param.normal_(0, initializer_range)
     model.save_pretrained(path, **({"max_shard_size": max_shard_size} if max_shard_size else {}))
     if hub_style:
         config_path = os.path.join(path, "config.json")
@@ -50,6 +67,8 @@ def make_checkpoint(path: str, *, tie_word_embeddings: bool = True, vocab_size: 
             saved = json.load(f)
         saved.pop("rope_parameters", None)
         saved["rope_theta"] = rope_theta
+        if rope_scaling:
+            saved["rope_scaling"] = rope_scaling
         with open(config_path, "w") as f:
             json.dump(saved, f, indent=2)
     if tokenizer:
@@ -60,7 +79,7 @@ def make_checkpoint(path: str, *, tie_word_embeddings: bool = True, vocab_size: 
 @torch.inference_mode()
 def hf_greedy(path: str, prompts: list[list[int]], max_tokens: int) -> list[list[int]]:
     """transformers' greedy continuation of each prompt, one prompt at a time, float32, with its KV cache."""
-    model = Qwen3ForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
     outputs = []
     for prompt in prompts:
         ids = torch.tensor([prompt])
