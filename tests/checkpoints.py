@@ -92,3 +92,68 @@ def hf_greedy(path: str, prompts: list[list[int]], max_tokens: int) -> list[list
             past = out.past_key_values
         outputs.append(tokens)
     return outputs
+
+
+def _llama_cpp_permute(weight: torch.Tensor, num_heads: int) -> torch.Tensor:
+    """llama.cpp's q/k row order (pairs of rotary halves interleaved per head), which GGUF readers undo."""
+    return weight.reshape(num_heads, 2, weight.shape[0] // num_heads // 2, *weight.shape[1:]).swapaxes(1, 2) \
+        .reshape(weight.shape)
+
+
+GGUF_Q8_0_TENSORS = ("ffn_gate", "ffn_up", "ffn_down")
+
+
+def make_gguf(path: str, llama_dir: str, chat_template: str) -> str:
+    """Write the Llama checkpoint in `llama_dir` (see `make_checkpoint`) as a GGUF file, as llama.cpp's converter
+    would: its byte-level BPE vocabulary, q/k rows permuted, the MLP weights quantized to Q8_0, the rest float32."""
+    import gguf
+    from safetensors.torch import load_file
+
+    with open(os.path.join(llama_dir, "config.json")) as f:
+        config = json.load(f)
+    with open(os.path.join(llama_dir, "tokenizer.json")) as f:
+        bpe = json.load(f)["model"]
+    heads, kv_heads = config["num_attention_heads"], config["num_key_value_heads"]
+    writer = gguf.GGUFWriter(path, "llama")
+    writer.add_context_length(config["max_position_embeddings"])
+    writer.add_embedding_length(config["hidden_size"])
+    writer.add_block_count(config["num_hidden_layers"])
+    writer.add_feed_forward_length(config["intermediate_size"])
+    writer.add_rope_dimension_count(config["head_dim"])
+    writer.add_head_count(heads)
+    writer.add_head_count_kv(kv_heads)
+    writer.add_layer_norm_rms_eps(config["rms_norm_eps"])
+    writer.add_rope_freq_base(config["rope_theta"])
+    writer.add_vocab_size(config["vocab_size"])
+    tokens = sorted(bpe["vocab"], key=bpe["vocab"].get)
+    writer.add_tokenizer_model("gpt2")
+    writer.add_token_list(tokens)
+    writer.add_token_types([gguf.TokenType.CONTROL if t == "<|endoftext|>" else gguf.TokenType.NORMAL for t in tokens])
+    writer.add_token_merges([m if isinstance(m, str) else " ".join(m) for m in bpe["merges"]])
+    writer.add_eos_token_id(config["eos_token_id"])
+    writer.add_chat_template(chat_template)
+    names = {"self_attn.q_proj": "attn_q", "self_attn.k_proj": "attn_k", "self_attn.v_proj": "attn_v",
+             "self_attn.o_proj": "attn_output", "mlp.gate_proj": "ffn_gate", "mlp.up_proj": "ffn_up",
+             "mlp.down_proj": "ffn_down", "input_layernorm": "attn_norm", "post_attention_layernorm": "ffn_norm"}
+    for name, tensor in load_file(os.path.join(llama_dir, "model.safetensors")).items():
+        if name.startswith("model.layers."):
+            _, _, layer, module = name.rsplit(".", 1)[0].split(".", 3)
+            if module == "self_attn.q_proj":
+                tensor = _llama_cpp_permute(tensor, heads)
+            elif module == "self_attn.k_proj":
+                tensor = _llama_cpp_permute(tensor, kv_heads)
+            gguf_name = f"blk.{layer}.{names[module]}.weight"
+        else:
+            gguf_name = {"model.embed_tokens.weight": "token_embd.weight", "model.norm.weight": "output_norm.weight",
+                         "lm_head.weight": "output.weight"}[name]
+        data = tensor.float().numpy()
+        if any(f".{q}." in gguf_name for q in GGUF_Q8_0_TENSORS):
+            writer.add_tensor(gguf_name, gguf.quants.quantize(data, gguf.GGMLQuantizationType.Q8_0),
+                              raw_dtype=gguf.GGMLQuantizationType.Q8_0)
+        else:
+            writer.add_tensor(gguf_name, data)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    return path
