@@ -16,6 +16,8 @@ from pathlib import Path
 import torch
 from transformers import AutoConfig, PretrainedConfig
 
+from nanovllm.models import model_class
+
 INSTALL_HINT = 'pip install "nanovllm[demo]" (or: pip install gguf accelerate)'
 
 
@@ -52,7 +54,8 @@ def read_gguf_config(path: str) -> PretrainedConfig:
 
     _require_gguf_support()
     config = AutoConfig.from_pretrained(os.path.dirname(os.path.abspath(path)), gguf_file=os.path.basename(path))
-    config.architectures = [MODEL_FOR_CAUSAL_LM_MAPPING_NAMES[config.model_type]]
+    name = MODEL_FOR_CAUSAL_LM_MAPPING_NAMES.get(config.model_type)
+    config.architectures = [name] if name else []
     return config
 
 
@@ -85,6 +88,10 @@ def convert_gguf(path: str, out_dir: str) -> None:
     os.makedirs(out_dir, exist_ok=True)
     state = {name: tensor.contiguous() for name, tensor in model.state_dict().items()
              if not (config.tie_word_embeddings and name == "lm_head.weight")}
+    packed = [name for name, tensor in state.items() if tensor.dtype != torch.float32]
+    if packed:
+        raise ValueError(f"transformers kept GGUF weights of {path} packed ({packed[0]}, ...) instead of dequantizing "
+                         "them; this transformers version cannot be used to convert GGUF files")
     save_file(state, os.path.join(out_dir, "model.safetensors"), metadata={"format": "pt"})
     config.save_pretrained(out_dir)
     model.generation_config.save_pretrained(out_dir)
@@ -98,8 +105,6 @@ def cached_conversion(path: str) -> str:
     file is converted again. The model's family is checked before any tensor is read, and a
     conversion becomes visible only when complete (written to a temporary directory, then renamed).
     """
-    from nanovllm.models import model_class
-
     stat = os.stat(path)
     key = hashlib.sha256(f"{os.path.abspath(path)}:{stat.st_size}:{stat.st_mtime_ns}".encode()).hexdigest()[:16]
     target = cache_dir() / "gguf" / f"{Path(path).stem}-{key}"
