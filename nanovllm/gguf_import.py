@@ -59,6 +59,18 @@ def read_gguf_config(path: str) -> PretrainedConfig:
     return config
 
 
+def _reject_scaled_rope(path: str) -> None:
+    """transformers' GGUF reader drops Llama rope scaling (llama.cpp stores Llama 3.1's as a `rope_freqs` tensor),
+    which would change every output; refuse such files rather than convert them wrongly."""
+    from gguf import GGUFReader
+
+    reader = GGUFReader(path)
+    if any(t.name == "rope_freqs.weight" for t in reader.tensors) or \
+            any(key.endswith(".rope.scaling.factor") for key in reader.fields):
+        raise ValueError(f"{path} scales its rope frequencies (e.g. Llama 3.1/3.2), which transformers' GGUF reader "
+                         "ignores; load the model's original Hugging Face checkpoint instead")
+
+
 def _dequantized() -> dict:
     """Newer transformers may keep GGUF blocks packed in special modules; ask for plain dense weights."""
     try:
@@ -78,6 +90,7 @@ def convert_gguf(path: str, out_dir: str) -> None:
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     _require_gguf_support()
+    _reject_scaled_rope(path)
     source = dict(pretrained_model_name_or_path=os.path.dirname(os.path.abspath(path)), gguf_file=os.path.basename(path))
     tokenizer = AutoTokenizer.from_pretrained(**source)
     model = AutoModelForCausalLM.from_pretrained(**source, **_dequantized(), dtype=torch.float32)

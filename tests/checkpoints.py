@@ -103,9 +103,10 @@ def _llama_cpp_permute(weight: torch.Tensor, num_heads: int) -> torch.Tensor:
 GGUF_Q8_0_TENSORS = ("ffn_gate", "ffn_up", "ffn_down")
 
 
-def make_gguf(path: str, llama_dir: str, chat_template: str) -> str:
+def make_gguf(path: str, llama_dir: str, chat_template: str, rope_freqs: bool = False) -> str:
     """Write the Llama checkpoint in `llama_dir` (see `make_checkpoint`) as a GGUF file, as llama.cpp's converter
-    would: its byte-level BPE vocabulary, q/k rows permuted, the MLP weights quantized to Q8_0, the rest float32."""
+    would: its byte-level BPE vocabulary, q/k rows permuted, the MLP weights quantized to Q8_0, the rest float32.
+    `rope_freqs` adds the per-frequency rope factors llama.cpp writes for Llama 3.1 (all ones here)."""
     import gguf
     from safetensors.torch import load_file
 
@@ -152,6 +153,8 @@ def make_gguf(path: str, llama_dir: str, chat_template: str) -> str:
                               raw_dtype=gguf.GGMLQuantizationType.Q8_0)
         else:
             writer.add_tensor(gguf_name, data)
+    if rope_freqs:
+        writer.add_tensor("rope_freqs.weight", torch.ones(config["head_dim"] // 2).numpy())
     writer.write_header_to_file()
     writer.write_kv_data_to_file()
     writer.write_tensors_to_file()

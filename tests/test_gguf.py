@@ -92,7 +92,7 @@ def test_a_changed_gguf_file_is_converted_again(gguf_file, tmp_path):
         assert llm.config.model != first
 
 
-def test_bad_gguf_inputs(gguf_file, tmp_path, monkeypatch, capsys):
+def test_bad_gguf_inputs(gguf_file, llama_dir, tmp_path, monkeypatch, capsys):
     two = tmp_path / "two"
     two.mkdir()
     for name in ("a.gguf", "b.gguf"):
@@ -106,6 +106,9 @@ def test_bad_gguf_inputs(gguf_file, tmp_path, monkeypatch, capsys):
     assert "GGUF file not found" in capsys.readouterr().err
     assert cli(["convert", gguf_file, str(two)]) == 2
     assert "not an empty directory" in capsys.readouterr().err
+    scaled = make_gguf(str(tmp_path / "scaled.gguf"), llama_dir, CHAT_TEMPLATE, rope_freqs=True)
+    with pytest.raises(ValueError, match="scales its rope frequencies"):
+        LLM(scaled)
     import importlib.util
 
     find_spec = importlib.util.find_spec
