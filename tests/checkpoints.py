@@ -1,10 +1,17 @@
-"""Small random Qwen3 checkpoints (weights + tokenizer) built on the fly, and transformers' greedy reference."""
+"""Small random checkpoints of each supported family (weights + tokenizer) built on the fly, and transformers'
+greedy reference."""
 import json
 import os
 
 import torch
 from tokenizers import Tokenizer, models, pre_tokenizers, decoders, trainers
-from transformers import PreTrainedTokenizerFast, Qwen3Config, Qwen3ForCausalLM
+from transformers import (AutoModelForCausalLM, LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast, Qwen2Config,
+                          Qwen2ForCausalLM, Qwen3Config, Qwen3ForCausalLM)
+
+FAMILIES = {"qwen3": (Qwen3Config, Qwen3ForCausalLM), "qwen2": (Qwen2Config, Qwen2ForCausalLM),
+            "llama": (LlamaConfig, LlamaForCausalLM)}
+LLAMA3_ROPE = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+               "original_max_position_embeddings": 64}
 
 CORPUS = [
     "Hello, my name is Ada and I like to write small fast programs.",
@@ -25,24 +32,34 @@ def make_tokenizer(path: str, vocab_size: int) -> None:
     PreTrainedTokenizerFast(tokenizer_object=tok, eos_token="<|endoftext|>").save_pretrained(path)
 
 
-def make_checkpoint(path: str, *, tie_word_embeddings: bool = True, vocab_size: int = 384, hidden_size: int = 64,
-                    num_layers: int = 2, num_heads: int = 4, num_kv_heads: int = 2, head_dim: int = 16,
-                    intermediate_size: int = 128, max_position_embeddings: int = 1024, seed: int = 0,
-                    initializer_range: float = 0.1, rope_theta: float = 1e6, hub_style: bool = True,
-                    max_shard_size: str | None = None, tokenizer: bool = True) -> str:
-    """Save a random Qwen3 model as safetensors.
+def make_checkpoint(path: str, *, family: str = "qwen3", tie_word_embeddings: bool = True, vocab_size: int = 384,
+                    hidden_size: int = 64, num_layers: int = 2, num_heads: int = 4, num_kv_heads: int = 2,
+                    head_dim: int = 16, intermediate_size: int = 128, max_position_embeddings: int = 1024,
+                    seed: int = 0, initializer_range: float = 0.1, rope_theta: float = 1e6,
+                    rope_scaling: dict | None = None, hub_style: bool = True, max_shard_size: str | None = None,
+                    tokenizer: bool = True, **family_settings) -> str:
+    """Save a random model of `family` ("qwen3", "qwen2", "llama") as safetensors.
 
-    `hub_style` writes config.json as hub checkpoints do (`rope_theta` at the top level);
-    otherwise as transformers 5 does (inside `rope_parameters`).
+    Biases are drawn like the weights (transformers initializes them to zero, which would hide a
+    missing bias). `rope_scaling` is a rope parameters dict such as `LLAMA3_ROPE`. `hub_style`
+    writes config.json as hub checkpoints do (`rope_theta` and `rope_scaling` at the top level);
+    otherwise as transformers 5 does (inside `rope_parameters`). `family_settings` go to the config
+    (e.g. `attention_bias`, `mlp_bias`).
     """
     torch.manual_seed(seed)
-    config = Qwen3Config(vocab_size=vocab_size, hidden_size=hidden_size, intermediate_size=intermediate_size,
-                         num_hidden_layers=num_layers, num_attention_heads=num_heads,
-                         num_key_value_heads=num_kv_heads, head_dim=head_dim,
-                         max_position_embeddings=max_position_embeddings, rope_theta=rope_theta,
-                         tie_word_embeddings=tie_word_embeddings, initializer_range=initializer_range,
-                         eos_token_id=0)
-    model = Qwen3ForCausalLM(config).float()
+    config_class, model_class = FAMILIES[family]
+    config = config_class(vocab_size=vocab_size, hidden_size=hidden_size, intermediate_size=intermediate_size,
+                          num_hidden_layers=num_layers, num_attention_heads=num_heads,
+                          num_key_value_heads=num_kv_heads, head_dim=head_dim,
+                          max_position_embeddings=max_position_embeddings, rope_theta=rope_theta,
+                          rope_scaling=rope_scaling,
+                          tie_word_embeddings=tie_word_embeddings, initializer_range=initializer_range,
+                          eos_token_id=0, **family_settings)
+    model = model_class(config).float()
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            if name.endswith(".bias"):
+                param.normal_(0, initializer_range)
     model.save_pretrained(path, **({"max_shard_size": max_shard_size} if max_shard_size else {}))
     if hub_style:
         config_path = os.path.join(path, "config.json")
@@ -50,6 +67,8 @@ def make_checkpoint(path: str, *, tie_word_embeddings: bool = True, vocab_size: 
             saved = json.load(f)
         saved.pop("rope_parameters", None)
         saved["rope_theta"] = rope_theta
+        if rope_scaling:
+            saved["rope_scaling"] = rope_scaling
         with open(config_path, "w") as f:
             json.dump(saved, f, indent=2)
     if tokenizer:
@@ -60,7 +79,7 @@ def make_checkpoint(path: str, *, tie_word_embeddings: bool = True, vocab_size: 
 @torch.inference_mode()
 def hf_greedy(path: str, prompts: list[list[int]], max_tokens: int) -> list[list[int]]:
     """transformers' greedy continuation of each prompt, one prompt at a time, float32, with its KV cache."""
-    model = Qwen3ForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
     outputs = []
     for prompt in prompts:
         ids = torch.tensor([prompt])
@@ -73,3 +92,71 @@ def hf_greedy(path: str, prompts: list[list[int]], max_tokens: int) -> list[list
             past = out.past_key_values
         outputs.append(tokens)
     return outputs
+
+
+def _llama_cpp_permute(weight: torch.Tensor, num_heads: int) -> torch.Tensor:
+    """llama.cpp's q/k row order (pairs of rotary halves interleaved per head), which GGUF readers undo."""
+    return weight.reshape(num_heads, 2, weight.shape[0] // num_heads // 2, *weight.shape[1:]).swapaxes(1, 2) \
+        .reshape(weight.shape)
+
+
+GGUF_Q8_0_TENSORS = ("ffn_gate", "ffn_up", "ffn_down")
+
+
+def make_gguf(path: str, llama_dir: str, chat_template: str, rope_freqs: bool = False) -> str:
+    """Write the Llama checkpoint in `llama_dir` (see `make_checkpoint`) as a GGUF file, as llama.cpp's converter
+    would: its byte-level BPE vocabulary, q/k rows permuted, the MLP weights quantized to Q8_0, the rest float32.
+    `rope_freqs` adds the per-frequency rope factors llama.cpp writes for Llama 3.1 (all ones here)."""
+    import gguf
+    from safetensors.torch import load_file
+
+    with open(os.path.join(llama_dir, "config.json")) as f:
+        config = json.load(f)
+    with open(os.path.join(llama_dir, "tokenizer.json")) as f:
+        bpe = json.load(f)["model"]
+    heads, kv_heads = config["num_attention_heads"], config["num_key_value_heads"]
+    writer = gguf.GGUFWriter(path, "llama")
+    writer.add_context_length(config["max_position_embeddings"])
+    writer.add_embedding_length(config["hidden_size"])
+    writer.add_block_count(config["num_hidden_layers"])
+    writer.add_feed_forward_length(config["intermediate_size"])
+    writer.add_rope_dimension_count(config["head_dim"])
+    writer.add_head_count(heads)
+    writer.add_head_count_kv(kv_heads)
+    writer.add_layer_norm_rms_eps(config["rms_norm_eps"])
+    writer.add_rope_freq_base(config["rope_theta"])
+    writer.add_vocab_size(config["vocab_size"])
+    tokens = sorted(bpe["vocab"], key=bpe["vocab"].get)
+    writer.add_tokenizer_model("gpt2")
+    writer.add_token_list(tokens)
+    writer.add_token_types([gguf.TokenType.CONTROL if t == "<|endoftext|>" else gguf.TokenType.NORMAL for t in tokens])
+    writer.add_token_merges([m if isinstance(m, str) else " ".join(m) for m in bpe["merges"]])
+    writer.add_eos_token_id(config["eos_token_id"])
+    writer.add_chat_template(chat_template)
+    names = {"self_attn.q_proj": "attn_q", "self_attn.k_proj": "attn_k", "self_attn.v_proj": "attn_v",
+             "self_attn.o_proj": "attn_output", "mlp.gate_proj": "ffn_gate", "mlp.up_proj": "ffn_up",
+             "mlp.down_proj": "ffn_down", "input_layernorm": "attn_norm", "post_attention_layernorm": "ffn_norm"}
+    for name, tensor in load_file(os.path.join(llama_dir, "model.safetensors")).items():
+        if name.startswith("model.layers."):
+            _, _, layer, module = name.rsplit(".", 1)[0].split(".", 3)
+            if module == "self_attn.q_proj":
+                tensor = _llama_cpp_permute(tensor, heads)
+            elif module == "self_attn.k_proj":
+                tensor = _llama_cpp_permute(tensor, kv_heads)
+            gguf_name = f"blk.{layer}.{names[module]}.weight"
+        else:
+            gguf_name = {"model.embed_tokens.weight": "token_embd.weight", "model.norm.weight": "output_norm.weight",
+                         "lm_head.weight": "output.weight"}[name]
+        data = tensor.float().numpy()
+        if any(f".{q}." in gguf_name for q in GGUF_Q8_0_TENSORS):
+            writer.add_tensor(gguf_name, gguf.quants.quantize(data, gguf.GGMLQuantizationType.Q8_0),
+                              raw_dtype=gguf.GGMLQuantizationType.Q8_0)
+        else:
+            writer.add_tensor(gguf_name, data)
+    if rope_freqs:
+        writer.add_tensor("rope_freqs.weight", torch.ones(config["head_dim"] // 2).numpy())
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    return path

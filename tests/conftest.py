@@ -1,6 +1,6 @@
 import pytest
 
-from checkpoints import make_checkpoint
+from checkpoints import LLAMA3_ROPE, make_checkpoint
 
 
 @pytest.fixture(scope="session")
@@ -12,6 +12,26 @@ def tied_model(tmp_path_factory) -> str:
 def untied_model(tmp_path_factory) -> str:
     return make_checkpoint(str(tmp_path_factory.mktemp("qwen3-untied")), tie_word_embeddings=False, seed=1,
                            hub_style=False, rope_theta=5e5, max_shard_size="100KB")
+
+
+@pytest.fixture(scope="session")
+def llama_tied_model(tmp_path_factory) -> str:
+    """Llama 3.1 style: llama3 rope scaling (within the tests' prompt lengths), hub-style config."""
+    return make_checkpoint(str(tmp_path_factory.mktemp("llama-tied")), family="llama", tie_word_embeddings=True,
+                           seed=2, rope_theta=5e5, rope_scaling=LLAMA3_ROPE)
+
+
+@pytest.fixture(scope="session")
+def llama_untied_model(tmp_path_factory) -> str:
+    """Llama with every optional bias (attention and MLP), untied head, transformers-5 style config."""
+    return make_checkpoint(str(tmp_path_factory.mktemp("llama-untied")), family="llama", tie_word_embeddings=False,
+                           seed=3, hub_style=False, attention_bias=True, mlp_bias=True)
+
+
+@pytest.fixture(scope="session")
+def qwen2_model(tmp_path_factory) -> str:
+    """Qwen2/2.5: q/k/v biases, no q/k norm, untied head."""
+    return make_checkpoint(str(tmp_path_factory.mktemp("qwen2")), family="qwen2", tie_word_embeddings=False, seed=4)
 
 
 def pytest_collection_modifyitems(config, items) -> None:

@@ -110,9 +110,24 @@ def test_missing_or_malformed_model_directory(tied_model, tmp_path):
         LLM(str(broken))
     other = tmp_path / "other"
     other.mkdir()
-    (other / "config.json").write_text(json.dumps({"model_type": "gpt2"}))
-    with pytest.raises(ValueError, match="unsupported model_type 'gpt2'"):
+    (other / "config.json").write_text(json.dumps({"model_type": "gpt2", "architectures": ["GPT2LMHeadModel"]}))
+    with pytest.raises(ValueError, match=r"architectures \['GPT2LMHeadModel'\]; nanovllm supports \['LlamaForCausalLM', "
+                                         r"'Qwen2ForCausalLM', 'Qwen3ForCausalLM'\]"):
         LLM(str(other))
+
+
+@pytest.mark.parametrize("change, message", [
+    ({"rope_scaling": {"rope_type": "yarn", "factor": 4.0}}, "unsupported rope scaling 'yarn'"),
+    ({"rope_scaling": {"rope_type": "llama3", "factor": 8.0}}, "low_freq_factor"),
+    ({"hidden_act": "gelu"}, "unsupported hidden_act 'gelu'"),
+    ({"architectures": ["Qwen2ForCausalLM"], "model_type": "qwen2", "use_sliding_window": True}, "use_sliding_window"),
+])
+def test_config_a_family_cannot_run(tied_model, tmp_path, change, message):
+    path = shutil.copytree(tied_model, tmp_path / "model")
+    config = json.loads((path / "config.json").read_text())
+    (path / "config.json").write_text(json.dumps({**config, **change}))
+    with pytest.raises(ValueError, match=message):
+        LLM(str(path))
 
 
 def test_checkpoint_missing_weights(tied_model, tmp_path):

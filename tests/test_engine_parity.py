@@ -21,9 +21,22 @@ def prompts() -> list[list[int]]:
     return random_prompts(PROMPT_LENGTHS)
 
 
+# Every checkpoint fixture (see conftest.py), and one per family for the scheduling paths.
+MODELS = ["tied_model", "untied_model", "llama_tied_model", "llama_untied_model", "qwen2_model"]
+FAMILIES = ["tied_model", "llama_tied_model", "qwen2_model"]
+
+
 @pytest.fixture(scope="module")
-def references(tied_model, untied_model, prompts) -> dict[str, list[list[int]]]:
-    return {path: hf_greedy(path, prompts, MAX_TOKENS) for path in (tied_model, untied_model)}
+def references(prompts):
+    """transformers' greedy continuations of `prompts` for a checkpoint path, computed once per path."""
+    computed: dict[str, list[list[int]]] = {}
+
+    def reference(path: str) -> list[list[int]]:
+        if path not in computed:
+            computed[path] = hf_greedy(path, prompts, MAX_TOKENS)
+        return computed[path]
+
+    return reference
 
 
 def assert_all_blocks_free(llm: LLM) -> None:
@@ -32,22 +45,24 @@ def assert_all_blocks_free(llm: LLM) -> None:
 
 
 @pytest.mark.parametrize("block_size", [256, 16])
-@pytest.mark.parametrize("model", ["tied_model", "untied_model"])
+@pytest.mark.parametrize("model", MODELS)
 def test_greedy_matches_transformers(request, model, block_size, prompts, references):
     path = request.getfixturevalue(model)
-    with LLM(path, device="cpu", kvcache_block_size=block_size, max_model_len=1024) as llm:
+    with LLM(path, kvcache_block_size=block_size, max_model_len=1024, device="cpu") as llm:
         outputs = llm.generate(prompts, GREEDY, use_tqdm=False)
-        assert [o["token_ids"] for o in outputs] == references[path]
+        assert [o["token_ids"] for o in outputs] == references(path)
         assert all(o["text"] == llm.tokenizer.decode(o["token_ids"]) for o in outputs)
         assert_all_blocks_free(llm)
 
 
-def test_prefix_cache_hits_and_keeps_tokens(tied_model):
+@pytest.mark.parametrize("model", FAMILIES)
+def test_prefix_cache_hits_and_keeps_tokens(request, model):
+    path = request.getfixturevalue(model)
     shared = random_prompts([200], seed=1)[0]
     tails = random_prompts([1, 5, 40, 90], seed=2)
     prompts = [shared + tail for tail in tails] + [shared[:48]]
-    expected = hf_greedy(tied_model, prompts, MAX_TOKENS)
-    with LLM(tied_model, device="cpu", kvcache_block_size=16, max_model_len=1024) as llm:
+    expected = hf_greedy(path, prompts, MAX_TOKENS)
+    with LLM(path, kvcache_block_size=16, max_model_len=1024, device="cpu") as llm:
         first = llm.generate(prompts, GREEDY, use_tqdm=False)
         cached_after_first = llm.stats()["num_cached_tokens"]
         second = llm.generate(prompts, GREEDY, use_tqdm=False)
@@ -60,18 +75,20 @@ def test_prefix_cache_hits_and_keeps_tokens(tied_model):
 def test_whole_prompt_cache_hit_still_computes_last_token(tied_model):
     prompt = random_prompts([64], seed=3)[0]  # exactly 4 blocks of 16
     expected = hf_greedy(tied_model, [prompt], MAX_TOKENS)
-    with LLM(tied_model, device="cpu", kvcache_block_size=16, max_model_len=1024) as llm:
+    with LLM(tied_model, kvcache_block_size=16, max_model_len=1024) as llm:
         for _ in range(2):
             assert llm.generate([prompt], GREEDY, use_tqdm=False)[0]["token_ids"] == expected[0]
         assert llm.stats()["num_cached_tokens"] == 48
         assert_all_blocks_free(llm)
 
 
-def test_preemption_keeps_outputs_exact(tied_model):
+@pytest.mark.parametrize("model", FAMILIES)
+def test_preemption_keeps_outputs_exact(request, model):
+    path = request.getfixturevalue(model)
     prompts = random_prompts([30, 50, 20, 45, 60, 10], seed=4)
-    expected = hf_greedy(tied_model, prompts, 48)
+    expected = hf_greedy(path, prompts, 48)
     params = SamplingParams(temperature=0, max_tokens=48, ignore_eos=True)
-    with LLM(tied_model, device="cpu", kvcache_block_size=16, num_kvcache_blocks=16, max_model_len=256) as llm:
+    with LLM(path, kvcache_block_size=16, num_kvcache_blocks=16, max_model_len=256, device="cpu") as llm:
         outputs = llm.generate(prompts, params, use_tqdm=False)
         assert llm.stats()["num_preemptions"] > 0
         assert [o["token_ids"] for o in outputs] == expected
@@ -82,13 +99,13 @@ def test_mixed_temperatures_in_one_batch(tied_model, prompts, references):
     """Sampled requests share the batch with greedy ones; the greedy ones stay exact."""
     params = [SamplingParams(temperature=0 if i % 2 == 0 else 0.8, max_tokens=MAX_TOKENS, ignore_eos=True)
               for i in range(len(prompts))]
-    with LLM(tied_model, device="cpu", max_model_len=1024) as llm:
+    with LLM(tied_model, max_model_len=1024) as llm:
         outputs = llm.generate(prompts, params, use_tqdm=False)
     for i, out in enumerate(outputs):
         assert len(out["token_ids"]) == MAX_TOKENS
         assert all(0 <= t < 384 for t in out["token_ids"])
         if i % 2 == 0:
-            assert out["token_ids"] == references[tied_model][i]
+            assert out["token_ids"] == references(tied_model)[i]
 
 
 def test_stops_at_eos_and_at_max_model_len(tied_model, tmp_path):
@@ -102,7 +119,7 @@ def test_stops_at_eos_and_at_max_model_len(tied_model, tmp_path):
     config = json.loads((path / "config.json").read_text())
     config["eos_token_id"] = greedy[stop_at]
     (path / "config.json").write_text(json.dumps(config))
-    with LLM(str(path), device="cpu", max_model_len=64) as llm:
+    with LLM(str(path), max_model_len=64) as llm:
         out = llm.generate([prompt], SamplingParams(temperature=0, max_tokens=MAX_TOKENS), use_tqdm=False)[0]
         assert out["token_ids"] == greedy[:stop_at + 1]
         long_prompt = random_prompts([60], seed=6)[0]
@@ -113,7 +130,7 @@ def test_stops_at_eos_and_at_max_model_len(tied_model, tmp_path):
 
 
 def test_text_prompts_round_trip(tied_model):
-    with LLM(tied_model, device="cpu", max_model_len=1024) as llm:
+    with LLM(tied_model, max_model_len=1024) as llm:
         token_ids = llm.tokenizer.encode("Hello, my name is")
         by_text = llm.generate(["Hello, my name is"], GREEDY, use_tqdm=False)[0]
         by_ids = llm.generate([token_ids], GREEDY, use_tqdm=False)[0]

@@ -79,6 +79,16 @@ def test_tp2_matches_tp1_and_transformers_then_ctrl_c_cleans_up(tied_model):
     _assert_nothing_left()
 
 
+@pytest.mark.parametrize("model", ["llama_untied_model", "qwen2_model"])
+def test_tp2_sharded_biases_match_transformers(request, model):
+    """q/k/v, o_proj and MLP biases split across ranks (row-parallel biases added once)."""
+    path = request.getfixturevalue(model)
+    expected = hf_greedy(path, PROMPTS, GREEDY.max_tokens)
+    with LLM(path, tensor_parallel_size=2, device="cpu", **SMALL_CACHE) as llm:
+        assert _token_ids(llm.generate(PROMPTS, GREEDY, use_tqdm=False)) == expected
+    _assert_nothing_left()
+
+
 def test_second_engine_dummy_weights_match_tp1_and_worker_error_surfaces(tied_model):
     """The tests in this file start their tensor-parallel engines one after another in one process, so each
     relies on the previous one having released its port, process group and workers."""

@@ -37,7 +37,7 @@ class LLMEngine:
             raise ValueError(f"unknown engine setting(s) {unknown}; valid settings: {sorted(known - {'model'})}")
         config = Config(model, **kwargs)
         self.config = config
-        self.tokenizer = load_tokenizer(model)
+        self.tokenizer = load_tokenizer(config.model)
         self.eos_token_ids = self._eos_token_ids()
         self.model_runner = ModelRunner(config)
         self.scheduler = Scheduler(config, self.eos_token_ids)

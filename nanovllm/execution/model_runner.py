@@ -4,15 +4,16 @@ from contextlib import contextmanager, nullcontext
 import torch
 
 from nanovllm.backends import choose_backend, importable
-from nanovllm.config import Config, head_dim
-from nanovllm.execution.cuda_graph import DecodeGraphs
-from nanovllm.execution.workers import WorkerGroup
-from nanovllm.execution.gpu_memory import gpu_kv_cache_bytes
+from nanovllm.config import Config
 from nanovllm.engine.sequence import Sequence
+from nanovllm.execution.cuda_graph import DecodeGraphs
+from nanovllm.execution.gpu_memory import gpu_kv_cache_bytes
+from nanovllm.execution.workers import WorkerGroup
 from nanovllm.layers.attention import Attention, bind_kv_cache
 from nanovllm.layers.prepack import can_prepack, prepack_linear_weights
 from nanovllm.layers.sampler import Sampler
 from nanovllm.models import build_model
+from nanovllm.models.hf_config import head_dim
 from nanovllm.utils.compile import set_compile
 from nanovllm.utils.context import get_context, reset_context, set_context
 from nanovllm.utils.loader import init_dummy_weights, load_model

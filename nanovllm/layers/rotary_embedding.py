@@ -1,7 +1,31 @@
+import math
+from dataclasses import dataclass
+
 import torch
 from torch import nn
 
 from nanovllm.utils.compile import fused_op
+
+
+@dataclass(frozen=True)
+class Llama3RopeScaling:
+    """Llama 3.1's frequency scaling: long wavelengths slowed by `factor`, short ones kept, a smooth ramp between."""
+
+    factor: float
+    low_freq_factor: float
+    high_freq_factor: float
+    original_max_position_embeddings: int
+
+    def apply(self, inv_freq: torch.Tensor) -> torch.Tensor:
+        """Same float32 operations, in the same order, as transformers' `_compute_llama3_parameters`."""
+        old_len = self.original_max_position_embeddings
+        low_freq_wavelen, high_freq_wavelen = old_len / self.low_freq_factor, old_len / self.high_freq_factor
+        wavelen = 2 * math.pi / inv_freq
+        scaled = torch.where(wavelen > low_freq_wavelen, inv_freq / self.factor, inv_freq)
+        smooth = (old_len / wavelen - self.low_freq_factor) / (self.high_freq_factor - self.low_freq_factor)
+        smoothed = (1 - smooth) * scaled / self.factor + smooth * scaled
+        is_medium = ~(wavelen < high_freq_wavelen) * ~(wavelen > low_freq_wavelen)
+        return torch.where(is_medium, smoothed, scaled)
 
 
 def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
@@ -19,9 +43,11 @@ def apply_rotary(positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor,
 class RotaryEmbedding(nn.Module):
     """Rotary position embedding, rotate-half (NeoX) layout, with a precomputed float32 cos/sin table."""
 
-    def __init__(self, head_dim: int, max_position: int, base: float):
+    def __init__(self, head_dim: int, max_position: int, base: float, scaling: Llama3RopeScaling | None = None):
         super().__init__()
         inv_freq = 1.0 / (base ** (torch.arange(0, head_dim, 2, dtype=torch.int64).float() / head_dim))
+        if scaling is not None:
+            inv_freq = scaling.apply(inv_freq)
         freqs = torch.outer(torch.arange(max_position, dtype=torch.int64).float(), inv_freq)
         self.register_buffer("cos_sin_cache", torch.cat((freqs.cos(), freqs.sin()), dim=-1), persistent=False)
 

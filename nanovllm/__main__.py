@@ -1,0 +1,5 @@
+import sys
+
+from nanovllm.cli import main
+
+sys.exit(main())

