@@ -84,7 +84,7 @@ def test_tp2_sharded_biases_match_transformers(request, model):
     """q/k/v, o_proj and MLP biases split across ranks (row-parallel biases added once)."""
     path = request.getfixturevalue(model)
     expected = hf_greedy(path, PROMPTS, GREEDY.max_tokens)
-    with LLM(path, tensor_parallel_size=2, device="cpu", **SMALL_CACHE) as llm:
+    with LLM(path, tensor_parallel_size=2, **SMALL_CACHE) as llm:
         assert _token_ids(llm.generate(PROMPTS, GREEDY, use_tqdm=False)) == expected
     _assert_nothing_left()
 
