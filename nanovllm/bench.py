@@ -1,8 +1,11 @@
 """Throughput benchmark: nanovllm, optionally against transformers' `generate` on the same requests and weights.
 
 The workload is nano-vLLM's: seeded random prompt token ids, random input and output lengths,
-`ignore_eos`, temperature 0.6, every request submitted at once; throughput is output tokens per
-wall second after a warm-up. A short matmul probe measures the machine's dense matmul peak for
+`ignore_eos`, temperature 0.6, every request submitted at once (or, with `--request-rate R`,
+arriving as a Poisson process of R requests/s); throughput is output tokens per wall second after
+a warm-up. Each request's time to first token (from its arrival) and inter-token latencies are
+recorded, and reported as p50/p90/p99 for each scheduling mode (`--scheduling`): vLLM V1's
+chunked prefill with mixed steps, and nano-vLLM's prefill-first steps, in the same run. A short matmul probe measures the machine's dense matmul peak for
 the model's dtype in the same run, and model FLOP utilization is
 2 x parameters x (prompt + output tokens) / seconds / probe peak.
 
@@ -14,6 +17,7 @@ directory or a .gguf file (converted once, see `nanovllm convert`).
     python bench.py                              # device defaults, random Qwen3-0.6B
     python bench.py --baseline hf --json out.json
     python bench.py --model ~/models/Qwen3-0.6B --num-seqs 64
+    python bench.py --request-rate 0.5 --scheduling chunked   # latency under load
     python -m nanovllm bench ...                 # the same, from an installed nanovllm
 """
 import argparse
@@ -38,15 +42,18 @@ from nanovllm.gguf_import import resolve_model
 
 DEFAULT_CONFIG = Path(__file__).parent / "model_configs" / "qwen3-0.6b.json"
 
-# (num_seqs, min_input, max_input, min_output, max_output): nano-vLLM's published workload on CUDA,
-# scaled on CPU so the whole run, baseline included, takes a few minutes on a small machine.
-DEVICE_DEFAULTS = {"cuda": (256, 100, 1024, 100, 1024), "cpu": (32, 64, 256, 32, 128)}
+# (num_seqs, min_input, max_input, min_output, max_output, max_num_batched_tokens): nano-vLLM's published
+# workload on CUDA with the engine's default budget; scaled on CPU so the whole run, baseline included, takes
+# minutes on a small machine, with a budget that keeps one step under ~10 s there.
+DEVICE_DEFAULTS = {"cuda": (256, 100, 1024, 100, 1024, 16384), "cpu": (32, 64, 256, 32, 128, 512)}
+SCHEDULING = {"chunked": True, "prefill-first": False}
 
 
 @dataclass
 class Requests:
     prompts: list[list[int]]
     max_tokens: list[int]
+    arrivals: list[float]
 
     @property
     def prompt_tokens(self) -> int:
@@ -66,6 +73,16 @@ class Row:
     ratio: float | None
     mfu: float
     peak_mem_gib: float
+    ttft_ms: dict[str, float] | None = None
+    itl_ms: dict[str, float] | None = None
+
+
+def percentiles(values: list[float]) -> dict[str, float] | None:
+    """p50/p90/p99 (nearest rank) of `values` in seconds, as milliseconds; None without values."""
+    ordered = sorted(values)
+    if not ordered:
+        return None
+    return {f"p{p}": 1000 * ordered[-(-p * len(ordered) // 100) - 1] for p in (50, 90, 99)}
 
 
 def parse_args(argv: list[str] | None, prog: str | None = None) -> argparse.Namespace:
@@ -88,13 +105,25 @@ def parse_args(argv: list[str] | None, prog: str | None = None) -> argparse.Name
     p.add_argument("--threads", type=int, help="torch CPU threads (default: torch's choice)")
     p.add_argument("--enforce-eager", action="store_true", help="no CUDA graphs / compilation")
     p.add_argument("--kvcache-block-size", type=int, help="engine KV block size (default: the engine's)")
+    p.add_argument("--max-num-batched-tokens", type=int, help="engine token budget per step (CUDA 16384, CPU 512)")
+    p.add_argument("--scheduling", default="chunked,prefill-first",
+                   help="comma-separated scheduling modes to run, each a row: 'chunked' (vLLM V1: chunked prefill, "
+                        "mixed steps) and/or 'prefill-first' (nano-vLLM's); default both")
+    p.add_argument("--request-rate", type=float, default=float("inf"),
+                   help="requests per second, arriving as a Poisson process (default: all at once)")
     p.add_argument("--json", help="also write the results as JSON to this path")
     args = p.parse_args(argv)
     for name in ("num_seqs", "min_input_len", "max_input_len", "min_output_len", "max_output_len",
-                 "hf_batch_size", "threads", "kvcache_block_size"):
+                 "hf_batch_size", "threads", "kvcache_block_size", "max_num_batched_tokens"):
         value = getattr(args, name)
         if value is not None and value < 1:
             p.error(f"--{name.replace('_', '-')} must be a positive integer, got {value}")
+    args.scheduling = args.scheduling.split(",")
+    unknown = [mode for mode in args.scheduling if mode not in SCHEDULING]
+    if unknown:
+        p.error(f"--scheduling {unknown} unknown; choose from {sorted(SCHEDULING)}")
+    if not args.request_rate > 0:
+        p.error(f"--request-rate must be positive, got {args.request_rate}")
     if args.model is not None and not (os.path.isdir(args.model) or
                                        args.model.endswith(".gguf") and os.path.isfile(args.model)):
         p.error(f"--model {args.model!r} is neither a directory nor a .gguf file")
@@ -105,7 +134,7 @@ def parse_args(argv: list[str] | None, prog: str | None = None) -> argparse.Name
 
 def resolve_workload(args: argparse.Namespace, device: str) -> None:
     """Fill unset workload flags with the device's defaults and check the ranges."""
-    names = ("num_seqs", "min_input_len", "max_input_len", "min_output_len", "max_output_len")
+    names = ("num_seqs", "min_input_len", "max_input_len", "min_output_len", "max_output_len", "max_num_batched_tokens")
     for name, default in zip(names, DEVICE_DEFAULTS[device]):
         if getattr(args, name) is None:
             setattr(args, name, default)
@@ -122,7 +151,11 @@ def make_requests(args: argparse.Namespace, vocab_size: int) -> Requests:
     prompts = [[rng.randint(0, top) for _ in range(rng.randint(args.min_input_len, args.max_input_len))]
                for _ in range(args.num_seqs)]
     max_tokens = [rng.randint(args.min_output_len, args.max_output_len) for _ in range(args.num_seqs)]
-    return Requests(prompts, max_tokens)
+    arrivals, t = [], 0.0
+    for _ in range(args.num_seqs):
+        arrivals.append(t)
+        t += rng.expovariate(args.request_rate) if args.request_rate != float("inf") else 0.0
+    return Requests(prompts, max_tokens, arrivals)
 
 
 def synchronize(device: str) -> None:
@@ -205,13 +238,52 @@ def write_random_checkpoint(config_path: str, out_dir: str, seed: int) -> None:
     model.save_pretrained(out_dir, safe_serialization=True)
 
 
-def run_engine(model_dir: str, load_format: str, requests: Requests, args: argparse.Namespace,
-               memory: PeakMemory) -> tuple[float, int, dict]:
-    """Time nanovllm on the requests; returns (seconds, output tokens, engine facts). `memory` watches
-    the timed run, so its peak is the serving footprint (weights, KV cache, activations), not the
-    transient of reading the checkpoint."""
-    settings = dict(device=args.device, dtype=args.dtype, enforce_eager=args.enforce_eager, load_format=load_format,
-                    seed=args.seed, max_model_len=args.max_input_len + args.max_output_len)
+@dataclass
+class Served:
+    """What one engine run measured."""
+
+    seconds: float
+    tokens: int
+    ttft: list[float]
+    itl: list[float]
+    facts: dict
+
+
+def serve(llm: LLM, requests: Requests, params: list[SamplingParams]) -> tuple[list[float], list[float], int]:
+    """Feed the requests to the engine at their arrival times through `add_request`/`step`; returns each
+    request's time to first token, every inter-token latency (seconds) and the output tokens."""
+    start = time.perf_counter()
+    pending = list(range(len(requests.prompts)))[::-1]
+    index, arrived, last, ttft, itl, tokens = {}, {}, {}, [], [], 0
+    with tqdm(total=len(pending), desc="nanovllm", dynamic_ncols=True) as pbar:
+        while pending or not llm.is_finished():
+            now = time.perf_counter() - start
+            while pending and requests.arrivals[pending[-1]] <= now:
+                i = pending.pop()
+                index[llm.add_request(requests.prompts[i], params[i])] = i
+                arrived[i] = start + requests.arrivals[i]
+            if llm.is_finished():
+                time.sleep(requests.arrivals[pending[-1]] - now)
+                continue
+            seqs = llm.step()
+            synchronize(llm.config.device)
+            now = time.perf_counter()
+            for seq in seqs:
+                i = index[seq.seq_id]
+                (itl if i in last else ttft).append(now - last.get(i, arrived[i]))
+                last[i] = now
+                tokens += 1
+                pbar.update(seq.is_finished)
+    return ttft, itl, tokens
+
+
+def run_engine(model_dir: str, load_format: str, requests: Requests, args: argparse.Namespace, memory: PeakMemory,
+               **settings) -> Served:
+    """Time nanovllm on the requests. `memory` watches the timed run, so its peak is the serving footprint
+    (weights, KV cache, activations), not the transient of reading the checkpoint."""
+    settings.update(device=args.device, dtype=args.dtype, enforce_eager=args.enforce_eager, load_format=load_format,
+                    seed=args.seed, max_model_len=args.max_input_len + args.max_output_len,
+                    max_num_batched_tokens=args.max_num_batched_tokens)
     if args.kvcache_block_size:
         settings["kvcache_block_size"] = args.kvcache_block_size
     with LLM(model_dir, **settings) as llm:
@@ -220,17 +292,16 @@ def run_engine(model_dir: str, load_format: str, requests: Requests, args: argpa
         synchronize(llm.config.device)
         with memory.watch():
             start = time.perf_counter()
-            outputs = llm.generate(requests.prompts, params)
-            synchronize(llm.config.device)
+            ttft, itl, tokens = serve(llm, requests, params)
             seconds = time.perf_counter() - start
         runner = llm.model_runner
         weights = sum(p.numel() * p.element_size() for p in runner.model.parameters())
         facts = {"device": llm.config.device, "dtype": str(llm.config.torch_dtype).removeprefix("torch."),
-                 "weights_gib": weights / 2**30, "kv_cache_gib": runner.kv_cache.numel() * runner.kv_cache.element_size() / 2**30}
-    tokens = sum(len(o["token_ids"]) for o in outputs)
+                 "weights_gib": weights / 2**30, "kv_cache_gib": runner.kv_cache.numel() * runner.kv_cache.element_size() / 2**30,
+                 "max_num_batched_tokens": llm.config.max_num_batched_tokens, **llm.stats()}
     if tokens != sum(requests.max_tokens):
         raise RuntimeError(f"nanovllm produced {tokens} tokens, the requests asked for {sum(requests.max_tokens)}")
-    return seconds, tokens, facts
+    return Served(seconds, tokens, ttft, itl, facts)
 
 
 @torch.inference_mode()
@@ -270,15 +341,25 @@ def run_hf(model_dir: str, requests: Requests, device: str, dtype: torch.dtype, 
         return time.perf_counter() - start, tokens
 
 
-def format_table(rows: list[Row]) -> str:
-    headers = ["engine", "model", "device", "dtype", "requests", "tokens", "seconds", "tokens/s", "vs baseline",
-               "MFU", "peak mem GiB"]
-    cells = [[r.engine, r.model, r.device, r.dtype, str(r.requests), str(r.tokens), f"{r.seconds:.1f}",
-              f"{r.tokens_per_s:.1f}", "-" if r.ratio is None else f"{r.ratio:.2f}x", f"{100 * r.mfu:.1f}%",
-              f"{r.peak_mem_gib:.2f}"] for r in rows]
+def format_table(headers: list[str], cells: list[list[str]]) -> str:
     widths = [max(len(h), *(len(c[i]) for c in cells)) for i, h in enumerate(headers)]
     line = lambda values: "| " + " | ".join(v.ljust(w) for v, w in zip(values, widths)) + " |"
     return "\n".join([line(headers), "|" + "|".join("-" * (w + 2) for w in widths) + "|", *map(line, cells)])
+
+
+def format_report(rows: list[Row]) -> str:
+    throughput = format_table(
+        ["engine", "model", "device", "dtype", "requests", "tokens", "seconds", "tokens/s", "vs baseline", "MFU",
+         "peak mem GiB"],
+        [[r.engine, r.model, r.device, r.dtype, str(r.requests), str(r.tokens), f"{r.seconds:.1f}",
+          f"{r.tokens_per_s:.1f}", "-" if r.ratio is None else f"{r.ratio:.2f}x", f"{100 * r.mfu:.1f}%",
+          f"{r.peak_mem_gib:.2f}"] for r in rows])
+    timed = [r for r in rows if r.ttft_ms]
+    ms = lambda p: ["-"] * 3 if p is None else [f"{v:.0f}" for v in p.values()]
+    latency = format_table(
+        ["engine", "TTFT p50 ms", "TTFT p90 ms", "TTFT p99 ms", "ITL p50 ms", "ITL p90 ms", "ITL p99 ms"],
+        [[r.engine, *ms(r.ttft_ms), *ms(r.itl_ms)] for r in timed])
+    return throughput + "\n\n" + latency if timed else throughput
 
 
 def main(argv: list[str] | None = None, prog: str | None = None) -> dict:
@@ -308,28 +389,35 @@ def main(argv: list[str] | None = None, prog: str | None = None) -> dict:
         from transformers import AutoConfig
 
         requests = make_requests(args, AutoConfig.from_pretrained(model_dir).vocab_size)
-        mem = PeakMemory(device)
-        seconds, tokens, facts = run_engine(model_dir, load_format, requests, args, mem)
-        gc.collect()
+        runs = {}
+        for mode in args.scheduling:
+            runs[f"nanovllm {mode}"] = (mem := PeakMemory(device)), run_engine(
+                model_dir, load_format, requests, args, mem, enable_chunked_prefill=SCHEDULING[mode])
+            gc.collect()
+        facts = next(iter(runs.values()))[1].facts
         dtype = getattr(torch, facts["dtype"])
         peak = matmul_peak(facts["device"], dtype)
         model_flops = lambda out_tokens: 2 * num_params * (requests.prompt_tokens + out_tokens)
-        rows = [Row("nanovllm", model_name, facts["device"], facts["dtype"], len(requests.prompts), tokens, seconds,
-                    tokens / seconds, None, model_flops(tokens) / seconds / peak, mem.gib)]
+        rows = [Row(name, model_name, facts["device"], facts["dtype"], len(requests.prompts), run.tokens, run.seconds,
+                    run.tokens / run.seconds, None, model_flops(run.tokens) / run.seconds / peak, mem.gib,
+                    percentiles(run.ttft), percentiles(run.itl)) for name, (mem, run) in runs.items()]
         if args.baseline == "hf":
             mem = PeakMemory(device)
             hf_seconds, hf_tokens = run_hf(model_dir, requests, facts["device"], dtype, args, mem)
             rows.append(Row("transformers", model_name, facts["device"], facts["dtype"], len(requests.prompts), hf_tokens,
                             hf_seconds, hf_tokens / hf_seconds, 1.0, model_flops(hf_tokens) / hf_seconds / peak,
                             mem.gib))
-            rows[0].ratio = rows[0].tokens_per_s / rows[1].tokens_per_s
+            for row in rows[:-1]:
+                row.ratio = row.tokens_per_s / rows[-1].tokens_per_s
     finally:
         if tmp:
             shutil.rmtree(tmp, ignore_errors=True)
     result = {
         "workload": {"num_seqs": args.num_seqs, "input_len": [args.min_input_len, args.max_input_len],
                      "output_len": [args.min_output_len, args.max_output_len], "prompt_tokens": requests.prompt_tokens,
-                     "temperature": args.temperature, "seed": args.seed, "hf_batch_size": args.hf_batch_size},
+                     "temperature": args.temperature, "seed": args.seed, "hf_batch_size": args.hf_batch_size,
+                     "request_rate": args.request_rate},
+        "engines": {name: run.facts for name, (_, run) in runs.items()},
         "parameters": num_params, "threads": torch.get_num_threads(), "matmul_peak_gflops": peak / 1e9,
         "memory_bound_gib": facts["weights_gib"] + facts["kv_cache_gib"],
         "rows": [asdict(r) for r in rows],
@@ -337,7 +425,7 @@ def main(argv: list[str] | None = None, prog: str | None = None) -> dict:
     print(f"\n{num_params / 1e6:.0f}M parameters, {requests.prompt_tokens} prompt tokens, {torch.get_num_threads()} "
           f"threads, matmul probe {peak / 1e9:.1f} GFLOP/s ({facts['dtype']}), nanovllm memory bound "
           f"{result['memory_bound_gib']:.2f} GiB (weights {facts['weights_gib']:.2f} + KV cache {facts['kv_cache_gib']:.2f})")
-    print(format_table(rows))
+    print(format_report(rows))
     if args.json:
         with open(args.json, "w") as f:
             json.dump(result, f, indent=2)

@@ -39,6 +39,8 @@ class Config:
     load_format: str = "auto"
     cpu_kvcache_gib: float = 4.0
     seed: int = 0
+    enable_chunked_prefill: bool = True
+    scheduling_policy: str = "fcfs"
     hf_config: PretrainedConfig = field(init=False, repr=False)
     torch_dtype: torch.dtype = field(init=False)
 
@@ -51,11 +53,11 @@ class Config:
         self.device = resolve_device(self.device)
         self.torch_dtype = resolve_dtype(self.dtype, self.device, self.hf_config)
         self.max_model_len = min(self.max_model_len, self.hf_config.max_position_embeddings)
-        if self.max_num_batched_tokens < self.max_model_len:
+        if not self.enable_chunked_prefill and self.max_num_batched_tokens < self.max_model_len:
             raise ValueError(
                 f"max_num_batched_tokens ({self.max_num_batched_tokens}) is smaller than max_model_len "
-                f"({self.max_model_len}): a max-length prompt could never be scheduled. "
-                "Raise max_num_batched_tokens or lower max_model_len."
+                f"({self.max_model_len}): without chunked prefill a max-length prompt could never be scheduled. "
+                "Raise max_num_batched_tokens, lower max_model_len or enable_chunked_prefill=True."
             )
         self._check_tensor_parallel()
 
@@ -73,6 +75,10 @@ class Config:
             raise ValueError(f"cpu_kvcache_gib must be positive, got {self.cpu_kvcache_gib}")
         if self.load_format not in ("auto", "dummy"):
             raise ValueError(f"load_format must be 'auto' or 'dummy', got {self.load_format!r}")
+        if not isinstance(self.enable_chunked_prefill, bool):
+            raise ValueError(f"enable_chunked_prefill must be a bool, got {self.enable_chunked_prefill!r}")
+        if self.scheduling_policy not in ("fcfs", "priority"):
+            raise ValueError(f"scheduling_policy must be 'fcfs' or 'priority', got {self.scheduling_policy!r}")
 
     def _check_tensor_parallel(self) -> None:
         """Every rank must own whole query heads, whole KV heads and an equal slice of the MLP.

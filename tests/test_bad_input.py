@@ -60,11 +60,11 @@ def test_error_mid_generate_frees_everything(llm, expected, monkeypatch):
     calls = {"n": 0}
     original = llm.model_runner.run
 
-    def failing_run(seqs, is_prefill):
+    def failing_run(batch):
         calls["n"] += 1
         if calls["n"] == 3:
             raise RuntimeError("boom")
-        return original(seqs, is_prefill)
+        return original(batch)
 
     monkeypatch.setattr(llm.model_runner, "run", failing_run)
     with pytest.raises(RuntimeError, match="boom"):
@@ -77,7 +77,9 @@ def test_error_mid_generate_frees_everything(llm, expected, monkeypatch):
 @pytest.mark.parametrize("kwargs, message", [
     ({"num_kvcache_blocks": 3, "kvcache_block_size": 16, "max_model_len": 128}, "one max_model_len=128 sequence needs 8"),
     ({"cpu_kvcache_gib": 1e-6, "max_model_len": 128}, "sequence needs"),
-    ({"max_num_batched_tokens": 64, "max_model_len": 128}, "max_num_batched_tokens"),
+    ({"max_num_batched_tokens": 64, "max_model_len": 128, "enable_chunked_prefill": False}, "max_num_batched_tokens"),
+    ({"enable_chunked_prefill": "yes"}, "enable_chunked_prefill must be a bool"),
+    ({"scheduling_policy": "lifo"}, "scheduling_policy must be 'fcfs' or 'priority'"),
     ({"kvcache_block_size": 0}, "kvcache_block_size must be a positive integer"),
     ({"num_kvcache_blocks": 0}, "num_kvcache_blocks must be -1"),
     ({"tensor_parallel_size": 3}, "tensor_parallel_size=3 must divide"),

@@ -1,4 +1,5 @@
-"""bench.py runs end to end on a tiny model, with the transformers baseline, and reports consistent numbers."""
+"""bench.py runs end to end on a tiny model, with the transformers baseline and both scheduling modes, and reports
+consistent numbers."""
 import json
 
 import pytest
@@ -11,19 +12,24 @@ def test_bench_with_hf_baseline_on_a_tiny_checkpoint(tied_model, tmp_path, capsy
     result = bench.main(["--model", tied_model, "--device", "cpu", "--num-seqs", "3", "--min-input-len", "4",
                          "--max-input-len", "12", "--min-output-len", "2", "--max-output-len", "5",
                          "--baseline", "hf", "--hf-batch-size", "2", "--json", str(out)])
-    ours, hf = result["rows"]
+    chunked, prefill_first, hf = result["rows"]
     requests = bench.make_requests(bench.parse_args(["--num-seqs", "3", "--min-input-len", "4", "--max-input-len", "12",
                                                      "--min-output-len", "2", "--max-output-len", "5"]), 384)
-    assert (ours["engine"], hf["engine"]) == ("nanovllm", "transformers")
-    assert ours["tokens"] == hf["tokens"] == sum(requests.max_tokens)
+    assert [r["engine"] for r in result["rows"]] == ["nanovllm chunked", "nanovllm prefill-first", "transformers"]
+    assert chunked["tokens"] == prefill_first["tokens"] == hf["tokens"] == sum(requests.max_tokens)
     assert result["workload"]["prompt_tokens"] == requests.prompt_tokens
-    assert ours["ratio"] == pytest.approx(ours["tokens_per_s"] / hf["tokens_per_s"])
-    flops = 2 * result["parameters"] * (requests.prompt_tokens + ours["tokens"])
-    assert ours["mfu"] == pytest.approx(flops / ours["seconds"] / (result["matmul_peak_gflops"] * 1e9))
-    assert result["matmul_peak_gflops"] > 0 and ours["peak_mem_gib"] >= 0
+    for ours in (chunked, prefill_first):
+        assert ours["ratio"] == pytest.approx(ours["tokens_per_s"] / hf["tokens_per_s"])
+        flops = 2 * result["parameters"] * (requests.prompt_tokens + ours["tokens"])
+        assert ours["mfu"] == pytest.approx(flops / ours["seconds"] / (result["matmul_peak_gflops"] * 1e9))
+        assert ours["peak_mem_gib"] >= 0
+        for latency in (ours["ttft_ms"], ours["itl_ms"]):
+            assert 0 < latency["p50"] <= latency["p90"] <= latency["p99"] <= 1000 * ours["seconds"]
+    assert hf["ttft_ms"] is None and result["matmul_peak_gflops"] > 0
+    assert result["engines"]["nanovllm chunked"]["num_steps"] > 0
     assert json.loads(out.read_text()) == result
     table = capsys.readouterr().out
-    assert "| nanovllm" in table and "| transformers" in table
+    assert "| nanovllm chunked" in table and "| transformers" in table and "TTFT p99 ms" in table
 
 
 def test_bench_without_a_model_uses_random_weights_from_a_config(tmp_path, capsys):
@@ -34,12 +40,32 @@ def test_bench_without_a_model_uses_random_weights_from_a_config(tmp_path, capsy
         "head_dim": 16, "max_position_embeddings": 128, "rms_norm_eps": 1e-6, "rope_theta": 10000.0,
         "hidden_act": "silu", "tie_word_embeddings": True}))
     result = bench.main(["--config", str(config), "--device", "cpu", "--num-seqs", "2", "--min-input-len", "3",
-                         "--max-input-len", "6", "--min-output-len", "2", "--max-output-len", "3"])
+                         "--max-input-len", "6", "--min-output-len", "2", "--max-output-len", "3",
+                         "--scheduling", "prefill-first"])
     (row,) = result["rows"]
     assert row["model"] == "tiny (random)" and row["ratio"] is None and row["tokens"] >= 4
-    assert "| nanovllm" in capsys.readouterr().out
+    assert row["engine"] == "nanovllm prefill-first" and "| nanovllm" in capsys.readouterr().out
 
 
-def test_bench_rejects_inverted_length_ranges(tied_model):
+def test_requests_arrive_as_a_poisson_process_and_latency_counts_from_arrival(tied_model):
+    flags = ["--num-seqs", "200", "--min-input-len", "4", "--max-input-len", "8", "--request-rate", "50"]
+    arrivals = bench.make_requests(bench.parse_args(flags + ["--min-output-len", "2", "--max-output-len", "3"]),
+                                   384).arrivals
+    gaps = [b - a for a, b in zip(arrivals, arrivals[1:])]
+    assert arrivals[0] == 0 and min(gaps) > 0
+    assert 1 / 50 * 0.8 < sum(gaps) / len(gaps) < 1 / 50 * 1.2
+    flags = ["--model", tied_model, "--device", "cpu", "--num-seqs", "6", "--min-input-len", "4", "--max-input-len",
+             "8", "--min-output-len", "2", "--max-output-len", "4", "--request-rate", "20", "--scheduling", "chunked"]
+    result = bench.main(flags)
+    (row,) = result["rows"]
+    last_arrival = bench.make_requests(bench.parse_args(flags), 384).arrivals[-1]
+    assert row["seconds"] >= last_arrival and result["workload"]["request_rate"] == 20
+    assert 0 < row["ttft_ms"]["p50"] <= row["ttft_ms"]["p99"]
+
+
+def test_bench_rejects_bad_flags(tied_model):
     with pytest.raises(SystemExit, match="--min-input-len"):
         bench.main(["--model", tied_model, "--device", "cpu", "--min-input-len", "9", "--max-input-len", "3"])
+    for flags in (["--scheduling", "chunked,lifo"], ["--request-rate", "0"]):
+        with pytest.raises(SystemExit):
+            bench.parse_args(["--model", tied_model] + flags)

@@ -11,6 +11,17 @@ def seq(tokens: list[int], seq_id: int = 0) -> Sequence:
     return Sequence(seq_id, tokens, BS, SamplingParams())
 
 
+def admit(bm: BlockManager, s: Sequence, num_tokens: int | None = None) -> int:
+    """Allocate `s` as the scheduler admits it: after its cached prefix, `num_tokens` more (default: all).
+    Returns the number of cached tokens."""
+    cached = bm.cached_prefix(s)
+    num_cached = len(cached) * BS
+    num_tokens = len(s) - num_cached if num_tokens is None else num_tokens
+    assert bm.allocate(s, num_tokens, cached)
+    s.num_computed_tokens = num_cached + num_tokens
+    return num_cached
+
+
 def test_hash_chains_over_prefix():
     a = BlockManager.compute_hash([1, 2, 3, 4])
     assert a == BlockManager.compute_hash([1, 2, 3, 4])
@@ -21,10 +32,8 @@ def test_hash_chains_over_prefix():
 def test_allocate_shares_full_prefix_blocks_with_ref_counts():
     bm = BlockManager(8, BS)
     s1, s2 = seq(list(range(10)), 1), seq(list(range(8)) + [99, 98, 97], 2)
-    bm.allocate(s1)
-    assert s1.num_cached_tokens == 0 and len(s1.block_table) == 3
-    bm.allocate(s2)
-    assert s2.num_cached_tokens == 8
+    assert admit(bm, s1) == 0 and len(s1.block_table) == 3
+    assert admit(bm, s2) == 8
     assert s2.block_table[:2] == s1.block_table[:2] and s2.block_table[2] != s1.block_table[2]
     assert [bm.blocks[b].ref_count for b in s1.block_table] == [2, 2, 1]
     bm.deallocate(s1)
@@ -37,84 +46,117 @@ def test_different_prefix_same_block_content_misses():
     bm = BlockManager(8, BS)
     s1 = seq([1, 2, 3, 4, 5, 6, 7, 8, 0])
     s2 = seq([9, 9, 9, 9, 5, 6, 7, 8, 0])
-    bm.allocate(s1)
-    bm.allocate(s2)
-    assert s2.num_cached_tokens == 0
+    admit(bm, s1)
+    assert admit(bm, s2) == 0
     assert set(s1.block_table).isdisjoint(s2.block_table)
 
 
 def test_hit_after_free_until_block_is_reused():
     bm = BlockManager(4, BS)
     s1 = seq(list(range(9)))
-    bm.allocate(s1)
+    admit(bm, s1)
     cached = s1.block_table[:2]
     bm.deallocate(s1)
     s2 = seq(list(range(9)), 2)
-    bm.allocate(s2)
-    assert s2.num_cached_tokens == 8 and s2.block_table[:2] == cached
+    assert admit(bm, s2) == 8 and s2.block_table[:2] == cached
     bm.deallocate(s2)
     # Fill the cache with other content: the old blocks get reused and their hashes forgotten.
     filler = seq([100 + i for i in range(16)], 3)
-    bm.allocate(filler)
+    admit(bm, filler)
     bm.deallocate(filler)
-    s3 = seq(list(range(9)), 4)
-    bm.allocate(s3)
-    assert s3.num_cached_tokens == 0
+    assert admit(bm, seq(list(range(9)), 4)) == 0
 
 
 def test_hash_collision_is_confirmed_against_token_ids():
     bm = BlockManager(4, BS)
     s1 = seq([1, 2, 3, 4, 5])
-    bm.allocate(s1)
+    admit(bm, s1)
     h = bm.blocks[s1.block_table[0]].hash
     bm.blocks[s1.block_table[0]].token_ids = [7, 7, 7, 7]  # pretend a different block had this hash
     assert bm.hash_to_block_id[h] == s1.block_table[0]
-    s2 = seq([1, 2, 3, 4, 5], 2)
-    bm.allocate(s2)
-    assert s2.num_cached_tokens == 0
+    assert admit(bm, seq([1, 2, 3, 4, 5], 2)) == 0
 
 
 def test_whole_prompt_hit_recomputes_last_block():
     bm = BlockManager(8, BS)
     s1 = seq(list(range(8)))
-    bm.allocate(s1)
+    admit(bm, s1)
     s2 = seq(list(range(8)), 2)
-    bm.allocate(s2)
-    assert s2.num_cached_tokens == 4  # the block holding the last token is computed, not shared
+    assert admit(bm, s2) == 4  # the block holding the last token is computed, not shared
     assert s2.block_table[0] == s1.block_table[0] and s2.block_table[1] != s1.block_table[1]
 
 
+def test_chunks_get_blocks_as_they_go_and_name_only_filled_blocks():
+    bm = BlockManager(8, BS)
+    s = seq(list(range(10)))
+    admit(bm, s, 3)
+    assert len(s.block_table) == 1 and bm.blocks[s.block_table[0]].hash == -1
+    assert bm.allocate(s, 3)  # tokens 3..5: fills block 0, starts block 1
+    s.num_computed_tokens = 6
+    assert len(s.block_table) == 2
+    assert bm.blocks[s.block_table[0]].hash == BlockManager.compute_hash([0, 1, 2, 3])
+    assert bm.blocks[s.block_table[1]].hash == -1
+    other = seq(list(range(4)) + [50, 51], 1)
+    assert admit(bm, other) == 4, "a prefix still being prefilled by another request is a hit once computed"
+
+
 @pytest.mark.parametrize("block_size", [1, 4])
-def test_can_append_and_may_append_at_block_boundary(block_size):
+def test_decode_gets_a_block_at_the_boundary_and_refuses_when_none_is_free(block_size):
     bm = BlockManager(3, block_size)
     s = Sequence(0, list(range(block_size)), block_size, SamplingParams())
-    bm.allocate(s)
+    assert bm.allocate(s, block_size)
+    s.num_computed_tokens = block_size
     assert len(s.block_table) == 1
     s.append_token(42)  # its KV goes into a new block
-    assert bm.can_append(s)
-    bm.may_append(s)
+    assert bm.allocate(s, 1)
+    s.num_computed_tokens += 1
     assert len(s.block_table) == 2
     while len(s) < 2 * block_size:
         s.append_token(43)
-        bm.may_append(s)
+        assert bm.allocate(s, 1)
+        s.num_computed_tokens += 1
     assert len(s.block_table) == 2
     last = bm.blocks[s.block_table[-1]]
     assert last.hash == BlockManager.compute_hash(s.block(1), bm.blocks[s.block_table[0]].hash)
     other = Sequence(1, [500], block_size, SamplingParams())
-    bm.allocate(other)
+    assert bm.allocate(other, 1)
     assert bm.num_free_blocks == 0
     s.append_token(44)
-    assert not bm.can_append(s)
+    table = list(s.block_table)
+    assert not bm.allocate(s, 1) and s.block_table == table
 
 
 def test_decode_hashes_full_blocks_for_later_hits():
     bm = BlockManager(8, BS)
     s1 = seq([1, 2, 3])
-    bm.allocate(s1)
+    admit(bm, s1)
     for t in (4, 5, 6, 7, 8):
         s1.append_token(t)
-        bm.may_append(s1)
+        assert bm.allocate(s1, 1)
+        s1.num_computed_tokens += 1
     bm.deallocate(s1)
-    s2 = seq([1, 2, 3, 4, 5, 6, 7, 8, 9], 2)
-    bm.allocate(s2)
-    assert s2.num_cached_tokens == 8
+    assert admit(bm, seq([1, 2, 3, 4, 5, 6, 7, 8, 9], 2)) == 8
+
+
+def test_revived_cached_blocks_count_against_free_blocks():
+    """Hitting a freed cached block takes it off the free list, so it must be counted as used."""
+    bm = BlockManager(3, BS)
+    s1 = seq(list(range(9)))
+    admit(bm, s1)
+    bm.deallocate(s1)
+    other = seq([100], 1)
+    admit(bm, other)  # takes the block freed first (s1's last), leaving s1's two full blocks free
+    s2 = seq(list(range(8)) + [7, 7, 7, 7, 7], 2)
+    cached = bm.cached_prefix(s2)
+    assert len(cached) == 2 and bm.num_free_blocks == 2
+    assert not bm.allocate(s2, 5, cached), "2 revived + 2 new blocks do not fit in 2 free ones"
+    assert not s2.block_table and bm.num_free_blocks == 2
+
+
+def test_deallocate_forgets_blocks_whose_step_never_ran():
+    bm = BlockManager(8, BS)
+    s1 = seq(list(range(12)))
+    admit(bm, s1, 4)
+    assert bm.allocate(s1, 8)  # scheduled, then the step fails before computing tokens 4..11
+    bm.deallocate(s1, num_valid_tokens=4)
+    assert admit(bm, seq(list(range(12)), 2)) == 4

@@ -195,13 +195,12 @@ def test_graph_replay_equals_eager_decode(gpu_model, dtype, batch_size):
         assert pick_batch_size(runner.graphs.sizes, batch_size) >= batch_size
         for _ in range(batch_size):
             llm.add_request([rng.randrange(384) for _ in range(rng.randint(1, 400))], GREEDY)
-        seqs, is_prefill = llm.scheduler.schedule()
-        while is_prefill:
-            runner.run(seqs, True)
-            llm.scheduler.postprocess(seqs, [0] * len(seqs))
-            seqs, is_prefill = llm.scheduler.schedule()
-        assert len(seqs) == batch_size
-        input_ids, positions = runner.prepare(seqs, [len(seq) - 1 for seq in seqs])
+        batch = llm.scheduler.schedule()
+        while batch.num_decode_tokens < len(batch):  # until every request has its prompt computed
+            llm.scheduler.postprocess(batch, runner.run(batch))
+            batch = llm.scheduler.schedule()
+        assert len(batch) == batch_size
+        input_ids, positions = runner.prepare(batch)
         with torch.inference_mode():
             replayed = runner.graphs.run(input_ids, positions, get_context()).clone()
             eager = runner.model(input_ids, positions)

@@ -68,15 +68,16 @@ def test_padded_decode_equals_unpadded_decode(tied_model):
         for prompt in prompts:
             llm.add_request(prompt, SamplingParams(temperature=0, max_tokens=4))
         llm.step()
-        seqs, is_prefill = llm.scheduler.schedule()
-        assert not is_prefill and len(seqs) == 3 and len(set(len(seq.block_table) for seq in seqs)) > 1
+        batch = llm.scheduler.schedule()
+        seqs = batch.seqs
+        assert batch.num_decode_tokens == 3 and len(set(len(seq.block_table) for seq in seqs)) > 1
         sizes = graph_batch_sizes(runner.config.max_num_seqs)
         size = pick_batch_size(sizes, len(seqs))
         assert size == 4
         buffers = DecodeBuffers.allocate(sizes[-1], 16, 64, runner.config.hf_config.hidden_size, torch.float32,
                                          torch.device("cpu"))
         before = runner.kv_cache.clone()
-        input_ids, positions = runner.prepare(seqs, [len(seq) - 1 for seq in seqs])
+        input_ids, positions = runner.prepare(batch)
         ctx = get_context()
         with torch.inference_mode():
             stale = torch.arange(sizes[-1])  # a previous, larger batch whose slots the padding must not reuse
@@ -90,7 +91,7 @@ def test_padded_decode_equals_unpadded_decode(tied_model):
                 expected[:, :, slot // 4, slot % 4] = True
             assert torch.equal(written, expected)
             reset_context()
-            runner.prepare(seqs, [len(seq) - 1 for seq in seqs])
+            runner.prepare(batch)
             eager = runner.model(input_ids, positions)
         reset_context()
         torch.testing.assert_close(padded, eager, rtol=1e-5, atol=1e-5)

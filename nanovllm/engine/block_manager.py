@@ -28,8 +28,11 @@ class BlockManager:
     """Hands out KV-cache blocks and shares full blocks between sequences with the same prefix.
 
     A full block is identified by xxh64(previous block's hash || its token ids), so one hash names
-    a whole prefix. A freed block keeps its hash and content until it is handed out again, so a
-    later request can still hit it; free blocks are reused oldest-freed first.
+    a whole prefix. A block is named as soon as a scheduled step fills it, so a request admitted
+    later, even in the same step, can share a prefix that another request is still prefilling
+    (every layer writes the step's K/V before any attention reads them). A freed block keeps its
+    name and content until it is handed out again, so a later request can still hit it; free
+    blocks are reused oldest-freed first.
     """
 
     def __init__(self, num_blocks: int, block_size: int):
@@ -54,77 +57,74 @@ class BlockManager:
     def _allocate_block(self, block_id: int) -> Block:
         block = self.blocks[block_id]
         assert block.ref_count == 0
-        if block.hash != -1 and self.hash_to_block_id.get(block.hash) == block_id:
-            del self.hash_to_block_id[block.hash]
+        self._forget(block)
         block.reset()
         del self.free_block_ids[block_id]
         self.used_block_ids.add(block_id)
         return block
 
-    def _deallocate_block(self, block_id: int) -> None:
-        assert self.blocks[block_id].ref_count == 0
-        self.used_block_ids.remove(block_id)
-        self.free_block_ids[block_id] = None
+    def _forget(self, block: Block) -> None:
+        if block.hash != -1 and self.hash_to_block_id.get(block.hash) == block.block_id:
+            del self.hash_to_block_id[block.hash]
+        block.hash = -1
 
-    def _remember(self, block: Block, h: int, token_ids: list[int]) -> None:
-        block.update(h, token_ids)
-        self.hash_to_block_id[h] = block.block_id
+    def cached_prefix(self, seq: Sequence) -> list[int]:
+        """The blocks holding the longest cached prefix of `seq`, whole blocks only.
 
-    def can_allocate(self, seq: Sequence) -> bool:
-        return self.num_free_blocks >= seq.num_blocks
-
-    def allocate(self, seq: Sequence) -> None:
-        """Give `seq` a block table, reusing cached blocks for its longest cached prefix.
-
-        The block holding the last token is always computed, never taken from the cache: the
-        model must run that token to produce the next one, and writing into a shared block is
-        never allowed.
+        The block holding the last token is never a hit: the model must run that token to produce
+        the next one, and so a computation never writes into a shared block.
         """
-        assert not seq.block_table
-        prefix, cache_miss = -1, False
-        for i in range(seq.num_blocks):
+        block_ids, prefix = [], -1
+        for i in range((len(seq) - 1) // self.block_size):
             token_ids = seq.block(i)
-            full = len(token_ids) == self.block_size
-            h = self.compute_hash(token_ids, prefix) if full else -1
-            block_id = self.hash_to_block_id.get(h, -1)
-            if block_id == -1 or self.blocks[block_id].token_ids != token_ids or i == seq.num_blocks - 1:
-                cache_miss = True
-            if cache_miss:
-                block = self._allocate_block(next(iter(self.free_block_ids)))
-            else:
-                seq.num_cached_tokens += self.block_size
-                block = self.blocks[block_id]
-                if block_id in self.used_block_ids:
-                    block.ref_count += 1
-                else:
-                    block = self._allocate_block(block_id)
-            if full:
-                self._remember(block, h, token_ids)
-            seq.block_table.append(block.block_id)
-            prefix = h
+            prefix = self.compute_hash(token_ids, prefix)
+            block_id = self.hash_to_block_id.get(prefix, -1)
+            if block_id == -1 or self.blocks[block_id].token_ids != token_ids:
+                break
+            block_ids.append(block_id)
+        return block_ids
 
-    def deallocate(self, seq: Sequence) -> None:
+    def allocate(self, seq: Sequence, num_new_tokens: int, cached: list[int] = ()) -> bool:
+        """Give `seq` the blocks for its next `num_new_tokens` tokens, after its `num_computed_tokens`
+        (for a sequence without blocks yet: after the `cached` prefix blocks, which it then shares).
+        Names every block those tokens fill. Returns False, changing nothing, if too few blocks are free."""
+        assert not cached or not seq.block_table
+        start = seq.num_computed_tokens + len(cached) * self.block_size
+        end = start + num_new_tokens
+        num_new_blocks = -(-end // self.block_size) - len(seq.block_table) - len(cached)
+        revived = sum(self.blocks[block_id].ref_count == 0 for block_id in cached)
+        if num_new_blocks + revived > self.num_free_blocks:
+            return False
+        for block_id in cached:
+            block = self.blocks[block_id]
+            if block.ref_count:
+                block.ref_count += 1
+            else:
+                del self.free_block_ids[block_id]
+                self.used_block_ids.add(block_id)
+                block.ref_count = 1
+            seq.block_table.append(block_id)
+        for _ in range(num_new_blocks):
+            seq.block_table.append(self._allocate_block(next(iter(self.free_block_ids))).block_id)
+        for i in range(start // self.block_size, end // self.block_size):
+            block = self.blocks[seq.block_table[i]]
+            if block.hash == -1:
+                prefix = self.blocks[seq.block_table[i - 1]].hash if i else -1
+                token_ids = seq.block(i)
+                block.update(self.compute_hash(token_ids, prefix), token_ids)
+                self.hash_to_block_id[block.hash] = block.block_id
+        return True
+
+    def deallocate(self, seq: Sequence, num_valid_tokens: int | None = None) -> None:
+        """Release `seq`'s blocks. Blocks past its first `num_valid_tokens` tokens (a step that was
+        scheduled but never ran) lose their names, so nobody hits K/V that were never computed."""
+        if num_valid_tokens is not None:
+            for block_id in seq.block_table[num_valid_tokens // self.block_size:]:
+                self._forget(self.blocks[block_id])
         for block_id in reversed(seq.block_table):
             block = self.blocks[block_id]
             block.ref_count -= 1
             if block.ref_count == 0:
-                self._deallocate_block(block_id)
-        seq.num_cached_tokens = 0
+                self.used_block_ids.remove(block_id)
+                self.free_block_ids[block_id] = None
         seq.block_table.clear()
-
-    def _needs_new_block(self, seq: Sequence) -> bool:
-        return len(seq) > len(seq.block_table) * self.block_size
-
-    def can_append(self, seq: Sequence) -> bool:
-        """Whether the token about to be decoded (the sequence's last) has a KV slot or can get one."""
-        return self.num_free_blocks >= self._needs_new_block(seq)
-
-    def may_append(self, seq: Sequence) -> None:
-        """Make room for the last token's KV; hash the last block if that token fills it."""
-        if self._needs_new_block(seq):
-            seq.block_table.append(self._allocate_block(next(iter(self.free_block_ids))).block_id)
-        if len(seq) % self.block_size == 0:
-            prefix = self.blocks[seq.block_table[-2]].hash if len(seq.block_table) > 1 else -1
-            last = self.blocks[seq.block_table[-1]]
-            token_ids = seq.block(seq.num_blocks - 1)
-            self._remember(last, self.compute_hash(token_ids, prefix), token_ids)

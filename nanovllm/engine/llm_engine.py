@@ -8,7 +8,7 @@ from transformers import AutoTokenizer, PreTrainedTokenizerBase
 
 from nanovllm.config import Config
 from nanovllm.execution.model_runner import ModelRunner
-from nanovllm.engine.scheduler import Scheduler
+from nanovllm.engine.scheduler import ScheduledBatch, Scheduler
 from nanovllm.engine.sequence import Sequence
 from nanovllm.sampling_params import SamplingParams
 
@@ -81,79 +81,91 @@ class LLMEngine:
             raise ValueError(f"prompt {index} has token id {bad[0]} outside the vocabulary [0, {vocab_size})")
         return token_ids
 
-    def _new_sequence(self, token_ids: list[int], params: SamplingParams) -> Sequence:
+    def _new_sequence(self, token_ids: list[int], params: SamplingParams, priority: int) -> Sequence:
         if self.model_runner is None:
             raise RuntimeError("this engine has been shut down (exit() was called); create a new LLM")
         if not isinstance(params, SamplingParams):
             raise ValueError(f"sampling params must be SamplingParams, got {type(params).__name__}")
-        return Sequence(next(self._seq_ids), token_ids, self.config.kvcache_block_size, params)
+        if isinstance(priority, bool) or not isinstance(priority, int):
+            raise ValueError(f"priority must be an int (lower runs first), got {priority!r}")
+        if priority and self.config.scheduling_policy != "priority":
+            raise ValueError(f"got priority={priority} but the engine schedules first-come-first-served; "
+                             "create it with scheduling_policy='priority'")
+        return Sequence(next(self._seq_ids), token_ids, self.config.kvcache_block_size, params, priority)
 
-    def add_request(self, prompt: Prompt, sampling_params: SamplingParams) -> int:
-        """Queue one request and return its sequence id."""
-        seq = self._new_sequence(self._to_token_ids(prompt, 0), sampling_params)
+    def add_request(self, prompt: Prompt, sampling_params: SamplingParams, priority: int = 0) -> int:
+        """Queue one request and return its id. Under `scheduling_policy="priority"` a lower
+        `priority` runs first (and is preempted last)."""
+        seq = self._new_sequence(self._to_token_ids(prompt, 0), sampling_params, priority)
         self.scheduler.add(seq)
         return seq.seq_id
 
-    def step(self) -> tuple[list[tuple[int, list[int]]], int]:
-        """Run one scheduled batch. Returns the requests that finished as (seq_id, completion token ids),
-        and the number of tokens processed: positive for a prefill, negative (minus batch size) for a decode."""
-        seqs, is_prefill = self.scheduler.schedule()
-        if not seqs:
-            return [], 0
-        num_tokens = sum(len(seq) - seq.num_cached_tokens for seq in seqs) if is_prefill else -len(seqs)
-        token_ids = self.model_runner.run(seqs, is_prefill)
-        self.scheduler.postprocess(seqs, token_ids)
-        finished = [(seq.seq_id, seq.completion_token_ids) for seq in seqs if seq.is_finished]
-        return finished, num_tokens
+    def abort_request(self, request_id: int) -> None:
+        """Stop a request wherever it is (waiting, running or preempted) and free its blocks at once;
+        it finishes with `finish_reason="abort"`. Unknown or finished requests are ignored."""
+        self.scheduler.abort(request_id)
+
+    def _step(self) -> tuple[ScheduledBatch, list[Sequence]]:
+        batch = self.scheduler.schedule()
+        if not batch:
+            return batch, []
+        token_ids = self.model_runner.run(batch)
+        return batch, self.scheduler.postprocess(batch, token_ids)
+
+    def step(self) -> list[Sequence]:
+        """Run one scheduled step; returns the requests that got a new token in it (finished ones included)."""
+        return self._step()[1]
 
     def is_finished(self) -> bool:
         return self.scheduler.is_finished()
 
     def stats(self) -> dict[str, int]:
-        """Counters since the engine started: prompt tokens served from the prefix cache, preemptions, blocks."""
-        bm = self.scheduler.block_manager
-        return {"num_cached_tokens": self.scheduler.num_cached_tokens,
-                "num_preemptions": self.scheduler.num_preemptions,
+        """Counters since the engine started: prompt tokens served from the prefix cache, steps (with a
+        prompt chunk that did not finish its prompt; with decodes and prefill chunks together),
+        preemptions, and KV blocks."""
+        s, bm = self.scheduler, self.scheduler.block_manager
+        return {"num_cached_tokens": s.num_cached_tokens,
+                "num_steps": s.num_steps,
+                "num_chunked_steps": s.num_chunked_steps,
+                "num_mixed_steps": s.num_mixed_steps,
+                "num_preemptions": s.num_preemptions,
                 "num_free_blocks": bm.num_free_blocks,
                 "num_blocks": len(bm.blocks)}
 
     def generate(self, prompts: list[Prompt], sampling_params: SamplingParams | list[SamplingParams],
-                 use_tqdm: bool = True) -> list[dict]:
-        """Complete every prompt; returns `{"text", "token_ids"}` per prompt, in prompt order."""
+                 use_tqdm: bool = True, priority: list[int] | None = None) -> list[dict]:
+        """Complete every prompt; returns `{"text", "token_ids", "finish_reason"}` per prompt, in prompt order."""
         if not isinstance(prompts, (list, tuple)):
             raise ValueError(f"prompts must be a list of strings or of token-id lists, got {type(prompts).__name__}")
-        if isinstance(sampling_params, (list, tuple)):
-            if len(sampling_params) != len(prompts):
-                raise ValueError(f"got {len(prompts)} prompts but {len(sampling_params)} sampling params; "
-                                 "pass one SamplingParams or one per prompt")
-        else:
-            sampling_params = [sampling_params] * len(prompts)
-        seqs = [self._new_sequence(self._to_token_ids(p, i), sp)
-                for i, (p, sp) in enumerate(zip(prompts, sampling_params))]
-        order = {seq.seq_id: i for i, seq in enumerate(seqs)}
-        outputs: list[list[int] | None] = [None] * len(seqs)
+        sampling_params = self._per_prompt("sampling params", sampling_params, len(prompts))
+        priority = self._per_prompt("priorities", 0 if priority is None else priority, len(prompts))
+        seqs = [self._new_sequence(self._to_token_ids(p, i), sp, pr)
+                for i, (p, sp, pr) in enumerate(zip(prompts, sampling_params, priority))]
         try:
             for seq in seqs:
                 self.scheduler.add(seq)
-            self._run_until_done(order, outputs, use_tqdm)
+            self._run_until_done(len(seqs), use_tqdm)
         except BaseException:
             self.scheduler.abort_all()
             raise
-        return [{"text": self.tokenizer.decode(ids) if self.tokenizer else "", "token_ids": ids} for ids in outputs]
+        return [{"text": self.tokenizer.decode(seq.completion_token_ids) if self.tokenizer else "",
+                 "token_ids": seq.completion_token_ids, "finish_reason": seq.finish_reason} for seq in seqs]
 
-    def _run_until_done(self, order: dict[int, int], outputs: list, use_tqdm: bool) -> None:
-        pbar = tqdm(total=len(order), desc="Generating", dynamic_ncols=True, disable=not use_tqdm)
-        prefill_tps = decode_tps = 0.0
+    @staticmethod
+    def _per_prompt(name: str, value, num_prompts: int) -> list:
+        if not isinstance(value, (list, tuple)):
+            return [value] * num_prompts
+        if len(value) != num_prompts:
+            raise ValueError(f"got {num_prompts} prompts but {len(value)} {name}; pass one value or one per prompt")
+        return list(value)
+
+    def _run_until_done(self, num_requests: int, use_tqdm: bool) -> None:
+        pbar = tqdm(total=num_requests, desc="Generating", dynamic_ncols=True, disable=not use_tqdm)
         with pbar:
             while not self.is_finished():
                 start = perf_counter()
-                finished, num_tokens = self.step()
+                batch, sampled = self._step()
                 elapsed = perf_counter() - start
-                if num_tokens > 0:
-                    prefill_tps = num_tokens / elapsed
-                elif num_tokens < 0:
-                    decode_tps = -num_tokens / elapsed
-                pbar.set_postfix(prefill=f"{prefill_tps:.0f}tok/s", decode=f"{decode_tps:.0f}tok/s", refresh=False)
-                for seq_id, token_ids in finished:
-                    outputs[order[seq_id]] = token_ids
-                    pbar.update(1)
+                pbar.set_postfix(prefill=f"{batch.num_prefill_tokens / elapsed:.0f}tok/s",
+                                 decode=f"{batch.num_decode_tokens / elapsed:.0f}tok/s", refresh=False)
+                pbar.update(sum(seq.is_finished for seq in sampled))

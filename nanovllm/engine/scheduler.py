@@ -1,89 +1,234 @@
-from collections import deque
+import heapq
+from dataclasses import dataclass, field
 
 from nanovllm.config import Config
 from nanovllm.engine.block_manager import BlockManager
 from nanovllm.engine.sequence import Sequence, SequenceStatus
 
 
-class Scheduler:
-    """Decides which sequences run in the next step; never touches tensors.
+@dataclass
+class ScheduledBatch:
+    """One step's work: sequence i computes its tokens `starts[i]` to `starts[i] + num_tokens[i]`
+    (the tokens before are in its KV cache); `samples[i]`: that reaches its end, so it samples."""
 
-    Prefill first: waiting sequences are admitted while the token budget, `max_num_seqs` and the
-    free blocks allow. Otherwise every running sequence decodes one token; when one needs a block
-    and none is free, the youngest running sequence is preempted (its blocks freed, its tokens
-    kept, to be recomputed) and put at the front of the waiting queue.
+    seqs: list[Sequence] = field(default_factory=list)
+    starts: list[int] = field(default_factory=list)
+    num_tokens: list[int] = field(default_factory=list)
+    samples: list[bool] = field(default_factory=list)
+
+    def __len__(self) -> int:
+        return len(self.seqs)
+
+    def add(self, seq: Sequence, num_tokens: int) -> None:
+        self.seqs.append(seq)
+        self.starts.append(seq.num_computed_tokens)
+        self.num_tokens.append(num_tokens)
+        seq.num_computed_tokens += num_tokens
+        self.samples.append(seq.num_computed_tokens == len(seq))
+
+    def remove(self, seq: Sequence) -> int:
+        """Take `seq` out again (it was preempted later in the same pass); returns its token count."""
+        i = self.seqs.index(seq)
+        del self.seqs[i], self.starts[i], self.samples[i]
+        return self.num_tokens.pop(i)
+
+    @property
+    def num_decode_tokens(self) -> int:
+        """Sequences computing just their last sampled token: decodes (re-prefills of preempted ones are not)."""
+        return sum(n == 1 and start >= seq.num_prompt_tokens
+                   for seq, start, n in zip(self.seqs, self.starts, self.num_tokens))
+
+    @property
+    def num_prefill_tokens(self) -> int:
+        return sum(self.num_tokens) - self.num_decode_tokens
+
+
+class WaitingQueue:
+    """Requests waiting to (re)start, in policy order: FCFS by arrival, or by (priority, arrival).
+
+    Arrival order is also where FCFS puts a preempted request back: ahead of everything that
+    arrived after it.
+    """
+
+    def __init__(self, by_priority: bool):
+        self.by_priority = by_priority
+        self.heap: list[tuple[int, int, Sequence]] = []
+
+    def key(self, seq: Sequence) -> tuple[int, int]:
+        return (seq.priority if self.by_priority else 0), seq.seq_id
+
+    def push(self, seq: Sequence) -> None:
+        heapq.heappush(self.heap, (*self.key(seq), seq))
+
+    def peek(self) -> Sequence:
+        return self.heap[0][-1]
+
+    def pop(self) -> Sequence:
+        return heapq.heappop(self.heap)[-1]
+
+    def remove(self, seq: Sequence) -> None:
+        self.heap = [entry for entry in self.heap if entry[-1] is not seq]
+        heapq.heapify(self.heap)
+
+    def __len__(self) -> int:
+        return len(self.heap)
+
+    def __iter__(self):
+        return (entry[-1] for entry in sorted(self.heap))
+
+
+class Scheduler:
+    """Decides what every step computes under one token budget, as vLLM V1 does; never touches tensors.
+
+    Running sequences go first, decodes before prompts being prefilled: each takes the tokens it
+    needs next (1 to decode, else the next chunk of its prompt); at most `max_num_seqs` run, and
+    never more than the budget, so no decode is ever starved. When one cannot get a KV block, the lowest-priority running
+    sequence (the youngest, under FCFS) is preempted: its blocks are freed and it is recomputed
+    later. Then, if nobody was preempted, waiting sequences are admitted in policy order with as
+    much of their prompt (after any prefix-cache hit) as the budget and the free blocks allow.
+    With `enable_chunked_prefill=False` a step is nano-vLLM's instead: whole prompts only, and
+    only when none waits does every running sequence decode.
     """
 
     def __init__(self, config: Config, eos_token_ids: set[int]):
-        self.max_num_seqs = config.max_num_seqs
+        self.max_num_seqs = min(config.max_num_seqs, config.max_num_batched_tokens)
         self.max_num_batched_tokens = config.max_num_batched_tokens
         self.max_model_len = config.max_model_len
+        self.chunked_prefill = config.enable_chunked_prefill
         self.eos_token_ids = eos_token_ids
         self.block_manager = BlockManager(config.num_kvcache_blocks, config.kvcache_block_size)
-        self.waiting: deque[Sequence] = deque()
-        self.running: deque[Sequence] = deque()
-        self.num_preemptions = 0
-        self.num_cached_tokens = 0
+        self.waiting = WaitingQueue(by_priority=config.scheduling_policy == "priority")
+        self.running: list[Sequence] = []
+        self.requests: dict[int, Sequence] = {}
+        self.in_flight = ScheduledBatch()
+        self.num_preemptions = self.num_cached_tokens = 0
+        self.num_steps = self.num_chunked_steps = self.num_mixed_steps = 0
 
     def is_finished(self) -> bool:
         return not self.waiting and not self.running
 
     def add(self, seq: Sequence) -> None:
-        self.waiting.append(seq)
+        """Queue `seq`; a ValueError if it could never be scheduled, so nothing waits forever."""
+        if seq.num_blocks > len(self.block_manager.blocks):
+            raise ValueError(f"request {seq.seq_id} needs {seq.num_blocks} KV blocks for its {len(seq)} prompt "
+                             f"tokens but the cache has {len(self.block_manager.blocks)}")
+        if not self.chunked_prefill and len(seq) > self.max_num_batched_tokens:
+            raise ValueError(f"request {seq.seq_id} has {len(seq)} prompt tokens, more than max_num_batched_tokens="
+                             f"{self.max_num_batched_tokens}, and chunked prefill is off")
+        self.waiting.push(seq)
+        self.requests[seq.seq_id] = seq
 
-    def schedule(self) -> tuple[list[Sequence], bool]:
-        """Return the sequences to run and whether this step is a prefill."""
-        scheduled: list[Sequence] = []
-        num_batched_tokens = 0
-        while self.waiting and len(scheduled) < self.max_num_seqs:
-            seq = self.waiting[0]
-            if num_batched_tokens + len(seq) > self.max_num_batched_tokens or not self.block_manager.can_allocate(seq):
+    def schedule(self) -> ScheduledBatch:
+        batch = self.in_flight = ScheduledBatch()
+        budget = self.max_num_batched_tokens
+        if self.chunked_prefill:
+            budget, preempted = self._schedule_running(batch, budget)
+            if not preempted:
+                self._schedule_waiting(batch, budget)
+        elif not self._schedule_waiting(batch, budget):
+            self._schedule_running(batch, budget)
+        if batch.seqs:
+            self.num_steps += 1
+            self.num_chunked_steps += not all(batch.samples)
+            self.num_mixed_steps += 0 < batch.num_decode_tokens < len(batch)
+        return batch
+
+    def _schedule_running(self, batch: ScheduledBatch, budget: int) -> tuple[int, bool]:
+        preempted = False
+        for seq in sorted(self.running, key=lambda seq: len(seq) - seq.num_computed_tokens > 1):
+            if budget == 0:
                 break
-            self.block_manager.allocate(seq)
-            self.num_cached_tokens += seq.num_cached_tokens
-            num_batched_tokens += len(seq) - seq.num_cached_tokens
-            seq.status = SequenceStatus.RUNNING
-            self.waiting.popleft()
-            self.running.append(seq)
-            scheduled.append(seq)
-        if scheduled:
-            return scheduled, True
-
-        while self.running and len(scheduled) < self.max_num_seqs:
-            seq = self.running.popleft()
-            while not self.block_manager.can_append(seq):
-                if self.running:
-                    self.preempt(self.running.pop())
-                else:
-                    self.preempt(seq)
+            if seq.status != SequenceStatus.RUNNING:  # preempted earlier in this pass
+                continue
+            num_tokens = min(len(seq) - seq.num_computed_tokens, budget)
+            while not self.block_manager.allocate(seq, num_tokens):
+                victim = max(self.running, key=self.waiting.key)
+                self.preempt(victim)
+                if victim in batch.seqs:
+                    budget += batch.remove(victim)
+                preempted = True
+                if victim is seq:
                     break
             else:
-                self.block_manager.may_append(seq)
-                scheduled.append(seq)
-        self.running.extendleft(reversed(scheduled))
-        return scheduled, False
+                batch.add(seq, num_tokens)
+                budget -= num_tokens
+        return budget, preempted
+
+    def _schedule_waiting(self, batch: ScheduledBatch, budget: int) -> bool:
+        admitted = False
+        while self.waiting and budget and len(self.running) < self.max_num_seqs:
+            seq = self.waiting.peek()
+            cached = self.block_manager.cached_prefix(seq)
+            num_cached = len(cached) * self.block_manager.block_size
+            num_tokens = len(seq) - num_cached
+            if num_tokens > budget:
+                if not self.chunked_prefill:
+                    break
+                num_tokens = budget
+            if not self.block_manager.allocate(seq, num_tokens, cached):
+                break
+            self.waiting.pop()
+            seq.num_computed_tokens = num_cached
+            self.num_cached_tokens += num_cached
+            seq.status = SequenceStatus.RUNNING
+            self.running.append(seq)
+            batch.add(seq, num_tokens)
+            budget -= num_tokens
+            admitted = True
+        return admitted
 
     def preempt(self, seq: Sequence) -> None:
-        seq.status = SequenceStatus.WAITING
-        self.block_manager.deallocate(seq)
-        self.waiting.appendleft(seq)
+        self._free(seq)
+        self.running.remove(seq)
+        seq.status = SequenceStatus.PREEMPTED
+        seq.num_computed_tokens = 0
+        self.waiting.push(seq)
         self.num_preemptions += 1
 
-    def postprocess(self, seqs: list[Sequence], token_ids: list[int]) -> None:
-        for seq, token_id in zip(seqs, token_ids):
+    def _free(self, seq: Sequence) -> None:
+        """Release `seq`'s blocks; K/V of a step that was scheduled but has not run are not valid."""
+        valid = None
+        if seq in self.in_flight.seqs:
+            valid = self.in_flight.starts[self.in_flight.seqs.index(seq)]
+        self.block_manager.deallocate(seq, valid)
+
+    def postprocess(self, batch: ScheduledBatch, token_ids: list[int]) -> list[Sequence]:
+        """Append each sampled token (one per sequence that samples, in batch order) and finish the
+        sequences that are done. Returns the sequences that got a token."""
+        self.in_flight = ScheduledBatch()
+        sampled = [seq for seq, samples in zip(batch.seqs, batch.samples) if samples]
+        for seq, token_id in zip(sampled, token_ids):
             seq.append_token(token_id)
-            if ((not seq.ignore_eos and token_id in self.eos_token_ids)
-                    or seq.num_completion_tokens == seq.max_tokens
-                    or len(seq) >= self.max_model_len):
-                seq.status = SequenceStatus.FINISHED
-                self.block_manager.deallocate(seq)
-                self.running.remove(seq)
+            reason = self._finish_reason(seq, token_id)
+            if reason:
+                self.finish(seq, reason)
+        return sampled
+
+    def _finish_reason(self, seq: Sequence, token_id: int) -> str | None:
+        if not seq.params.ignore_eos and token_id in self.eos_token_ids:
+            return "stop"
+        if seq.num_completion_tokens == seq.params.max_tokens or len(seq) >= self.max_model_len:
+            return "length"
+        return None
+
+    def finish(self, seq: Sequence, reason: str) -> None:
+        """End `seq` wherever it is (running, waiting or preempted) and free its blocks."""
+        if seq.status == SequenceStatus.RUNNING:
+            self.running.remove(seq)
+        else:
+            self.waiting.remove(seq)
+        self._free(seq)
+        del self.requests[seq.seq_id]
+        seq.status = SequenceStatus.FINISHED
+        seq.finish_reason = reason
+
+    def abort(self, seq_id: int) -> None:
+        """Finish an unfinished request as aborted; unknown or finished ids are ignored."""
+        if seq_id in self.requests:
+            self.finish(self.requests[seq_id], "abort")
 
     def abort_all(self) -> None:
-        """Drop every unfinished request and free its blocks (after an error mid-generate)."""
-        for seq in (*self.running, *self.waiting):
-            if seq.block_table:
-                self.block_manager.deallocate(seq)
-            seq.status = SequenceStatus.FINISHED
-        self.running.clear()
-        self.waiting.clear()
+        """Finish every unfinished request as aborted and free its blocks (after an error mid-generate)."""
+        for seq_id in list(self.requests):
+            self.abort(seq_id)
+        self.in_flight = ScheduledBatch()

@@ -7,28 +7,34 @@ from nanovllm.sampling_params import SamplingParams
 class SequenceStatus(Enum):
     WAITING = auto()
     RUNNING = auto()
+    PREEMPTED = auto()
     FINISHED = auto()
 
 
 class Sequence:
-    """One request: its tokens (prompt then completion), its KV blocks and its stop rules."""
+    """One request: its tokens (prompt then completion), its KV blocks and how far the model has got.
 
-    def __init__(self, seq_id: int, token_ids: list[int], block_size: int, params: SamplingParams):
+    `num_computed_tokens` is the one measure of progress (as in vLLM V1): the first that many
+    tokens have their K/V in the cache, or are being computed in the step just scheduled. A
+    prompt is being prefilled while it is below `num_prompt_tokens`; a sequence samples its next
+    token in a step that brings it to `len(seq)`. Preemption resets it to 0 (recompute).
+    """
+
+    def __init__(self, seq_id: int, token_ids: list[int], block_size: int, params: SamplingParams,
+                 priority: int = 0):
         self.seq_id = seq_id
         self.status = SequenceStatus.WAITING
         self.token_ids = copy(token_ids)
-        self.last_token = token_ids[-1]
-        self.num_tokens = len(token_ids)
         self.num_prompt_tokens = len(token_ids)
-        self.num_cached_tokens = 0
+        self.num_computed_tokens = 0
         self.block_size = block_size
         self.block_table: list[int] = []
-        self.temperature = params.temperature
-        self.max_tokens = params.max_tokens
-        self.ignore_eos = params.ignore_eos
+        self.params = params
+        self.priority = priority
+        self.finish_reason: str | None = None
 
     def __len__(self) -> int:
-        return self.num_tokens
+        return len(self.token_ids)
 
     def __getitem__(self, key):
         return self.token_ids[key]
@@ -39,23 +45,15 @@ class Sequence:
 
     @property
     def num_completion_tokens(self) -> int:
-        return self.num_tokens - self.num_prompt_tokens
+        return len(self.token_ids) - self.num_prompt_tokens
 
     @property
     def completion_token_ids(self) -> list[int]:
         return self.token_ids[self.num_prompt_tokens:]
 
     @property
-    def num_cached_blocks(self) -> int:
-        return self.num_cached_tokens // self.block_size
-
-    @property
     def num_blocks(self) -> int:
-        return (self.num_tokens + self.block_size - 1) // self.block_size
-
-    @property
-    def last_block_num_tokens(self) -> int:
-        return self.num_tokens - (self.num_blocks - 1) * self.block_size
+        return (len(self.token_ids) + self.block_size - 1) // self.block_size
 
     def block(self, i: int) -> list[int]:
         assert 0 <= i < self.num_blocks
@@ -63,5 +61,3 @@ class Sequence:
 
     def append_token(self, token_id: int) -> None:
         self.token_ids.append(token_id)
-        self.last_token = token_id
-        self.num_tokens += 1

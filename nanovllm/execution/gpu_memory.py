@@ -46,7 +46,7 @@ def warmup(model: nn.Module, sampler: nn.Module, config: Config, device: torch.d
         set_context(cu_seqlens_q=cu_seqlens, cu_seqlens_k=cu_seqlens, max_seqlen_q=seq_len, max_seqlen_k=seq_len,
                     context_lens=context_lens, block_tables=block_tables, slot_mapping=slot_mapping)
         hidden_states = model(torch.zeros_like(positions), positions)
-        model.compute_logits(hidden_states)
+        model.compute_logits(hidden_states[cu_seqlens[1:] - 1])
         set_context(max_seqlen_q=1)
         decode_batch = hidden_states.new_zeros(config.max_num_seqs, hidden_states.size(-1))
         del hidden_states

@@ -5,6 +5,7 @@ import torch
 
 from nanovllm.backends import choose_backend, importable
 from nanovllm.config import Config
+from nanovllm.engine.scheduler import ScheduledBatch
 from nanovllm.engine.sequence import Sequence
 from nanovllm.execution.cuda_graph import DecodeGraphs
 from nanovllm.execution.gpu_memory import gpu_kv_cache_bytes
@@ -138,46 +139,51 @@ class ModelRunner:
             slots.extend(range(first + max(start - i * bs, 0), first + min(end - i * bs, bs)))
         return slots
 
-    def prepare(self, seqs: list[Sequence], starts: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
-        """Set the attention context for one varlen step: sequence i computes its tokens from
-        `starts[i]` to its end (the tokens before are already in its KV cache); return the input ids
-        and positions."""
-        input_ids, positions, slot_mapping, context_lens = [], [], [], []
+    def prepare(self, batch: ScheduledBatch) -> tuple[torch.Tensor, torch.Tensor]:
+        """Set the attention context for one varlen step (sequence i computes its tokens `starts[i]` to
+        `starts[i] + num_tokens[i]`; the tokens before are already in its KV cache) and return the
+        input ids and positions. Logits are taken only at the last row of each sequence that samples."""
+        input_ids, positions, slot_mapping, context_lens, logits_indices = [], [], [], [], []
         cu_seqlens_q, cu_seqlens_k = [0], [0]
-        for seq, start in zip(seqs, starts):
-            end = len(seq)
+        for seq, start, num_tokens, samples in zip(batch.seqs, batch.starts, batch.num_tokens, batch.samples):
+            end = start + num_tokens
             input_ids.extend(seq[start:end])
             positions.extend(range(start, end))
             slot_mapping.extend(self.slots(seq.block_table, start, end))
-            cu_seqlens_q.append(cu_seqlens_q[-1] + end - start)
+            cu_seqlens_q.append(cu_seqlens_q[-1] + num_tokens)
             cu_seqlens_k.append(cu_seqlens_k[-1] + end)
             context_lens.append(end)
+            if samples:
+                logits_indices.append(cu_seqlens_q[-1] - 1)
         set_context(cu_seqlens_q=self._tensor(cu_seqlens_q, torch.int32),
                     cu_seqlens_k=self._tensor(cu_seqlens_k, torch.int32),
-                    max_seqlen_q=max(end - start for end, start in zip(context_lens, starts)),
-                    max_seqlen_k=max(context_lens), context_lens=self._tensor(context_lens, torch.int32),
-                    block_tables=self.prepare_block_tables(seqs), slot_mapping=self._tensor(slot_mapping, torch.int64))
+                    max_seqlen_q=max(batch.num_tokens), max_seqlen_k=max(context_lens),
+                    context_lens=self._tensor(context_lens, torch.int32),
+                    block_tables=self.prepare_block_tables(batch.seqs),
+                    slot_mapping=self._tensor(slot_mapping, torch.int64),
+                    logits_indices=self._tensor(logits_indices, torch.int64))
         return self._tensor(input_ids, torch.int64), self._tensor(positions, torch.int64)
 
     @torch.inference_mode()
     def run_model(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor | None:
-        """Decode replays a captured CUDA graph when one fits; the LM head always runs eagerly."""
+        """Logits at the context's `logits_indices` (None if there are none, and on ranks other than 0).
+        Decode replays a captured CUDA graph when one fits; the LM head always runs eagerly."""
         ctx = get_context()
         if self.graphs is not None and ctx.is_decode and self.graphs.fits(input_ids.size(0)):
             hidden_states = self.graphs.run(input_ids, positions, ctx)
         else:
             hidden_states = self.model(input_ids, positions)
-        return self.model.compute_logits(hidden_states)
+        if not ctx.logits_indices.numel():
+            return None
+        return self.model.compute_logits(hidden_states[ctx.logits_indices])
 
-    def run(self, seqs: list[Sequence], is_prefill: bool) -> list[int] | None:
-        """Run one scheduled batch; rank 0 returns one sampled token id per sequence."""
-        starts = [seq.num_cached_tokens if is_prefill else len(seq) - 1 for seq in seqs]
-        input_ids, positions = self.prepare(seqs, starts)
+    def run(self, batch: ScheduledBatch) -> list[int] | None:
+        """Run one scheduled step; rank 0 returns a sampled token id for each sequence that samples."""
+        input_ids, positions = self.prepare(batch)
         logits = self.call("run_model", input_ids, positions)
-        token_ids = None
-        if self.rank == 0:
-            temperatures = self._tensor([seq.temperature for seq in seqs], torch.float32)
-            with torch.inference_mode():
-                token_ids = self.sampler(logits, temperatures).tolist()
         reset_context()
-        return token_ids
+        if self.rank != 0 or logits is None:
+            return None if self.rank else []
+        temperatures = [seq.params.temperature for seq, samples in zip(batch.seqs, batch.samples) if samples]
+        with torch.inference_mode():
+            return self.sampler(logits, self._tensor(temperatures, torch.float32)).tolist()

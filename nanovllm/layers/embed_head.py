@@ -5,7 +5,6 @@ import torch.nn.functional as F
 from torch import nn
 
 from nanovllm.layers.linear import linear
-from nanovllm.utils.context import get_context
 from nanovllm.utils.parallel import tp_rank_and_size
 
 
@@ -34,7 +33,7 @@ class VocabParallelEmbedding(nn.Module):
 
 
 class ParallelLMHead(VocabParallelEmbedding):
-    """Projects hidden states to logits, at each sequence's last query position only.
+    """Projects hidden states to logits (the runner passes only the rows that sample).
 
     With tensor parallelism the vocab slices are gathered on rank 0, which samples; other ranks
     return None.
@@ -45,9 +44,6 @@ class ParallelLMHead(VocabParallelEmbedding):
         self.num_embeddings = num_embeddings
 
     def forward(self, x: torch.Tensor) -> torch.Tensor | None:
-        ctx = get_context()
-        if ctx.max_seqlen_q > 1:
-            x = x[ctx.cu_seqlens_q[1:] - 1].contiguous()
         logits = linear(x, self.weight)
         if self.tp_size == 1:
             return logits

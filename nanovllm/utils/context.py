@@ -15,6 +15,8 @@ class Context:
     prefill over a cached prefix, a prefill chunk, a decode and any mix of them are all this one
     shape; a row with context length 0 pads a batch and attends to nothing. `cu_seqlens_k` is the
     prefix sum of `context_lens`, for kernels that take offsets instead of lengths.
+    `logits_indices` are the query rows whose logits are needed (the last of each sequence that
+    samples in this step; a prompt chunk that does not reach the prompt's end samples nothing).
     """
 
     cu_seqlens_q: torch.Tensor | None = None
@@ -24,6 +26,7 @@ class Context:
     context_lens: torch.Tensor | None = None
     block_tables: torch.Tensor | None = None
     slot_mapping: torch.Tensor | None = None
+    logits_indices: torch.Tensor | None = None
 
     @property
     def is_decode(self) -> bool:

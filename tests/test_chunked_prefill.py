@@ -1,0 +1,112 @@
+"""vLLM V1 scheduling end to end: chunked prefill, mixed steps, prefix hits mid-prefill, preemption mid-prefill
+and mid-decode, priorities and aborts keep greedy output equal to transformers', token for token (float32)."""
+import pytest
+
+from checkpoints import hf_greedy
+from nanovllm import LLM, SamplingParams
+from test_engine_parity import GREEDY, MAX_TOKENS, PROMPT_LENGTHS, assert_all_blocks_free, random_prompts
+
+CPU = dict(device="cpu", max_model_len=1024)
+
+
+@pytest.fixture(scope="module")
+def prompts() -> list[list[int]]:
+    return random_prompts(PROMPT_LENGTHS)
+
+
+@pytest.fixture(scope="module")
+def expected(tied_model, prompts) -> list[list[int]]:
+    return hf_greedy(tied_model, prompts, MAX_TOKENS)
+
+
+@pytest.mark.parametrize("budget", [7, 64, 255, 257])
+def test_chunked_prefill_matches_transformers_at_awkward_budgets(tied_model, prompts, expected, budget):
+    with LLM(tied_model, kvcache_block_size=16, max_num_batched_tokens=budget, **CPU) as llm:
+        outputs = llm.generate(prompts, GREEDY, use_tqdm=False)
+        assert [o["token_ids"] for o in outputs] == expected
+        assert all(o["finish_reason"] == "length" for o in outputs)
+        stats = llm.stats()
+        assert stats["num_chunked_steps"] > 0 and stats["num_mixed_steps"] > 0
+        assert_all_blocks_free(llm)
+
+
+@pytest.mark.parametrize("model", ["llama_untied_model", "qwen2_model"])
+def test_every_family_under_chunked_prefill(request, model, prompts):
+    path = request.getfixturevalue(model)
+    with LLM(path, kvcache_block_size=16, max_num_batched_tokens=100, **CPU) as llm:
+        outputs = llm.generate(prompts, GREEDY, use_tqdm=False)
+        assert [o["token_ids"] for o in outputs] == hf_greedy(path, prompts, MAX_TOKENS)
+
+
+def test_prefill_first_mode_matches_transformers(tied_model, prompts, expected):
+    with LLM(tied_model, enable_chunked_prefill=False, **CPU) as llm:
+        assert [o["token_ids"] for o in llm.generate(prompts, GREEDY, use_tqdm=False)] == expected
+        stats = llm.stats()
+        assert stats["num_chunked_steps"] == 0 and stats["num_mixed_steps"] == 0
+
+
+def test_prefix_hits_on_a_prompt_still_being_prefilled(tied_model):
+    shared = random_prompts([200], seed=11)[0]
+    prompts = [shared + tail for tail in random_prompts([3, 40, 1], seed=12)] + [shared[:150]]
+    expected = hf_greedy(tied_model, prompts, MAX_TOKENS)
+    with LLM(tied_model, kvcache_block_size=16, max_num_batched_tokens=90, **CPU) as llm:
+        outputs = llm.generate(prompts, GREEDY, use_tqdm=False)
+        assert llm.stats()["num_cached_tokens"] >= 3 * 144, "the later prompts shared the first one's blocks"
+        assert [o["token_ids"] for o in outputs] == expected
+        assert_all_blocks_free(llm)
+
+
+def test_preemption_mid_prefill_and_mid_decode_keeps_outputs_exact(tied_model, monkeypatch):
+    prompts = random_prompts([40, 40, 40, 120], seed=4)
+    expected = hf_greedy(tied_model, prompts, 48)
+    params = SamplingParams(temperature=0, max_tokens=48, ignore_eos=True)
+    with LLM(tied_model, kvcache_block_size=16, num_kvcache_blocks=16, max_model_len=256, max_num_batched_tokens=16,
+             device="cpu") as llm:
+        scheduler, seen = llm.scheduler, set()
+        preempt = scheduler.preempt
+
+        def recording_preempt(seq):
+            seen.add("prefill" if seq.num_computed_tokens < seq.num_prompt_tokens else "decode")
+            preempt(seq)
+
+        monkeypatch.setattr(scheduler, "preempt", recording_preempt)
+        outputs = llm.generate(prompts, params, use_tqdm=False)
+        assert seen == {"prefill", "decode"}
+        assert [o["token_ids"] for o in outputs] == expected
+        assert_all_blocks_free(llm)
+
+
+def test_priorities_order_the_work_and_keep_outputs_exact(tied_model, prompts, expected):
+    with LLM(tied_model, scheduling_policy="priority", max_num_seqs=2, **CPU) as llm:
+        order = []
+        finish = llm.scheduler.finish
+
+        def recording_finish(seq, reason):
+            order.append(seq.seq_id)
+            finish(seq, reason)
+
+        llm.scheduler.finish = recording_finish
+        priority = [5, 0, 9, 1, 3, 3, 2, 8, 7, 4]
+        outputs = llm.generate(prompts, GREEDY, use_tqdm=False, priority=priority)
+        assert [o["token_ids"] for o in outputs] == expected
+        first_id = min(order)
+        assert [i - first_id for i in order[:2]] == [1, 3], "the two most urgent requests ran first"
+    with LLM(tied_model, **CPU) as llm, pytest.raises(ValueError, match="scheduling_policy='priority'"):
+        llm.generate(prompts[:1], GREEDY, use_tqdm=False, priority=[1])
+
+
+def test_abort_request_frees_its_blocks_and_the_rest_finish_exactly(tied_model, prompts, expected):
+    with LLM(tied_model, kvcache_block_size=16, max_num_batched_tokens=64, **CPU) as llm:
+        ids = [llm.add_request(p, GREEDY) for p in prompts]
+        seqs = [llm.scheduler.requests[i] for i in ids]
+        llm.abort_request(ids[9])  # still waiting
+        while not llm.is_finished():
+            for seq in llm.step():
+                if seq is seqs[3] and seq.num_completion_tokens == 5:
+                    llm.abort_request(ids[3])  # running, mid-decode
+        assert (seqs[9].finish_reason, seqs[9].completion_token_ids) == ("abort", [])
+        assert (seqs[3].finish_reason, seqs[3].completion_token_ids) == ("abort", expected[3][:5])
+        for i in (0, 1, 2, 4, 5, 6, 7, 8):
+            assert (seqs[i].finish_reason, seqs[i].completion_token_ids) == ("length", expected[i])
+        llm.abort_request(ids[0])  # finished already: nothing happens
+        assert_all_blocks_free(llm)
