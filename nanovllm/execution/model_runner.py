@@ -8,12 +8,13 @@ from nanovllm.config import Config
 from nanovllm.engine.sequence import Sequence
 from nanovllm.execution.cuda_graph import DecodeGraphs
 from nanovllm.execution.gpu_memory import gpu_kv_cache_bytes
+from nanovllm.execution.sampler import Sampler, SamplingRow
 from nanovllm.execution.workers import WorkerGroup
 from nanovllm.layers.attention import Attention, bind_kv_cache
 from nanovllm.layers.prepack import can_prepack, prepack_linear_weights
-from nanovllm.layers.sampler import Sampler
 from nanovllm.models import build_model
 from nanovllm.models.hf_config import head_dim
+from nanovllm.sampling_params import SamplingParams
 from nanovllm.utils.compile import set_compile
 from nanovllm.utils.context import get_context, reset_context, set_context
 from nanovllm.utils.loader import init_dummy_weights, load_model
@@ -64,7 +65,7 @@ class ModelRunner:
         self.model.eval()
         if self.device.type == "cpu" and can_prepack(config.torch_dtype):
             prepack_linear_weights(self.model)
-        self.sampler = Sampler()
+        self.sampler = Sampler(hf_config.vocab_size, (), self.device)
         for module in self.model.modules():
             if isinstance(module, Attention):
                 module.backend = self.backend
@@ -176,8 +177,9 @@ class ModelRunner:
         logits = self.call("run_model", input_ids, positions)
         token_ids = None
         if self.rank == 0:
-            temperatures = self._tensor([seq.temperature for seq in seqs], torch.float32)
-            with torch.inference_mode():
-                token_ids = self.sampler(logits, temperatures).tolist()
+            # Until Sequence carries its SamplingParams, pass the one setting it keeps.
+            rows = [SamplingRow(seq.seq_id, SamplingParams(temperature=seq.temperature), seq.token_ids,
+                                seq.num_prompt_tokens) for seq in seqs]
+            token_ids = self.sampler(logits, rows).token_ids
         reset_context()
         return token_ids
