@@ -60,8 +60,8 @@ class Sampler:
         self.eos_token_ids = set(eos_token_ids)
         self.device = torch.device(device)
         self.generators: dict[int, torch.Generator] = {}
-        self.slots: dict[int, int] = {}
-        self.counted: dict[int, int] = {}
+        self.slots: dict[int, int] = {}  # seq id -> its row of the count tables
+        self.counted: dict[int, int] = {}  # seq id -> how many completion tokens its output counts cover
         self.free_slots: list[int] = []
         self.prompt_mask = torch.zeros(0, vocab_size, dtype=torch.bool, device=self.device)
         self.output_counts = torch.zeros(0, vocab_size, dtype=torch.int32, device=self.device)
