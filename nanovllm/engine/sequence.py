@@ -32,6 +32,7 @@ class Sequence:
         self.params = params
         self.priority = priority
         self.finish_reason: str | None = None
+        self.stop_reason: int | str | None = None
 
     def __len__(self) -> int:
         return len(self.token_ids)

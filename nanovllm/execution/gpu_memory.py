@@ -5,7 +5,9 @@ import torch
 from torch import nn
 
 from nanovllm.config import Config
+from nanovllm.execution.sampler import Sampler, SamplingRow
 from nanovllm.layers.attention import bind_kv_cache
+from nanovllm.sampling_params import SamplingParams
 from nanovllm.utils.context import reset_context, set_context
 
 
@@ -26,10 +28,21 @@ def warmup_cache_blocks(config: Config) -> int:
     return warmup_batch_size(config) * -(-config.max_model_len // config.kvcache_block_size)
 
 
+WARMUP_SAMPLING = SamplingParams(top_p=0.9, top_k=50, min_p=0.05, seed=0, min_tokens=1, stop_token_ids=[0],
+                                 repetition_penalty=1.1, presence_penalty=0.5, frequency_penalty=0.5, logprobs=20)
+
+
+def warmup_sampling_rows(num_seqs: int) -> list[SamplingRow]:
+    """A decode batch using every sampling feature: penalty count tables for every row, seeded draws, min-p, top-k,
+    top-p (a full sort of the logits), min_tokens and logprobs."""
+    return [SamplingRow(seq_id, WARMUP_SAMPLING, [0], 1) for seq_id in range(num_seqs)]
+
+
 @torch.inference_mode()
-def warmup(model: nn.Module, sampler: nn.Module, config: Config, device: torch.device) -> None:
-    """The largest prefill the budget allows, then sampling over a full decode batch (its logits are
-    `max_num_seqs x vocab` and often the biggest single allocation).
+def warmup(model: nn.Module, sampler: Sampler, config: Config, device: torch.device) -> None:
+    """The largest prefill the budget allows, then sampling with every feature on over a full decode batch (its
+    logits are `max_num_seqs x vocab` and often the biggest single allocation; the sampler keeps the count tables
+    it grows here for later steps).
 
     The model must be bound to a cache of at least `warmup_cache_blocks(config)` blocks; every layer
     may share one, since only the attention kernels' working memory is being measured.
@@ -52,12 +65,14 @@ def warmup(model: nn.Module, sampler: nn.Module, config: Config, device: torch.d
         del hidden_states
         logits = model.compute_logits(decode_batch)
         if logits is not None:
-            sampler(logits, torch.ones(config.max_num_seqs, device=device))
+            rows = warmup_sampling_rows(config.max_num_seqs)
+            sampler(logits, rows)
+            sampler.release(row.seq_id for row in rows)
     finally:
         reset_context()
 
 
-def gpu_kv_cache_bytes(model: nn.Module, sampler: nn.Module, config: Config, device: torch.device,
+def gpu_kv_cache_bytes(model: nn.Module, sampler: Sampler, config: Config, device: torch.device,
                        kv_cache_shape: Callable[[int], tuple[int, ...]]) -> int:
     """Run the warm-up and size the KV cache from `gpu_memory_utilization` and what it measured.
 

@@ -1,4 +1,5 @@
 import math
+from collections.abc import Iterable
 from contextlib import contextmanager, nullcontext
 
 import torch
@@ -9,10 +10,10 @@ from nanovllm.engine.scheduler import ScheduledBatch
 from nanovllm.engine.sequence import Sequence
 from nanovllm.execution.cuda_graph import DecodeGraphs
 from nanovllm.execution.gpu_memory import gpu_kv_cache_bytes
+from nanovllm.execution.sampler import Sampler, SamplerOutput
 from nanovllm.execution.workers import WorkerGroup
 from nanovllm.layers.attention import Attention, bind_kv_cache
 from nanovllm.layers.prepack import can_prepack, prepack_linear_weights
-from nanovllm.layers.sampler import Sampler
 from nanovllm.models import build_model
 from nanovllm.models.hf_config import head_dim
 from nanovllm.utils.compile import set_compile
@@ -42,12 +43,13 @@ class ModelRunner:
     ranks, and `call` forwards each call to them before running it here.
     """
 
-    def __init__(self, config: Config, rank: int = 0):
+    def __init__(self, config: Config, rank: int = 0, eos_token_ids: Iterable[int] = ()):
         self.workers = WorkerGroup(config, type(self)) if rank == 0 and config.tensor_parallel_size > 1 else None
         with self.workers.guard(shutdown=True) if self.workers else nullcontext():
-            self.setup(config, rank)
+            self.setup(config, rank, eos_token_ids)
 
-    def setup(self, config: Config, rank: int) -> None:
+    def setup(self, config: Config, rank: int, eos_token_ids: Iterable[int]) -> None:
+        """`eos_token_ids` are what `min_tokens` keeps the sampler from drawing (only rank 0 samples)."""
         self.config = config
         self.rank = rank
         self.block_size = config.kvcache_block_size
@@ -65,7 +67,7 @@ class ModelRunner:
         self.model.eval()
         if self.device.type == "cpu" and can_prepack(config.torch_dtype):
             prepack_linear_weights(self.model)
-        self.sampler = Sampler()
+        self.sampler = Sampler(hf_config.vocab_size, eos_token_ids, self.device)
         for module in self.model.modules():
             if isinstance(module, Attention):
                 module.backend = self.backend
@@ -177,13 +179,15 @@ class ModelRunner:
             return None
         return self.model.compute_logits(hidden_states[ctx.logits_indices])
 
-    def run(self, batch: ScheduledBatch) -> list[int] | None:
-        """Run one scheduled step; rank 0 returns a sampled token id for each sequence that samples."""
+    def run(self, batch: ScheduledBatch) -> SamplerOutput | None:
+        """Run one scheduled step; rank 0 returns a sampled token for each sequence that samples, in batch order."""
+        if self.rank == 0:
+            self.sampler.release(batch.finished_seq_ids)
         input_ids, positions = self.prepare(batch)
         logits = self.call("run_model", input_ids, positions)
         reset_context()
-        if self.rank != 0 or logits is None:
-            return None if self.rank else []
-        temperatures = [seq.params.temperature for seq, samples in zip(batch.seqs, batch.samples) if samples]
-        with torch.inference_mode():
-            return self.sampler(logits, self._tensor(temperatures, torch.float32)).tolist()
+        if self.rank != 0:
+            return None
+        if logits is None:
+            return SamplerOutput([])
+        return self.sampler(logits, [seq for seq, samples in zip(batch.seqs, batch.samples) if samples])

@@ -1,25 +1,71 @@
+"""The sampler's tensor math: pure functions over a batch of float32 logits `[batch, vocab]`, one row per sequence,
+with per-row settings as `[batch]` tensors. Each keeps the inputs unchanged; `execution/sampler.py` chains them."""
 import torch
-from torch import nn
 
 from nanovllm.utils.compile import fused_op
 
+NEG_INF = float("-inf")
+
 
 @fused_op
-def sample(logits: torch.Tensor, temperatures: torch.Tensor) -> torch.Tensor:
-    logits = logits.float()
-    greedy = logits.argmax(dim=-1)
-    scaled = logits / temperatures.clamp_min(1e-5).unsqueeze(1)
-    probs = torch.softmax(scaled, dim=-1)
-    sampled = (probs / torch.empty_like(probs).exponential_(1).clamp_min(1e-10)).argmax(dim=-1)
-    return torch.where(temperatures == 0, greedy, sampled)
+def apply_penalties(logits: torch.Tensor, prompt_mask: torch.Tensor, output_counts: torch.Tensor,
+                    repetition: torch.Tensor, presence: torch.Tensor, frequency: torch.Tensor) -> torch.Tensor:
+    """The repetition penalty on every token of the prompt (`prompt_mask`) or the output (`output_counts > 0`), as
+    transformers and vLLM apply it: negative logits multiplied by it, the others divided; then the OpenAI-style
+    frequency (per occurrence) and presence (once) penalties on output tokens."""
+    in_output = output_counts > 0
+    penalty = repetition.unsqueeze(1)
+    repeated = torch.where(logits < 0, logits * penalty, logits / penalty)
+    logits = torch.where(prompt_mask | in_output, repeated, logits)
+    return logits - frequency.unsqueeze(1) * output_counts - presence.unsqueeze(1) * in_output
 
 
-class Sampler(nn.Module):
-    """Greedy where temperature is 0, else a sample from softmax(logits / temperature).
+@fused_op
+def apply_min_p(logits: torch.Tensor, min_p: torch.Tensor) -> torch.Tensor:
+    """Drop tokens less likely than `min_p` times the most likely one: p_i < min_p * p_max is
+    logit_i < logit_max + log(min_p), so no softmax is needed. min_p 0 drops nothing."""
+    threshold = logits.amax(dim=-1, keepdim=True) + min_p.log().unsqueeze(1)
+    return logits.masked_fill(logits < threshold, NEG_INF)
 
-    Sampling uses the exponential-race (Gumbel-max) form: argmax(p / E) with E ~ Exp(1) is a draw
-    from p, with no cumulative sums and no host sync.
-    """
 
-    def forward(self, logits: torch.Tensor, temperatures: torch.Tensor) -> torch.Tensor:
-        return sample(logits, temperatures)
+def apply_top_k(logits: torch.Tensor, top_k: torch.Tensor, max_top_k: int) -> torch.Tensor:
+    """Keep each row's `top_k` largest logits (ties with the k-th included, as transformers' TopKLogitsWarper);
+    top_k 0 keeps all. `max_top_k` (the largest k, at most the vocabulary) is passed from the host, so only
+    `max_top_k` values are sorted and nothing waits on the device."""
+    kth = logits.topk(max_top_k, dim=-1).values.gather(1, (top_k - 1).clamp_min(0).unsqueeze(1))
+    kth = kth.masked_fill(top_k.unsqueeze(1) == 0, NEG_INF)
+    return logits.masked_fill(logits < kth, NEG_INF)
+
+
+def apply_top_p(logits: torch.Tensor, top_p: torch.Tensor) -> torch.Tensor:
+    """Keep the most likely tokens until their probability reaches `top_p`, always at least the most likely one,
+    exactly as transformers' TopPLogitsWarper: in ascending order, drop tokens whose cumulative probability is at
+    most 1 - top_p. top_p 1 keeps all."""
+    ascending, order = logits.sort(dim=-1)
+    drop = ascending.softmax(dim=-1).cumsum(dim=-1) <= 1 - top_p.unsqueeze(1)
+    drop[:, -1] = False
+    return logits.masked_fill(drop.scatter(1, order, drop), NEG_INF)
+
+
+def exponential_race(probs: torch.Tensor, generators: dict[int, torch.Generator]) -> torch.Tensor:
+    """One draw per row: argmax(p / E) with E ~ Exp(1) i.i.d. picks token i with probability p_i, with no cumulative
+    sum and no host sync. The rows in `generators` draw their E from their own generator, so their draw does not
+    depend on the rest of the batch; the others share torch's default generator."""
+    noise = torch.empty_like(probs)
+    if len(generators) < probs.size(0):
+        noise.exponential_()
+    for row, generator in generators.items():
+        noise[row].exponential_(generator=generator)
+    return (probs / noise.clamp_min_(1e-10)).argmax(dim=-1)
+
+
+def token_logprobs(logits: torch.Tensor, token_ids: torch.Tensor,
+                   num_top: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """vLLM's default (raw) logprobs, from the model's logits before any penalty or temperature: each row's
+    log-probability of `token_ids[row]` and its rank (how many tokens are at least as likely, itself included: 1 is the
+    most likely), and the `num_top` most likely token ids and their log-probabilities."""
+    logprobs = logits.log_softmax(dim=-1)
+    chosen = logprobs.gather(1, token_ids.unsqueeze(1))
+    ranks = (logprobs >= chosen).sum(dim=-1)
+    top = logprobs.topk(num_top, dim=-1)
+    return chosen.squeeze(1), ranks, top.indices, top.values

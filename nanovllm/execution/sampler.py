@@ -1,0 +1,190 @@
+"""Sampling on rank 0: one batched pass over a step's logits, with each sequence's sampling state kept on the device."""
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
+
+import torch
+
+from nanovllm.layers.sampler import (NEG_INF, apply_min_p, apply_penalties, apply_top_k, apply_top_p, exponential_race,
+                                     token_logprobs)
+from nanovllm.outputs import TokenLogprobs
+from nanovllm.sampling_params import SamplingParams
+
+
+@dataclass
+class SamplingRow:
+    """What the sampler reads of a sequence; the engine's Sequence has the same attributes and is passed as is."""
+
+    seq_id: int
+    params: SamplingParams
+    token_ids: list[int]
+    num_prompt_tokens: int
+
+
+@dataclass
+class SamplerOutput:
+    """One sampled token id per row; with `logprobs` (one entry per row, None where not asked) when any row asked."""
+
+    token_ids: list[int]
+    logprobs: list[TokenLogprobs | None] | None = None
+
+
+def num_completion_tokens(seq: SamplingRow) -> int:
+    return len(seq.token_ids) - seq.num_prompt_tokens
+
+
+class Sampler:
+    """Samples one token per row of a step's logits `[batch, vocab]`, row i for `seqs[i]`: penalties, min_tokens,
+    temperature, min-p, top-k, top-p, then a draw; greedy rows (temperature 0) take the exact argmax of the penalized
+    logits. Stages no row uses are skipped, as decided on the host from the params; the only host sync is reading
+    the result.
+
+    Per-sequence state, kept until `release(seq_ids)`: for penalized sequences a row of `prompt_mask` and
+    `output_counts` (built from the sequence's tokens when first seen, then counted on the device after each
+    sample), and for seeded ones a torch.Generator seeded with `params.seed`, so that their draws do not depend on
+    the batch. Only rows whose sampled token the engine appends may be passed: a sample that is dropped (say, after
+    a partial prefill) still advances the row's generator.
+    """
+
+    def __init__(self, vocab_size: int, eos_token_ids: Iterable[int], device: torch.device | str):
+        self.vocab_size = vocab_size
+        self.eos_token_ids = set(eos_token_ids)
+        self.device = torch.device(device)
+        self.generators: dict[int, torch.Generator] = {}
+        self.slots: dict[int, int] = {}  # seq id -> its row of the count tables
+        self.counted: dict[int, int] = {}  # seq id -> how many completion tokens its output counts cover
+        self.free_slots: list[int] = []
+        self.prompt_mask = torch.zeros(0, vocab_size, dtype=torch.bool, device=self.device)
+        self.output_counts = torch.zeros(0, vocab_size, dtype=torch.int32, device=self.device)
+
+    def release(self, seq_ids: Iterable[int]) -> None:
+        """Drop the state of finished or aborted sequences."""
+        for seq_id in seq_ids:
+            self.generators.pop(seq_id, None)
+            self.counted.pop(seq_id, None)
+            if seq_id in self.slots:
+                self.free_slots.append(self.slots.pop(seq_id))
+
+    def _tensor(self, data: list, dtype: torch.dtype) -> torch.Tensor:
+        return torch.tensor(data, dtype=dtype, pin_memory=self.device.type == "cuda").to(self.device, non_blocking=True)
+
+    def _index(self, rows: list[int], batch: int) -> torch.Tensor | slice:
+        """Selects `rows` of the batch; a plain slice when that is every row, so nothing is gathered or scattered."""
+        return slice(None) if len(rows) == batch else self._tensor(rows, torch.int64)
+
+    @torch.inference_mode()
+    def __call__(self, logits: torch.Tensor, seqs: Sequence[SamplingRow]) -> SamplerOutput:
+        logits = logits.float()
+        params = [seq.params for seq in seqs]
+        processed = logits
+        penalized = [i for i, p in enumerate(params) if p.uses_penalties]
+        if penalized:
+            index = self._index(penalized, len(seqs))
+            slots = self._slots([seqs[i] for i in penalized])
+            processed = self._penalize(logits, [params[i] for i in penalized], index, slots)
+        processed = self._suppress_stop_tokens(processed, seqs)
+        token_ids = self._sample(processed, seqs)
+        if penalized:
+            self.output_counts[slots, token_ids[index]] += 1
+            for i in penalized:
+                self.counted[seqs[i].seq_id] += 1
+        asked = [i for i, p in enumerate(params) if p.logprobs is not None]
+        if not asked:
+            return SamplerOutput(token_ids.tolist())
+        index = self._index(asked, len(seqs))
+        results = token_logprobs(logits[index], token_ids[index], max(params[i].logprobs for i in asked))
+        token_ids = token_ids.tolist()
+        chosen, ranks, top_ids, top_logprobs = (t.tolist() for t in results)
+        logprobs: list[TokenLogprobs | None] = [None] * len(seqs)
+        for j, i in enumerate(asked):
+            k = params[i].logprobs
+            logprobs[i] = TokenLogprobs(chosen[j], ranks[j], top_ids[j][:k], top_logprobs[j][:k])
+        return SamplerOutput(token_ids, logprobs)
+
+    def _penalize(self, logits: torch.Tensor, params: list[SamplingParams], index: torch.Tensor | slice,
+                  slots: torch.Tensor) -> torch.Tensor:
+        penalties = [self._tensor([getattr(p, name) for p in params], torch.float32)
+                     for name in ("repetition_penalty", "presence_penalty", "frequency_penalty")]
+        rows = apply_penalties(logits[index], self.prompt_mask[slots], self.output_counts[slots], *penalties)
+        return rows if isinstance(index, slice) else logits.index_put((index,), rows)
+
+    def _slots(self, seqs: list[SamplingRow]) -> torch.Tensor:
+        """Each sequence's row of the count tables, (re)built from its tokens unless it counts exactly the
+        completion so far (it does from the second step on, as long as every sample is appended)."""
+        stale = [seq for seq in seqs if self.counted.get(seq.seq_id) != num_completion_tokens(seq)]
+        if stale:
+            self._build(stale)
+        return self._tensor([self.slots[seq.seq_id] for seq in seqs], torch.int64)
+
+    def _build(self, seqs: list[SamplingRow]) -> None:
+        new = [seq.seq_id for seq in seqs if seq.seq_id not in self.slots]
+        self._grow(len(self.slots) + len(new))
+        for seq_id in new:
+            self.slots[seq_id] = self.free_slots.pop()
+        slots, prompt_slots, prompt_ids, output_slots, output_ids = [], [], [], [], []
+        for seq in seqs:
+            slot, n = self.slots[seq.seq_id], seq.num_prompt_tokens
+            slots.append(slot)
+            prompt_slots += [slot] * n
+            prompt_ids += seq.token_ids[:n]
+            output_slots += [slot] * (len(seq.token_ids) - n)
+            output_ids += seq.token_ids[n:]
+            self.counted[seq.seq_id] = num_completion_tokens(seq)
+        slots = self._tensor(slots, torch.int64)
+        self.prompt_mask[slots] = False
+        self.output_counts[slots] = 0
+        self.prompt_mask[self._tensor(prompt_slots, torch.int64), self._tensor(prompt_ids, torch.int64)] = True
+        self.output_counts.index_put_((self._tensor(output_slots, torch.int64), self._tensor(output_ids, torch.int64)),
+                                      torch.ones(len(output_ids), dtype=torch.int32, device=self.device),
+                                      accumulate=True)
+
+    def _grow(self, needed: int) -> None:
+        """Room in the count tables for `needed` sequences (doubling, so growth is rare)."""
+        capacity = self.output_counts.size(0)
+        if needed <= capacity:
+            return
+        extra = max(needed, 2 * capacity) - capacity
+        self.prompt_mask = torch.cat([self.prompt_mask, self.prompt_mask.new_zeros(extra, self.vocab_size)])
+        self.output_counts = torch.cat([self.output_counts, self.output_counts.new_zeros(extra, self.vocab_size)])
+        self.free_slots += range(capacity, capacity + extra)
+
+    def _suppress_stop_tokens(self, logits: torch.Tensor, seqs: Sequence[SamplingRow]) -> torch.Tensor:
+        """min_tokens: while a sequence has fewer completion tokens, EOS (unless ignored) and its stop tokens are
+        never sampled."""
+        rows, token_ids = [], []
+        for i, seq in enumerate(seqs):
+            p = seq.params
+            if num_completion_tokens(seq) < p.min_tokens:
+                stops = set(p.stop_token_ids) | (set() if p.ignore_eos else self.eos_token_ids)
+                rows += [i] * len(stops)
+                token_ids += stops
+        if not rows:
+            return logits
+        return logits.index_put((self._tensor(rows, torch.int64), self._tensor(token_ids, torch.int64)),
+                                logits.new_full((), NEG_INF))
+
+    def _sample(self, logits: torch.Tensor, seqs: Sequence[SamplingRow]) -> torch.Tensor:
+        params = [seq.params for seq in seqs]
+        greedy = [p.temperature == 0 for p in params]
+        if all(greedy):
+            return logits.argmax(dim=-1)
+        scaled = logits / self._tensor([p.temperature or 1.0 for p in params], torch.float32).unsqueeze(1)
+        min_p = [0.0 if g else p.min_p for p, g in zip(params, greedy)]
+        if any(min_p):
+            scaled = apply_min_p(scaled, self._tensor(min_p, torch.float32))
+        top_k = [p.top_k if not g and 0 < p.top_k < self.vocab_size else 0 for p, g in zip(params, greedy)]
+        if any(top_k):
+            scaled = apply_top_k(scaled, self._tensor(top_k, torch.int64), max(top_k))
+        top_p = [1.0 if g else p.top_p for p, g in zip(params, greedy)]
+        if min(top_p) < 1:
+            scaled = apply_top_p(scaled, self._tensor(top_p, torch.float32))
+        generators = {i: self._generator(seq) for i, (seq, g) in enumerate(zip(seqs, greedy))
+                      if not g and seq.params.seed is not None}
+        sampled = exponential_race(scaled.softmax(dim=-1), generators)
+        if not any(greedy):
+            return sampled
+        return torch.where(self._tensor(greedy, torch.bool), logits.argmax(dim=-1), sampled)
+
+    def _generator(self, seq: SamplingRow) -> torch.Generator:
+        if seq.seq_id not in self.generators:
+            self.generators[seq.seq_id] = torch.Generator(self.device).manual_seed(seq.params.seed)
+        return self.generators[seq.seq_id]

@@ -1,0 +1,93 @@
+"""SamplingParams: vLLM's defaults, and a ValueError naming the field, the value and the valid range for bad input;
+RequestOutput's dict access."""
+from dataclasses import asdict
+
+import pytest
+
+from nanovllm import SamplingParams
+from nanovllm.outputs import CompletionOutput, RequestOutput
+
+VLLM_DEFAULTS = {"n": 1, "temperature": 1.0, "top_p": 1.0, "top_k": -1, "min_p": 0.0, "seed": None, "stop": [],
+                 "stop_token_ids": [], "include_stop_str_in_output": False, "max_tokens": 16, "min_tokens": 0,
+                 "ignore_eos": False, "repetition_penalty": 1.0, "presence_penalty": 0.0, "frequency_penalty": 0.0,
+                 "logprobs": None, "skip_special_tokens": True}
+
+
+def test_defaults_are_vllms():
+    assert asdict(SamplingParams()) == VLLM_DEFAULTS
+
+
+@pytest.mark.parametrize("kwargs, message", [
+    ({"n": 0}, r"n must be an integer >= 1, got 0"),
+    ({"n": True}, r"n must be an integer"),
+    ({"temperature": -0.5}, r"temperature must be a number >= 0 \(0 is greedy\), got -0.5"),
+    ({"temperature": float("inf")}, r"temperature must be a number"),
+    ({"top_p": 0}, r"top_p must be a number in \(0, 1\], got 0"),
+    ({"top_p": 1.01}, r"top_p must be a number in \(0, 1\], got 1.01"),
+    ({"top_p": float("nan")}, r"top_p must be"),
+    ({"top_k": -2}, r"top_k must be an integer >= 1, or -1 or 0 for all tokens, got -2"),
+    ({"top_k": 2.0}, r"top_k must be an integer"),
+    ({"top_k": True}, r"top_k must be an integer"),
+    ({"min_p": 1.5}, r"min_p must be a number in \[0, 1\], got 1.5"),
+    ({"min_p": -0.1}, r"min_p must be a number in \[0, 1\]"),
+    ({"seed": 1.5}, r"seed must be an integer in \[-2\*\*63, 2\*\*64\), or None, got 1.5"),
+    ({"seed": False}, r"seed must be an integer"),
+    ({"seed": 2**64}, r"seed must be an integer"),
+    ({"stop": ["ok", 3]}, r"stop must be a non-empty string or a list of non-empty strings, got \['ok', 3\]"),
+    ({"stop": ""}, r"stop must be a non-empty string"),
+    ({"stop": ["a", ""]}, r"stop must be a non-empty string"),
+    ({"stop": 5}, r"stop must be"),
+    ({"stop_token_ids": [1, -2]}, r"stop_token_ids must be a list of token ids \(integers >= 0\), got \[1, -2\]"),
+    ({"stop_token_ids": 7}, r"stop_token_ids must be a list"),
+    ({"stop_token_ids": [True]}, r"stop_token_ids must be a list"),
+    ({"include_stop_str_in_output": 1}, r"include_stop_str_in_output must be True or False, got 1"),
+    ({"max_tokens": 0}, r"max_tokens must be an integer >= 1, got 0"),
+    ({"max_tokens": None}, r"max_tokens must be an integer"),
+    ({"min_tokens": -1}, r"min_tokens must be an integer >= 0, got -1"),
+    ({"min_tokens": 20}, r"min_tokens must be at most max_tokens, got min_tokens=20 and max_tokens=16"),
+    ({"ignore_eos": "no"}, r"ignore_eos must be True or False"),
+    ({"repetition_penalty": 0}, r"repetition_penalty must be a number > 0 \(1 is off\), got 0"),
+    ({"presence_penalty": 2.5}, r"presence_penalty must be a number in \[-2, 2\], got 2.5"),
+    ({"frequency_penalty": -3}, r"frequency_penalty must be a number in \[-2, 2\], got -3"),
+    ({"logprobs": -1}, r"logprobs must be an integer >= 0, or None, got -1"),
+    ({"logprobs": True}, r"logprobs must be an integer"),
+    ({"skip_special_tokens": None}, r"skip_special_tokens must be True or False"),
+])
+def test_bad_values_name_the_field_and_the_range(kwargs, message):
+    with pytest.raises(ValueError, match=message):
+        SamplingParams(**kwargs)
+
+
+def test_normalized_values():
+    params = SamplingParams(temperature=1, top_k=0, stop="###", stop_token_ids=(3, 4), seed=-1, max_tokens=5,
+                            min_tokens=5, logprobs=0)
+    assert (params.temperature, params.top_k, params.stop, params.stop_token_ids) == (1.0, -1, ["###"], [3, 4])
+    assert isinstance(params.temperature, float)
+    with pytest.warns(UserWarning, match="temperature 0.001 is below 0.01"):
+        assert SamplingParams(temperature=0.001).temperature == 0.01
+
+
+def test_each_of_n_samples_gets_its_own_seed():
+    params = SamplingParams(n=3, seed=10, temperature=0.5, stop=["x"])
+    children = [params.for_sample(i) for i in range(3)]
+    assert [(c.n, c.seed, c.temperature, c.stop) for c in children] == [(1, 10, 0.5, ["x"]), (1, 11, 0.5, ["x"]),
+                                                                        (1, 12, 0.5, ["x"])]
+    assert SamplingParams(n=2).for_sample(1).seed is None and params.n == 3
+
+
+def test_check_vocab():
+    SamplingParams(stop_token_ids=[99], logprobs=100).check_vocab(100)
+    with pytest.raises(ValueError, match=r"stop_token_ids has token id 100 outside the vocabulary \[0, 100\)"):
+        SamplingParams(stop_token_ids=[5, 100]).check_vocab(100)
+    with pytest.raises(ValueError, match="logprobs must be at most the vocabulary size 100, got 101"):
+        SamplingParams(logprobs=101).check_vocab(100)
+
+
+def test_request_output_keeps_nano_vllm_dict_access():
+    out = RequestOutput("0", "Hi", [1, 2], [CompletionOutput(0, " there", [3, 4], finish_reason="length"),
+                                            CompletionOutput(1, " you", [5], finish_reason="stop", stop_reason="!")],
+                        finished=True)
+    assert (out["text"], out["token_ids"]) == (" there", [3, 4])
+    assert out.outputs[1].finished() and out.outputs[1].stop_reason == "!"
+    with pytest.raises(KeyError, match=r"'prompt'.*only by \('text', 'token_ids'\)"):
+        out["prompt"]
