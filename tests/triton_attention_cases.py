@@ -76,7 +76,7 @@ def make_batch(seqs: list[Seq], *, heads: int = 4, kv_heads: int = 2, head_dim: 
                  ctx=ctx, rows=rows, scale=head_dim ** -0.5)
 
 
-# Correctness against the torch reference: (name, seqs, make_batch options). Contexts span 1..2049,
+# Correctness against the torch reference: (name, seqs, make_batch options). Contexts span 1..4200,
 # with padding rows, prefix-cached chunks (q_len < context), full prefills, and pure decode batches.
 MIXED = [(1, 1, 1), (1, 300, 2), PAD, (37, 37, 3), (20, 100, 4), (3, 600, 5), (16, 16, 7)]
 DECODE = [(1, 1, 11), (1, 17, 12), (1, 255, 13), (1, 256, 14), (1, 257, 15), PAD, (1, 700, 16)]
@@ -87,7 +87,7 @@ CORRECTNESS = [
     ("mixed_d16_page16", MIXED + LONG, {}),
     ("mixed_d64_page256", MIXED, {"head_dim": 64, "page": 256}),
     ("decode_d64_page16", DECODE + LONG[1:], {"head_dim": 64}),
-    ("decode_d16_page256", DECODE, {"page": 256}),
+    ("decode_d16_page256", DECODE + [(1, 4200, 18)], {"page": 256}),  # 17 segments: a program takes two
     ("mixed_mha_d24_page32", [(9, 40, 21), (1, 300, 22), (30, 30, 23)],
      {"heads": 2, "kv_heads": 2, "head_dim": 24, "page": 32}),
     ("mixed_group3_d128_page16", [(5, 21, 31), (1, 600, 32), PAD], {"heads": 6, "kv_heads": 2, "head_dim": 128}),

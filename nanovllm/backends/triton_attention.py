@@ -18,9 +18,10 @@ Algorithm: flash attention on a fixed absolute grid.
 * Varlen without host syncs (vLLM's trick): the grid has `tokens // BLOCK_Q + 2 * seqs` Q-tile
   programs, an upper bound; sequence i's tiles are numbered from `cu_seqlens_q[i] // BLOCK_Q + 2 * i`,
   each program finds its sequence by binary search over `cu_seqlens_q`, and spare programs exit.
-* Split-KV (flash decoding) for small decode batches: the same kernel runs one program per
-  (sequence, KV head, segment), writes each segment's raw (m, l, acc) to a float32 scratch, and
-  `_reduce_segments_kernel` merges them with the same `_merge` in the same order.
+* Split-KV (flash decoding) for small decode batches: the same kernel runs up to `SPLIT_KV_PROGRAMS`
+  programs per (sequence, KV head), each taking every n-th segment, writes each segment's raw
+  (m, l, acc) to a float32 scratch, and `_reduce_segments_kernel` merges them with the same
+  `_merge` in the same order.
 
 Determinism: a row's output is bitwise the same whatever shares its launch, whatever its q length
 and whichever path runs. The dots and row reductions (the only layout-dependent arithmetic) run
@@ -53,6 +54,7 @@ from nanovllm.utils.context import Context
 
 SEGMENT = 256  # keys per split-KV segment: fixed, so that segment boundaries never depend on the batch
 SPLIT_KV_MAX_PROGRAMS = 512  # decode batches with fewer (sequence, KV head) pairs split their keys
+SPLIT_KV_PROGRAMS = 16  # programs per (sequence, KV head) that share its segments when split
 MIN_BLOCK_M = 16  # tl.dot's smallest M
 KV_TILE_BYTES = 16384  # one K (or V) tile per pipeline stage: 64 keys of 128 float16 dims
 SUPPORTED_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
@@ -151,7 +153,7 @@ def _attention_kernel(out_ptr, q_ptr, k_cache_ptr, v_cache_ptr, block_tables_ptr
                       HEAD_DIM_PAD: tl.constexpr, PAGE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_Q: tl.constexpr,
                       BLOCK_N: tl.constexpr, TILES_PER_SEGMENT: tl.constexpr, DOT_FP32: tl.constexpr):
     """Unified (split == 0): grid (Q-tile programs, KV heads, 1), each Q tile over all its keys, into out.
-    Split (split == 1, decode only): grid (sequences, KV heads, segments), one segment each, into the partials."""
+    Split (split == 1, decode only): grid (sequences, KV heads, splits), every splits-th segment, into the partials."""
     kv_head = tl.program_id(1)
     if split != 0:
         seq = tl.program_id(0)
@@ -179,14 +181,12 @@ def _attention_kernel(out_ptr, q_ptr, k_cache_ptr, v_cache_ptr, block_tables_ptr
     kv_end = tl.minimum(tl.minimum(tile_pos + BLOCK_Q, first_pos + q_len), context_len)  # keys the tile's rows see
     num_tiles = tl.cdiv(kv_end, BLOCK_N)
     num_segs = tl.cdiv(num_tiles, TILES_PER_SEGMENT)
-    seg_lo = tl.program_id(2)  # 0 when unified
-    seg_hi = tl.where(split != 0, tl.minimum(seg_lo + 1, num_segs), num_segs)
     k_ptr = k_cache_ptr + kv_head * stride_kh
     v_ptr = v_cache_ptr + kv_head * stride_vh
     table_ptr = block_tables_ptr + seq.to(tl.int64) * stride_bt
     part = (token * NUM_HEADS + head) * num_segments
     m, l, acc = _empty_state(BLOCK_M, HEAD_DIM_PAD)
-    for seg in range(seg_lo, seg_hi):
+    for seg in range(tl.program_id(2), num_segs, tl.num_programs(2)):  # unified: all, in order
         first_tile = seg * TILES_PER_SEGMENT
         seg_m, seg_l, seg_acc = _segment(q, pos, k_ptr, v_ptr, table_ptr, context_len, first_tile,
                                          tl.minimum(first_tile + TILES_PER_SEGMENT, num_tiles), qk_scale,
@@ -289,7 +289,7 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
         part_l = torch.empty_like(part_m)
         part_acc = torch.empty(num_tokens, num_heads, segments, constants["HEAD_DIM_PAD"], dtype=torch.float32,
                                device=q.device)
-        grid = (num_seqs, num_kv_heads, segments)
+        grid = (num_seqs, num_kv_heads, min(segments, SPLIT_KV_PROGRAMS))
     else:
         part_m = part_l = part_acc = out
         grid = (num_tokens // constants["BLOCK_Q"] + 2 * num_seqs, num_kv_heads, 1)
