@@ -63,18 +63,14 @@ def make_batch(seqs: list[Seq], *, heads: int = 4, kv_heads: int = 2, head_dim: 
         queries.append(q)
     q_lens = [q_len for q_len, _, _ in seqs]
     contexts = [context for _, context, _ in seqs]
-    cu_q = torch.tensor([0] + q_lens).cumsum(0).to(torch.int32)
-
-    def on_device(x: torch.Tensor) -> torch.Tensor:
-        return x.to(device)
-
-    ctx = Context(cu_seqlens_q=on_device(cu_q), cu_seqlens_k=on_device(torch.tensor([0] + contexts).cumsum(0).int()),
-                  max_seqlen_q=max(q_lens), max_seqlen_k=max(contexts), context_lens=on_device(torch.tensor(contexts,
-                  dtype=torch.int32)), block_tables=on_device(torch.tensor(tables, dtype=torch.int32)))
+    cu_q = torch.tensor([0] + q_lens).cumsum(0).int()
+    ctx = Context(cu_seqlens_q=cu_q.to(device), cu_seqlens_k=torch.tensor([0] + contexts).cumsum(0).int().to(device),
+                  max_seqlen_q=max(q_lens), max_seqlen_k=max(contexts),
+                  context_lens=torch.tensor(contexts, dtype=torch.int32, device=device),
+                  block_tables=torch.tensor(tables, dtype=torch.int32, device=device))
     rows = [slice(int(cu_q[i]), int(cu_q[i + 1])) for i in range(len(seqs))]
-    return Batch(q=torch.cat(queries).to(dtype).to(device), k_cache=on_device(k_cache), v_cache=on_device(v_cache),
+    return Batch(q=torch.cat(queries).to(dtype).to(device), k_cache=k_cache.to(device), v_cache=v_cache.to(device),
                  ctx=ctx, rows=rows, scale=head_dim ** -0.5)
-
 
 # Correctness against the torch reference: (name, seqs, make_batch options). Contexts span 1..4200,
 # with padding rows, prefix-cached chunks (q_len < context), full prefills, and pure decode batches.
