@@ -1,4 +1,5 @@
 """Start-up choices (attention backend, compilation) with the GPU and the installed libraries faked."""
+import importlib.util
 import logging
 import os
 import subprocess
@@ -9,6 +10,7 @@ import pytest
 import torch
 
 import nanovllm.backends as backends
+from checkpoints import hf_greedy
 from nanovllm.backends import Platform, TorchBackend, importable, load_backend, select_backend, unsupported
 from nanovllm.backends.flash4_backend import Flash4Backend
 from nanovllm.backends.flash_backend import FlashBackend
@@ -240,3 +242,27 @@ def test_fused_op_compiles_lazily_once_and_only_when_enabled(monkeypatch):
         assert double(5) == 10
     finally:
         set_compile(False)
+
+
+def test_triton_backend_runs_the_engine_on_cpu_under_the_interpreter(tied_model):
+    """attention_backend="triton" with TRITON_INTERPRET=1: the Triton kernels through the whole engine, token-exact
+    against transformers (in a fresh interpreter: Triton reads the variable when it is imported)."""
+    if importlib.util.find_spec("nanovllm.backends.triton_backend") is None:
+        pytest.skip("the Triton attention backend is not in this checkout")
+    pytest.importorskip("triton")
+    prompts = [[1, 2, 3, 4, 5, 6, 7, 8, 9], [1, 2, 3, 4, 5, 6, 7, 8, 10, 11], [40] * 5]
+    expected = hf_greedy(tied_model, prompts, 6)
+    code = (
+        "from nanovllm import LLM, SamplingParams\n"
+        "greedy = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)\n"
+        f"with LLM({tied_model!r}, device='cpu', attention_backend='triton', kvcache_block_size=4, max_model_len=64) as llm:\n"
+        "    assert llm.model_runner.backend.name == 'triton', llm.model_runner.backend\n"
+        f"    runs = [[o['token_ids'] for o in llm.generate({prompts!r}, greedy, use_tqdm=False)] for _ in range(2)]\n"
+        "    assert llm.stats()['num_cached_tokens'] > 0\n"
+        "print(runs)\n"
+    )
+    env = {**os.environ, "TRITON_INTERPRET": "1",
+           "PYTHONPATH": os.pathsep.join(filter(None, [REPO_ROOT, os.environ.get("PYTHONPATH")]))}
+    proc = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stdout.strip().splitlines()[-1] == str([expected, expected])
