@@ -10,7 +10,7 @@ from nanovllm.backends.torch_backend import TorchBackend
 from nanovllm.utils.context import Context
 
 
-class Flash4Backend:
+class Flash4Backend(TorchBackend):
     """One varlen call over the paged cache for every step: prefill, cached-prefix prefill and decode
     (cu_seqlens_q = 0..n) alike, which is also what a CUDA graph captures.
 
@@ -23,8 +23,7 @@ class Flash4Backend:
     """
 
     name = "flash-attn-4"
-    capturable = False  # until load_backend swaps in the Triton K/V writer, which never syncs
-    store_kvcache = staticmethod(TorchBackend.store_kvcache)
+    # K/V writes and `capturable` are the torch backend's until load_backend swaps in the Triton writer
 
     @staticmethod
     def attend(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, ctx: Context,

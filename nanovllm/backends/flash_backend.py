@@ -5,7 +5,7 @@ from nanovllm.backends.torch_backend import TorchBackend
 from nanovllm.utils.context import Context
 
 
-class FlashBackend:
+class FlashBackend(TorchBackend):
     """Varlen prefill (reading a cached prefix through the block table) and paged decode.
 
     flash-attn's paged KV path needs a cache block size that is a multiple of 256 and a
@@ -18,8 +18,7 @@ class FlashBackend:
     """
 
     name = "flash-attn"
-    capturable = False  # until load_backend swaps in the Triton K/V writer, which never syncs
-    store_kvcache = staticmethod(TorchBackend.store_kvcache)
+    # K/V writes and `capturable` are the torch backend's until load_backend swaps in the Triton writer
 
     @staticmethod
     def attend(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, ctx: Context,
