@@ -90,7 +90,8 @@ def test_auto_on_cpu_is_torch_and_probes_nothing(interpret):
 @pytest.mark.parametrize("requested, platform, dtype, block_size, message", [
     ("flash-attn", gpu(installed=("triton",)), torch.bfloat16, 256,
      r"is not installed; pip install 'nanovllm\[flash-attn\]'"),
-    ("flash-attn-4", gpu(installed=()), torch.bfloat16, 256, r"is not installed; pip install 'nanovllm\[flash-attn-4\]'"),
+    ("flash-attn-4", gpu(installed=()), torch.bfloat16, 256,
+     r"is not installed; pip install 'nanovllm\[flash-attn-4\]'"),
     ("flash-attn-4", gpu(A100, installed=()), torch.bfloat16, 256,
      r"has a paged KV cache on compute capability 9.x .*this GPU has compute capability 8.0"),
     ("flash-attn", gpu(T4), torch.float16, 256, r"8.0 \(Ampere\) or newer; this GPU has compute capability 7.5"),

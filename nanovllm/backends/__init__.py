@@ -31,7 +31,7 @@ __all__ = ["ATTENTION_BACKENDS", "Platform", "TorchBackend", "choose_backend", "
 
 logger = logging.getLogger("nanovllm")
 
-ATTENTION_BACKENDS = ("auto", "flash-attn", "flash-attn-4", "triton", "torch")
+ATTENTION_BACKENDS = ("auto", "flash-attn", "flash-attn-4", "triton", "torch")  # "auto" tries them in this order
 FLASH_BLOCK_MULTIPLE = 256
 _HALF = (torch.float16, torch.bfloat16)
 
@@ -51,7 +51,8 @@ _BACKENDS = {
                            "wheel matches your torch)"),
     "flash-attn-4": _Backend("nanovllm.backends.flash4_backend:Flash4Backend", True,
                              ("flash_attn.cute", "flash_attn_varlen_func"),
-                             "pip install 'nanovllm[flash-attn-4]' ('nanovllm[flash-attn-4-cu13]' for a CUDA 13 torch)"),
+                             "pip install 'nanovllm[flash-attn-4]' ('nanovllm[flash-attn-4-cu13]' for a CUDA 13 "
+                             "torch)"),
     "triton": _Backend("nanovllm.backends.triton_backend:TritonBackend", True, ("triton", None),
                        "pip install 'nanovllm[cuda]'"),
     "torch": _Backend("nanovllm.backends.torch_backend:TorchBackend", False),
@@ -119,7 +120,8 @@ def _unsupported_on_gpu(name: str, capability: tuple[int, int], dtype: torch.dty
     if name == "flash-attn" and capability < (8, 0):
         return f"needs compute capability 8.0 (Ampere) or newer; {gpu}"
     if name == "flash-attn-4" and capability[0] not in (9, 10, 11):
-        return f"has a paged KV cache on compute capability 9.x (Hopper) and 10.x/11.x (data-center Blackwell) only; {gpu}"
+        return (f"has a paged KV cache on compute capability 9.x (Hopper) and 10.x/11.x (data-center Blackwell) "
+                f"only; {gpu}")
     if dtype not in _HALF:
         return f"runs float16 and bfloat16 only, not {str(dtype).removeprefix('torch.')}"
     max_head_dim = 128 if name == "flash-attn-4" and capability[0] != 9 else 256
@@ -146,12 +148,12 @@ def select_backend(requested: str, platform: Platform, dtype: torch.dtype, block
     if platform.device != "cuda":
         return "torch", {}
     passed_over = {}
-    for name in ATTENTION_BACKENDS[1:]:
+    for name in ATTENTION_BACKENDS[1:-1]:
         reason = unsupported(name, platform, dtype, block_size, head_dim)
         if reason is None:
             return name, passed_over
         passed_over[name] = reason
-    raise AssertionError("the torch backend serves everything")
+    return "torch", passed_over
 
 
 def choose_backend(requested: str, device: str, dtype: torch.dtype, block_size: int, head_dim: int) -> str:

@@ -1,4 +1,4 @@
-"""flash-attn 2 backend (`pip install flash-attn`). flash-attn is imported on first use, so this module imports without it."""
+"""flash-attn 2 backend (`pip install flash-attn`), imported on first use, so this module imports without it."""
 import torch
 
 from nanovllm.backends.torch_backend import TorchBackend
@@ -14,7 +14,7 @@ class FlashBackend(TorchBackend):
     contexts by a heuristic of the batch size, and a request's tokens would depend on its batch.
     A prefill step in which every sequence has one new token (a prompt one token past a cached block
     edge) takes the decode kernel, which rounds differently from the varlen one: the one place where
-    a prefix-cache hit can change this backend's bfloat16 tokens. flash-attn 4 has a single kernel.
+    a prefix-cache hit changes how this backend computes a row. flash-attn 4 has a single kernel.
     """
 
     name = "flash-attn"
