@@ -251,12 +251,13 @@ def test_triton_backend_runs_the_engine_on_cpu_under_the_interpreter(tied_model)
     if importlib.util.find_spec("nanovllm.backends.triton_backend") is None:
         pytest.skip("the Triton attention backend is not in this checkout")
     pytest.importorskip("triton")
-    prompts = [[1, 2, 3, 4, 5, 6, 7, 8, 9], [1, 2, 3, 4, 5, 6, 7, 8, 10, 11], [40] * 5]
+    shared = list(range(1, 21))
+    prompts = [shared + [30], shared + [31, 32], [40] * 5]
     expected = hf_greedy(tied_model, prompts, 6)
     code = (
         "from nanovllm import LLM, SamplingParams\n"
         "greedy = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)\n"
-        f"with LLM({tied_model!r}, device='cpu', attention_backend='triton', kvcache_block_size=4, max_model_len=64) as llm:\n"
+        f"with LLM({tied_model!r}, device='cpu', attention_backend='triton', kvcache_block_size=16, max_model_len=64) as llm:\n"
         "    assert llm.model_runner.backend.name == 'triton', llm.model_runner.backend\n"
         f"    runs = [[o['token_ids'] for o in llm.generate({prompts!r}, greedy, use_tqdm=False)] for _ in range(2)]\n"
         "    assert llm.stats()['num_cached_tokens'] > 0\n"
