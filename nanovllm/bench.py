@@ -18,6 +18,8 @@ directory or a .gguf file (converted once, see `nanovllm convert`).
     python bench.py --baseline hf --json out.json
     python bench.py --model ~/models/Qwen3-0.6B --num-seqs 64
     python bench.py --request-rate 0.5 --scheduling chunked   # latency under load
+    python bench.py --attention-backend triton,flash-attn-4,torch   # one row per backend, same workload
+    python bench.py --attention-micro            # decode attention us per call, every backend that runs here
     python -m nanovllm bench ...                 # the same, from an installed nanovllm
 """
 import argparse
@@ -32,13 +34,19 @@ import threading
 import time
 from contextlib import contextmanager
 from dataclasses import asdict, dataclass
+from itertools import product
 from pathlib import Path
 
 import torch
 from tqdm.auto import tqdm
 
 from nanovllm import LLM, SamplingParams
+from nanovllm.attention_bench import format_micro, run_micro
+from nanovllm.backends import ATTENTION_BACKENDS, Platform, select_backend, unsupported
+from nanovllm.config import Config, resolve_dtype
 from nanovllm.gguf_import import resolve_model
+from nanovllm.models.hf_config import head_dim
+from nanovllm.utils.report import markdown_table
 
 DEFAULT_CONFIG = Path(__file__).parent / "model_configs" / "qwen3-0.6b.json"
 
@@ -63,6 +71,7 @@ class Requests:
 @dataclass
 class Row:
     engine: str
+    attention: str
     model: str
     device: str
     dtype: str
@@ -111,10 +120,24 @@ def parse_args(argv: list[str] | None, prog: str | None = None) -> argparse.Name
                         "mixed steps) and/or 'prefill-first' (nano-vLLM's); default both")
     p.add_argument("--request-rate", type=float, default=float("inf"),
                    help="requests per second, arriving as a Poisson process (default: all at once)")
+    p.add_argument("--attention-backend", default="auto",
+                   help=f"one of {', '.join(ATTENTION_BACKENDS)}, a comma-separated list of them (the workload runs "
+                        "once per backend, one row each), or 'all': every backend that can run the model here")
+    p.add_argument("--attention-micro", action="store_true",
+                   help="instead of the workload, time one paged decode attention call per backend (with "
+                        "--attention-backend auto: every backend that can run the model here)")
+    p.add_argument("--micro-batch", type=int, default=256, help="decode batch of --attention-micro (default 256)")
+    p.add_argument("--micro-max-context", type=int, default=2048,
+                   help="longest context of --attention-micro; lengths are uniform in 1..this (default 2048)")
     p.add_argument("--json", help="also write the results as JSON to this path")
     args = p.parse_args(argv)
+    args.attention_backend = args.attention_backend.split(",")
+    unknown = [name for name in args.attention_backend if name not in (*ATTENTION_BACKENDS, "all")]
+    if unknown:
+        p.error(f"--attention-backend: unknown {', '.join(unknown)}; choose from {', '.join(ATTENTION_BACKENDS)}, all")
     for name in ("num_seqs", "min_input_len", "max_input_len", "min_output_len", "max_output_len",
-                 "hf_batch_size", "threads", "kvcache_block_size", "max_num_batched_tokens"):
+                 "hf_batch_size", "threads", "kvcache_block_size", "max_num_batched_tokens", "micro_batch",
+                 "micro_max_context"):
         value = getattr(args, name)
         if value is not None and value < 1:
             p.error(f"--{name.replace('_', '-')} must be a positive integer, got {value}")
@@ -238,6 +261,19 @@ def write_random_checkpoint(config_path: str, out_dir: str, seed: int) -> None:
     model.save_pretrained(out_dir, safe_serialization=True)
 
 
+def attention_backends(names: list[str], cfg, device: str, dtype: torch.dtype, block_size: int,
+                       auto_means_all: bool = False) -> list[str]:
+    """The --attention-backend list with "all" (and, if asked, "auto") expanded to every backend that can serve
+    this model here, in the order "auto" prefers them; "auto" is otherwise left for the engine to resolve."""
+    platform = Platform.probe(device)
+    runnable = [name for name in ATTENTION_BACKENDS[1:]
+                if unsupported(name, platform, dtype, block_size, head_dim(cfg)) is None]
+    expanded = []
+    for name in names:
+        expanded += runnable if name == "all" or name == "auto" and auto_means_all else [name]
+    return list(dict.fromkeys(expanded))
+
+
 @dataclass
 class Served:
     """What one engine run measured."""
@@ -297,6 +333,7 @@ def run_engine(model_dir: str, load_format: str, requests: Requests, args: argpa
         runner = llm.model_runner
         weights = sum(p.numel() * p.element_size() for p in runner.model.parameters())
         facts = {"device": llm.config.device, "dtype": str(llm.config.torch_dtype).removeprefix("torch."),
+                 "attention": llm.config.attention_backend,
                  "weights_gib": weights / 2**30, "kv_cache_gib": runner.kv_cache.numel() * runner.kv_cache.element_size() / 2**30,
                  "max_num_batched_tokens": llm.config.max_num_batched_tokens, **llm.stats()}
     if tokens != sum(requests.max_tokens):
@@ -306,9 +343,10 @@ def run_engine(model_dir: str, load_format: str, requests: Requests, args: argpa
 
 @torch.inference_mode()
 def run_hf(model_dir: str, requests: Requests, device: str, dtype: torch.dtype, args: argparse.Namespace,
-           memory: PeakMemory) -> tuple[float, int]:
+           memory: PeakMemory) -> tuple[float, int, str]:
     """Time transformers' generate: groups of `--hf-batch-size` requests, left-padded, each group
-    sampling up to its longest request; only the tokens each request asked for are counted."""
+    sampling up to its longest request; only the tokens each request asked for are counted. Also returns
+    transformers' attention implementation."""
     from transformers import AutoModelForCausalLM
 
     model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=dtype).to(device).eval()
@@ -338,27 +376,50 @@ def run_hf(model_dir: str, requests: Requests, device: str, dtype: torch.dtype, 
             generated = generate([requests.prompts[i] for i in group], max(wanted))
             tokens += sum(min(n, generated) for n in wanted)
         synchronize(device)
-        return time.perf_counter() - start, tokens
+        return time.perf_counter() - start, tokens, model.config._attn_implementation
 
 
-def format_table(headers: list[str], cells: list[list[str]]) -> str:
-    widths = [max(len(h), *(len(c[i]) for c in cells)) for i, h in enumerate(headers)]
-    line = lambda values: "| " + " | ".join(v.ljust(w) for v, w in zip(values, widths)) + " |"
-    return "\n".join([line(headers), "|" + "|".join("-" * (w + 2) for w in widths) + "|", *map(line, cells)])
+def save_json(result: dict, path: str | None) -> dict:
+    if path:
+        with open(path, "w") as f:
+            json.dump(result, f, indent=2)
+    return result
+
+
+def micro(args: argparse.Namespace, device: str) -> dict:
+    """--attention-micro: decode attention us per call for each backend (see `nanovllm.attention_bench`)."""
+    from transformers import AutoConfig
+
+    cfg = AutoConfig.from_pretrained(resolve_model(args.model) if args.model else args.config)
+    dtype = resolve_dtype(args.dtype, device, cfg)
+    block_size = args.kvcache_block_size or Config.kvcache_block_size
+    names = attention_backends(args.attention_backend, cfg, device, dtype, block_size, auto_means_all=True)
+    try:
+        for name in names:
+            select_backend(name, Platform.probe(device), dtype, block_size, head_dim(cfg))
+    except ValueError as e:
+        sys.exit(f"bench.py: error: {e}")
+    rows = run_micro(cfg, names, args.micro_batch, args.micro_max_context, block_size, dtype, device, args.seed)
+    print(f"\npaged decode attention, {cfg.num_attention_heads} query / {cfg.num_key_value_heads} KV heads of "
+          f"{head_dim(cfg)}, block size {block_size}, {device}")
+    print(format_micro(rows))
+    return save_json({"attention_micro": [asdict(r) for r in rows]}, args.json)
+
+
 
 
 def format_report(rows: list[Row]) -> str:
-    throughput = format_table(
-        ["engine", "model", "device", "dtype", "requests", "tokens", "seconds", "tokens/s", "vs baseline", "MFU",
-         "peak mem GiB"],
-        [[r.engine, r.model, r.device, r.dtype, str(r.requests), str(r.tokens), f"{r.seconds:.1f}",
+    throughput = markdown_table(
+        ["engine", "attention", "model", "device", "dtype", "requests", "tokens", "seconds", "tokens/s",
+         "vs baseline", "MFU", "peak mem GiB"],
+        [[r.engine, r.attention, r.model, r.device, r.dtype, str(r.requests), str(r.tokens), f"{r.seconds:.1f}",
           f"{r.tokens_per_s:.1f}", "-" if r.ratio is None else f"{r.ratio:.2f}x", f"{100 * r.mfu:.1f}%",
           f"{r.peak_mem_gib:.2f}"] for r in rows])
     timed = [r for r in rows if r.ttft_ms]
     ms = lambda p: ["-"] * 3 if p is None else [f"{v:.0f}" for v in p.values()]
-    latency = format_table(
-        ["engine", "TTFT p50 ms", "TTFT p90 ms", "TTFT p99 ms", "ITL p50 ms", "ITL p90 ms", "ITL p99 ms"],
-        [[r.engine, *ms(r.ttft_ms), *ms(r.itl_ms)] for r in timed])
+    latency = markdown_table(
+        ["engine", "attention", "TTFT p50 ms", "TTFT p90 ms", "TTFT p99 ms", "ITL p50 ms", "ITL p90 ms", "ITL p99 ms"],
+        [[r.engine, r.attention, *ms(r.ttft_ms), *ms(r.itl_ms)] for r in timed])
     return throughput + "\n\n" + latency if timed else throughput
 
 
@@ -368,6 +429,8 @@ def main(argv: list[str] | None = None, prog: str | None = None) -> dict:
         torch.set_num_threads(args.threads)
     device = "cuda" if args.device == "auto" and torch.cuda.is_available() else args.device
     device = "cpu" if device == "auto" else device
+    if args.attention_micro:
+        return micro(args, device)
     try:
         resolve_workload(args, device)
     except ValueError as e:
@@ -388,27 +451,33 @@ def main(argv: list[str] | None = None, prog: str | None = None) -> dict:
         num_params = count_parameters(model_dir)
         from transformers import AutoConfig
 
-        requests = make_requests(args, AutoConfig.from_pretrained(model_dir).vocab_size)
+        cfg = AutoConfig.from_pretrained(model_dir)
+        requests = make_requests(args, cfg.vocab_size)
+        names = attention_backends(args.attention_backend, cfg, device, resolve_dtype(args.dtype, device, cfg),
+                                   args.kvcache_block_size or Config.kvcache_block_size)
         runs = {}
-        for mode in args.scheduling:
-            runs[f"nanovllm {mode}"] = (mem := PeakMemory(device)), run_engine(
-                model_dir, load_format, requests, args, mem, enable_chunked_prefill=SCHEDULING[mode])
+        for name, mode in product(names, args.scheduling):
+            mem = PeakMemory(device)
+            runs[name, mode] = mem, run_engine(model_dir, load_format, requests, args, mem, attention_backend=name,
+                                               enable_chunked_prefill=SCHEDULING[mode])
             gc.collect()
         facts = next(iter(runs.values()))[1].facts
         dtype = getattr(torch, facts["dtype"])
         peak = matmul_peak(facts["device"], dtype)
         model_flops = lambda out_tokens: 2 * num_params * (requests.prompt_tokens + out_tokens)
-        rows = [Row(name, model_name, facts["device"], facts["dtype"], len(requests.prompts), run.tokens, run.seconds,
-                    run.tokens / run.seconds, None, model_flops(run.tokens) / run.seconds / peak, mem.gib,
-                    percentiles(run.ttft), percentiles(run.itl)) for name, (mem, run) in runs.items()]
+        rows = [Row(f"nanovllm {mode}", run.facts["attention"], model_name, run.facts["device"], run.facts["dtype"],
+                    len(requests.prompts), run.tokens, run.seconds, run.tokens / run.seconds, None,
+                    model_flops(run.tokens) / run.seconds / peak, mem.gib, percentiles(run.ttft), percentiles(run.itl))
+                for (_, mode), (mem, run) in runs.items()]
         if args.baseline == "hf":
             mem = PeakMemory(device)
-            hf_seconds, hf_tokens = run_hf(model_dir, requests, facts["device"], dtype, args, mem)
-            rows.append(Row("transformers", model_name, facts["device"], facts["dtype"], len(requests.prompts), hf_tokens,
-                            hf_seconds, hf_tokens / hf_seconds, 1.0, model_flops(hf_tokens) / hf_seconds / peak,
-                            mem.gib))
-            for row in rows[:-1]:
-                row.ratio = row.tokens_per_s / rows[-1].tokens_per_s
+            hf_seconds, hf_tokens, hf_attention = run_hf(model_dir, requests, facts["device"], dtype, args, mem)
+            rows.append(Row("transformers", hf_attention, model_name, facts["device"], facts["dtype"],
+                            len(requests.prompts), hf_tokens, hf_seconds, hf_tokens / hf_seconds, None,
+                            model_flops(hf_tokens) / hf_seconds / peak, mem.gib))
+        baseline = rows[-1] if args.baseline == "hf" else rows[0] if len(rows) > 1 else None
+        for row in rows if baseline else []:
+            row.ratio = row.tokens_per_s / baseline.tokens_per_s
     finally:
         if tmp:
             shutil.rmtree(tmp, ignore_errors=True)
@@ -417,7 +486,7 @@ def main(argv: list[str] | None = None, prog: str | None = None) -> dict:
                      "output_len": [args.min_output_len, args.max_output_len], "prompt_tokens": requests.prompt_tokens,
                      "temperature": args.temperature, "seed": args.seed, "hf_batch_size": args.hf_batch_size,
                      "request_rate": args.request_rate},
-        "engines": {name: run.facts for name, (_, run) in runs.items()},
+        "engines": {f"{run.facts['attention']} {mode}": run.facts for (_, mode), (_, run) in runs.items()},
         "parameters": num_params, "threads": torch.get_num_threads(), "matmul_peak_gflops": peak / 1e9,
         "memory_bound_gib": facts["weights_gib"] + facts["kv_cache_gib"],
         "rows": [asdict(r) for r in rows],
@@ -426,10 +495,7 @@ def main(argv: list[str] | None = None, prog: str | None = None) -> dict:
           f"threads, matmul probe {peak / 1e9:.1f} GFLOP/s ({facts['dtype']}), nanovllm memory bound "
           f"{result['memory_bound_gib']:.2f} GiB (weights {facts['weights_gib']:.2f} + KV cache {facts['kv_cache_gib']:.2f})")
     print(format_report(rows))
-    if args.json:
-        with open(args.json, "w") as f:
-            json.dump(result, f, indent=2)
-    return result
+    return save_json(result, args.json)
 
 
 if __name__ == "__main__":

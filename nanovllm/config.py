@@ -6,8 +6,10 @@ from dataclasses import dataclass, field
 import torch
 from transformers import AutoConfig, PretrainedConfig
 
+from nanovllm.backends import ATTENTION_BACKENDS, choose_backend
 from nanovllm.gguf_import import resolve_model
 from nanovllm.models import model_class
+from nanovllm.models.hf_config import head_dim
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -20,6 +22,9 @@ class Config:
     GGUF file (or a directory holding one), which is converted once into a cached directory that
     then replaces it in `model`. With `load_format="dummy"` the weights are random and only
     config.json is required.
+    `attention_backend` names the attention kernels ("auto", "flash-attn", "flash-attn-4", "triton",
+    "torch"; see `nanovllm.backends.select_backend`); like `device` and `dtype`, "auto" is replaced by
+    what was chosen.
     On CPU the KV cache is sized from `cpu_kvcache_gib` (GiB of host memory); on CUDA
     from `gpu_memory_utilization` of the device memory. A positive `num_kvcache_blocks`
     overrides both.
@@ -41,6 +46,7 @@ class Config:
     seed: int = 0
     enable_chunked_prefill: bool = True
     scheduling_policy: str = "fcfs"
+    attention_backend: str = "auto"
     hf_config: PretrainedConfig = field(init=False, repr=False)
     torch_dtype: torch.dtype = field(init=False)
 
@@ -52,6 +58,8 @@ class Config:
             find_weight_files(self.model)
         self.device = resolve_device(self.device)
         self.torch_dtype = resolve_dtype(self.dtype, self.device, self.hf_config)
+        self.attention_backend = choose_backend(self.attention_backend, self.device, self.torch_dtype,
+                                                self.kvcache_block_size, head_dim(self.hf_config))
         self.max_model_len = min(self.max_model_len, self.hf_config.max_position_embeddings)
         if not self.enable_chunked_prefill and self.max_num_batched_tokens < self.max_model_len:
             raise ValueError(
@@ -79,6 +87,9 @@ class Config:
             raise ValueError(f"enable_chunked_prefill must be a bool, got {self.enable_chunked_prefill!r}")
         if self.scheduling_policy not in ("fcfs", "priority"):
             raise ValueError(f"scheduling_policy must be 'fcfs' or 'priority', got {self.scheduling_policy!r}")
+        if self.attention_backend not in ATTENTION_BACKENDS:
+            raise ValueError(f"attention_backend must be one of {list(ATTENTION_BACKENDS)}, "
+                             f"got {self.attention_backend!r}")
 
     def _check_tensor_parallel(self) -> None:
         """Every rank must own whole query heads, whole KV heads and an equal slice of the MLP.

@@ -77,18 +77,18 @@ def make_checkpoint(path: str, *, family: str = "qwen3", tie_word_embeddings: bo
 
 
 @torch.inference_mode()
-def hf_greedy(path: str, prompts: list[list[int]], max_tokens: int) -> list[list[int]]:
+def hf_greedy(path: str, prompts: list[list[int]], max_tokens: int, device: str = "cpu") -> list[list[int]]:
     """transformers' greedy continuation of each prompt, one prompt at a time, float32, with its KV cache."""
-    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).to(device).eval()
     outputs = []
     for prompt in prompts:
-        ids = torch.tensor([prompt])
+        ids = torch.tensor([prompt], device=device)
         out = model(input_ids=ids, use_cache=True)
         past, tokens = out.past_key_values, []
         for _ in range(max_tokens):
             next_id = int(out.logits[0, -1].argmax())
             tokens.append(next_id)
-            out = model(input_ids=torch.tensor([[next_id]]), past_key_values=past, use_cache=True)
+            out = model(input_ids=torch.tensor([[next_id]], device=device), past_key_values=past, use_cache=True)
             past = out.past_key_values
         outputs.append(tokens)
     return outputs

@@ -34,6 +34,13 @@ def qwen2_model(tmp_path_factory) -> str:
     return make_checkpoint(str(tmp_path_factory.mktemp("qwen2")), family="qwen2", tie_word_embeddings=False, seed=4)
 
 
+@pytest.fixture(scope="session")
+def gpu_model(tmp_path_factory) -> str:
+    """For the CUDA tests: head_dim 64 suits every attention backend (flash-attn needs a multiple of 8)."""
+    return make_checkpoint(str(tmp_path_factory.mktemp("qwen3-gpu")), hidden_size=128, num_heads=4, num_kv_heads=2,
+                           head_dim=64, intermediate_size=256, max_position_embeddings=1024, seed=3)
+
+
 def pytest_collection_modifyitems(config, items) -> None:
     """Tests marked `cuda` need a GPU: skip them cleanly where none is visible."""
     import torch

@@ -88,11 +88,13 @@ def test_error_mid_generate_frees_everything(llm, expected, monkeypatch):
     ({"gpu_memory_utilization": 1.5}, "gpu_memory_utilization"),
     ({"max_num_seqs": 0}, "max_num_seqs must be"),
     ({"load_format": "pickle"}, "load_format"),
+    ({"attention_backend": "flash"}, r"attention_backend must be one of \['auto', 'flash-attn', 'flash-attn-4', "
+                                     r"'triton', 'torch'\], got 'flash'"),
     ({"no_such_setting": 1}, "unknown engine setting"),
 ])
 def test_bad_engine_settings(tied_model, kwargs, message):
     with pytest.raises(ValueError, match=message):
-        LLM(tied_model, **kwargs)
+        LLM(tied_model, **{"device": "cpu", **kwargs})
 
 
 def test_missing_or_malformed_model_directory(tied_model, tmp_path):

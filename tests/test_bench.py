@@ -17,6 +17,7 @@ def test_bench_with_hf_baseline_on_a_tiny_checkpoint(tied_model, tmp_path, capsy
                                                      "--min-output-len", "2", "--max-output-len", "5"]), 384)
     assert [r["engine"] for r in result["rows"]] == ["nanovllm chunked", "nanovllm prefill-first", "transformers"]
     assert chunked["tokens"] == prefill_first["tokens"] == hf["tokens"] == sum(requests.max_tokens)
+    assert {r["attention"] for r in result["rows"]} == {"torch", "sdpa"} and hf["ratio"] == 1.0
     assert result["workload"]["prompt_tokens"] == requests.prompt_tokens
     for ours in (chunked, prefill_first):
         assert ours["ratio"] == pytest.approx(ours["tokens_per_s"] / hf["tokens_per_s"])
@@ -26,20 +27,25 @@ def test_bench_with_hf_baseline_on_a_tiny_checkpoint(tied_model, tmp_path, capsy
         for latency in (ours["ttft_ms"], ours["itl_ms"]):
             assert 0 < latency["p50"] <= latency["p90"] <= latency["p99"] <= 1000 * ours["seconds"]
     assert hf["ttft_ms"] is None and result["matmul_peak_gflops"] > 0
-    assert result["engines"]["nanovllm chunked"]["num_steps"] > 0
+    assert result["engines"]["torch chunked"]["num_steps"] > 0
     assert json.loads(out.read_text()) == result
     table = capsys.readouterr().out
     assert "| nanovllm chunked" in table and "| transformers" in table and "TTFT p99 ms" in table
 
 
-def test_bench_without_a_model_uses_random_weights_from_a_config(tmp_path, capsys):
+@pytest.fixture
+def tiny_config(tmp_path) -> str:
     config = tmp_path / "tiny.json"
     config.write_text(json.dumps({
         "architectures": ["Qwen3ForCausalLM"], "model_type": "qwen3", "vocab_size": 256, "hidden_size": 32,
         "intermediate_size": 64, "num_hidden_layers": 1, "num_attention_heads": 2, "num_key_value_heads": 1,
         "head_dim": 16, "max_position_embeddings": 128, "rms_norm_eps": 1e-6, "rope_theta": 10000.0,
         "hidden_act": "silu", "tie_word_embeddings": True}))
-    result = bench.main(["--config", str(config), "--device", "cpu", "--num-seqs", "2", "--min-input-len", "3",
+    return str(config)
+
+
+def test_bench_without_a_model_uses_random_weights_from_a_config(tiny_config, capsys):
+    result = bench.main(["--config", tiny_config, "--device", "cpu", "--num-seqs", "2", "--min-input-len", "3",
                          "--max-input-len", "6", "--min-output-len", "2", "--max-output-len", "3",
                          "--scheduling", "prefill-first"])
     (row,) = result["rows"]
@@ -69,3 +75,36 @@ def test_bench_rejects_bad_flags(tied_model):
     for flags in (["--scheduling", "chunked,lifo"], ["--request-rate", "0"]):
         with pytest.raises(SystemExit):
             bench.parse_args(["--model", tied_model] + flags)
+
+
+def test_bench_runs_the_workload_once_per_attention_backend(tiny_config, capsys):
+    """One row per listed backend ("auto" resolved, "all" expanded, repeats dropped); ratios against the first."""
+    result = bench.main(["--config", tiny_config, "--device", "cpu", "--num-seqs", "2", "--min-input-len", "3",
+                         "--max-input-len", "6", "--min-output-len", "2", "--max-output-len", "3",
+                         "--attention-backend", "torch,auto,all", "--scheduling", "chunked"])
+    rows = result["rows"]
+    assert [r["attention"] for r in rows] == ["torch", "torch"]
+    assert rows[0]["ratio"] == 1.0
+    assert rows[1]["ratio"] == pytest.approx(rows[1]["tokens_per_s"] / rows[0]["tokens_per_s"])
+    assert capsys.readouterr().out.count("| nanovllm chunked | torch") == 4, "two rows in each table"
+
+
+def test_attention_micro_benchmark_times_each_backend_that_runs(tiny_config, tmp_path, capsys):
+    out = tmp_path / "micro.json"
+    result = bench.main(["--config", tiny_config, "--device", "cpu", "--attention-micro", "--micro-batch", "4",
+                         "--micro-max-context", "40", "--kvcache-block-size", "16", "--json", str(out)])
+    (row,) = result["attention_micro"]
+    assert row["backend"] == "torch" and row["batch"] == 4 and row["max_context"] == 40 and row["dtype"] == "float32"
+    assert row["us_per_call"] > 0 and row["ratio"] == 1.0 and row["max_abs_diff"] == 0.0
+    assert json.loads(out.read_text()) == result
+    assert "| torch" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize("flags, message", [
+    (["--attention-backend", "flash"], "--attention-backend: unknown flash"),
+    (["--attention-micro", "--attention-backend", "flash-attn-4"], "flash-attn-4 needs a CUDA GPU"),
+])
+def test_bench_rejects_attention_backends_it_cannot_run(tiny_config, capsys, flags, message):
+    with pytest.raises(SystemExit) as error:
+        bench.main(["--config", tiny_config, "--device", "cpu", *flags])
+    assert error.value.code != 0 and message in f"{error.value.code} {capsys.readouterr().err}"

@@ -1,6 +1,7 @@
 """vLLM V1 scheduling end to end: chunked prefill, mixed steps, prefix hits mid-prefill, preemption mid-prefill
 and mid-decode, priorities and aborts keep greedy output equal to transformers', token for token (float32)."""
 import pytest
+import torch
 
 from checkpoints import hf_greedy
 from nanovllm import LLM, SamplingParams
@@ -106,3 +107,21 @@ def test_abort_request_frees_its_blocks_and_the_rest_finish_exactly(tied_model, 
             assert (final[ids[i]].finish_reason, final[ids[i]].token_ids) == ("length", expected[i])
         llm.abort_request(ids[0])  # finished already: nothing happens
         assert_all_blocks_free(llm)
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("name", ["torch", "triton"])
+def test_chunked_prefill_and_mixed_steps_on_the_gpu(gpu_model, name):
+    """float32 on the GPU: chunked prefill at an awkward budget, with mixed steps and CUDA-graph decode steps in
+    between, token-exact against transformers on the same GPU."""
+    from cuda_backends import require_backend
+
+    require_backend(name, torch.float32, 16, 64)
+    prompts = random_prompts([1, 7, 100, 255, 300], seed=31)
+    expected = hf_greedy(gpu_model, prompts, MAX_TOKENS, device="cuda")
+    for chunked in (True, False):
+        with LLM(gpu_model, dtype="float32", attention_backend=name, kvcache_block_size=16, max_model_len=512,
+                 max_num_batched_tokens=57 if chunked else 512, enable_chunked_prefill=chunked) as llm:
+            assert [o["token_ids"] for o in llm.generate(prompts, GREEDY, use_tqdm=False)] == expected
+            assert (llm.stats()["num_mixed_steps"] > 0) == chunked
+            assert_all_blocks_free(llm)

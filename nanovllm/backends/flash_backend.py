@@ -1,20 +1,24 @@
-"""flash-attn backend: the CUDA fast path. flash-attn is imported on first use, so this module imports without it."""
+"""flash-attn 2 backend (`pip install flash-attn`), imported on first use, so this module imports without it."""
 import torch
 
 from nanovllm.backends.torch_backend import TorchBackend
 from nanovllm.utils.context import Context
 
 
-class FlashBackend:
+class FlashBackend(TorchBackend):
     """Varlen prefill (reading a cached prefix through the block table) and paged decode.
 
     flash-attn's paged KV path needs a cache block size that is a multiple of 256 and a
-    float16/bfloat16 cache; `select_backend` checks both before choosing this backend.
+    float16/bfloat16 cache, on compute capability 8.0 or newer; `select_backend` checks these before
+    choosing this backend. Decode runs unsplit (`num_splits=1`): flash-attn would otherwise split long
+    contexts by a heuristic of the batch size, and a request's tokens would depend on its batch.
+    A prefill step in which every sequence has one new token (a prompt one token past a cached block
+    edge) takes the decode kernel, which rounds differently from the varlen one: the one place where
+    a prefix-cache hit changes how this backend computes a row. flash-attn 4 has a single kernel.
     """
 
     name = "flash-attn"
-    capturable = False  # until select_backend swaps in the Triton K/V writer, which never syncs
-    store_kvcache = staticmethod(TorchBackend.store_kvcache)
+    # K/V writes and `capturable` are the torch backend's until load_backend swaps in the Triton writer
 
     @staticmethod
     def attend(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, ctx: Context,
@@ -23,7 +27,7 @@ class FlashBackend:
             from flash_attn import flash_attn_with_kvcache
 
             o = flash_attn_with_kvcache(q.unsqueeze(1), k_cache, v_cache, cache_seqlens=ctx.context_lens,
-                                        block_table=ctx.block_tables, softmax_scale=scale, causal=True)
+                                        block_table=ctx.block_tables, softmax_scale=scale, causal=True, num_splits=1)
             return o.squeeze(1)
         from flash_attn import flash_attn_varlen_func
 

@@ -1,20 +1,40 @@
 """Pure-torch attention backend: the CPU path, and the CUDA fallback of last resort."""
 import torch
 import torch.nn.functional as F
+from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from nanovllm.utils.context import Context
 
+_CUDA_KERNELS = [SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH]
+
+
+def _sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor, scale: float) -> torch.Tensor:
+    """SDPA of q `[B, H, Lq, D]` over k/v `[B, Hkv, Lk, D]` under a boolean mask, by the same kernel for every call.
+
+    On CUDA, SDPA would otherwise pick its kernel by shape (flash for causal half-precision prefill, math for
+    grouped heads under a mask), and a query row's result would change with how many rows share the call:
+    a prefix-cache hit or another batch would change a request's tokens. So K/V heads are repeated (the
+    memory-efficient kernel has no grouped-query support) and that kernel runs every call; its rows do not
+    depend on one another. Math serves only shapes it cannot take, which depend on the model, not the batch.
+    """
+    if q.device.type != "cuda":
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale, enable_gqa=True)
+    group = q.size(1) // k.size(1)
+    k, v = k.repeat_interleave(group, 1), v.repeat_interleave(group, 1)
+    with sdpa_kernel(_CUDA_KERNELS):
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale)
+
 
 def _attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float) -> torch.Tensor:
-    """Causal attention of q `[Lq, H, D]` over k/v `[Lk, Hkv, D]`, queries aligned to the end of k."""
+    """Causal attention of q `[Lq, H, D]` over k/v `[Lk, Hkv, D]`, queries aligned to the end of k.
+
+    Always an explicit bottom-right mask, also when Lq == Lk: a prompt's rows are computed the same way
+    whether its prefix came from the cache or not.
+    """
     lq, lk = q.size(0), k.size(0)
-    q, k, v = q.transpose(0, 1), k.transpose(0, 1), v.transpose(0, 1)
-    if lq == lk:
-        o = F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scale, enable_gqa=True)
-    else:
-        mask = torch.ones(lq, lk, dtype=torch.bool, device=q.device).tril(diagonal=lk - lq)
-        o = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale, enable_gqa=True)
-    return o.transpose(0, 1)
+    mask = torch.ones(lq, lk, dtype=torch.bool, device=q.device).tril(diagonal=lk - lq)
+    q, k, v = (x.transpose(0, 1)[None] for x in (q, k, v))  # fused SDPA kernels take 4-D inputs only
+    return _sdpa(q, k, v, mask, scale)[0].transpose(0, 1)
 
 
 def _gather(cache: torch.Tensor, block_table: torch.Tensor, length: int) -> torch.Tensor:
@@ -99,6 +119,4 @@ def _decode_batched(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
     k = k_cache[ctx.block_tables].flatten(1, 2).transpose(1, 2)
     v = v_cache[ctx.block_tables].flatten(1, 2).transpose(1, 2)
     mask = torch.arange(k.size(2), device=q.device) < ctx.context_lens[:, None]
-    o = F.scaled_dot_product_attention(q.unsqueeze(2), k, v, attn_mask=mask[:, None, None, :],
-                                       scale=scale, enable_gqa=True)
-    return o.squeeze(2)
+    return _sdpa(q.unsqueeze(2), k, v, mask[:, None, None, :], scale).squeeze(2)

@@ -4,7 +4,7 @@ from contextlib import contextmanager, nullcontext
 
 import torch
 
-from nanovllm.backends import choose_backend, importable
+from nanovllm.backends import Platform, importable, load_backend
 from nanovllm.config import Config
 from nanovllm.engine.scheduler import ScheduledBatch
 from nanovllm.engine.sequence import Sequence
@@ -56,7 +56,7 @@ class ModelRunner:
         hf_config = config.hf_config
         self.device = torch.device("cuda", rank) if config.device == "cuda" else torch.device("cpu")
         on_gpu = self.device.type == "cuda"
-        self.backend = choose_backend(self.device.type, config.torch_dtype, self.block_size)
+        self.backend = load_backend(config.attention_backend, Platform.probe(self.device.type))
         set_compile(on_gpu and not config.enforce_eager and importable("triton"))
         with default_dtype(config.torch_dtype), self.device:
             self.model = build_model(hf_config)

@@ -1,0 +1,19 @@
+"""For the CUDA tests: which attention backends can run on this GPU."""
+import pytest
+import torch
+
+from nanovllm.backends import ATTENTION_BACKENDS, Platform, load_backend, unsupported
+
+BACKENDS = ATTENTION_BACKENDS[1:]
+
+
+def require_backend(name: str, dtype: torch.dtype, block_size: int, head_dim: int) -> type:
+    """Backend `name` as the engine would load it on this GPU; skips the test where it cannot run."""
+    platform = Platform.probe("cuda")
+    reason = unsupported(name, platform, dtype, block_size, head_dim)
+    if reason is not None:
+        pytest.skip(f"{name} {reason}")
+    try:
+        return load_backend(name, platform)
+    except ModuleNotFoundError as e:
+        pytest.skip(f"{name}: {e}")
