@@ -18,6 +18,7 @@ directory or a .gguf file (converted once, see `nanovllm convert`).
     python bench.py --baseline hf --json out.json
     python bench.py --model ~/models/Qwen3-0.6B --num-seqs 64
     python bench.py --request-rate 0.5 --scheduling chunked   # latency under load
+    python bench.py --scheduling chunked --sampling plain,all  # the sampler's cost with every option on
     python bench.py --attention-backend triton,flash-attn-4,torch   # one row per backend, same workload
     python bench.py --attention-micro            # decode attention us per call, every backend that runs here
     python -m nanovllm bench ...                 # the same, from an installed nanovllm
@@ -55,6 +56,9 @@ DEFAULT_CONFIG = Path(__file__).parent / "model_configs" / "qwen3-0.6b.json"
 # minutes on a small machine, with a budget that keeps one step under ~10 s there.
 DEVICE_DEFAULTS = {"cuda": (256, 100, 1024, 100, 1024, 16384), "cpu": (32, 64, 256, 32, 128, 512)}
 SCHEDULING = {"chunked": True, "prefill-first": False}
+# --sampling: plain temperature sampling (the workload's), or every sampler stage on at once (a seed per request).
+SAMPLING = {"plain": {}, "all": dict(top_p=0.9, top_k=50, min_p=0.05, repetition_penalty=1.1, presence_penalty=0.5,
+                                     frequency_penalty=0.5, logprobs=5)}
 
 
 @dataclass
@@ -118,6 +122,9 @@ def parse_args(argv: list[str] | None, prog: str | None = None) -> argparse.Name
     p.add_argument("--scheduling", default="chunked,prefill-first",
                    help="comma-separated scheduling modes to run, each a row: 'chunked' (vLLM V1: chunked prefill, "
                         "mixed steps) and/or 'prefill-first' (nano-vLLM's); default both")
+    p.add_argument("--sampling", default="plain",
+                   help="comma-separated sampling settings to run, each a row: 'plain' (temperature only) and/or "
+                        "'all' (top-p, top-k, min-p, the three penalties, a seed and 5 logprobs per request)")
     p.add_argument("--request-rate", type=float, default=float("inf"),
                    help="requests per second, arriving as a Poisson process (default: all at once)")
     p.add_argument("--attention-backend", default="auto",
@@ -141,10 +148,11 @@ def parse_args(argv: list[str] | None, prog: str | None = None) -> argparse.Name
         value = getattr(args, name)
         if value is not None and value < 1:
             p.error(f"--{name.replace('_', '-')} must be a positive integer, got {value}")
-    args.scheduling = args.scheduling.split(",")
-    unknown = [mode for mode in args.scheduling if mode not in SCHEDULING]
-    if unknown:
-        p.error(f"--scheduling {unknown} unknown; choose from {sorted(SCHEDULING)}")
+    for flag, choices in (("scheduling", SCHEDULING), ("sampling", SAMPLING)):
+        setattr(args, flag, getattr(args, flag).split(","))
+        unknown = [value for value in getattr(args, flag) if value not in choices]
+        if unknown:
+            p.error(f"--{flag} {unknown} unknown; choose from {sorted(choices)}")
     if not args.request_rate > 0:
         p.error(f"--request-rate must be positive, got {args.request_rate}")
     if args.model is not None and not (os.path.isdir(args.model) or
@@ -314,7 +322,7 @@ def serve(llm: LLM, requests: Requests, params: list[SamplingParams]) -> tuple[l
 
 
 def run_engine(model_dir: str, load_format: str, requests: Requests, args: argparse.Namespace, memory: PeakMemory,
-               **settings) -> Served:
+               sampling: str, **settings) -> Served:
     """Time nanovllm on the requests. `memory` watches the timed run, so its peak is the serving footprint
     (weights, KV cache, activations), not the transient of reading the checkpoint."""
     settings.update(device=args.device, dtype=args.dtype, enforce_eager=args.enforce_eager, load_format=load_format,
@@ -323,7 +331,10 @@ def run_engine(model_dir: str, load_format: str, requests: Requests, args: argpa
     if args.kvcache_block_size:
         settings["kvcache_block_size"] = args.kvcache_block_size
     with LLM(model_dir, **settings) as llm:
-        params = [SamplingParams(temperature=args.temperature, max_tokens=n, ignore_eos=True) for n in requests.max_tokens]
+        options = SAMPLING[sampling]
+        params = [SamplingParams(temperature=args.temperature, max_tokens=n, ignore_eos=True,
+                                 **(dict(options, seed=args.seed + i) if options else {}))
+                  for i, n in enumerate(requests.max_tokens)]
         llm.generate([requests.prompts[0][:16]], SamplingParams(max_tokens=4), use_tqdm=False)
         synchronize(llm.config.device)
         with memory.watch():
@@ -456,19 +467,20 @@ def main(argv: list[str] | None = None, prog: str | None = None) -> dict:
         names = attention_backends(args.attention_backend, cfg, device, resolve_dtype(args.dtype, device, cfg),
                                    args.kvcache_block_size or Config.kvcache_block_size)
         runs = {}
-        for name, mode in product(names, args.scheduling):
+        for name, mode, sampling in product(names, args.scheduling, args.sampling):
             mem = PeakMemory(device)
-            runs[name, mode] = mem, run_engine(model_dir, load_format, requests, args, mem, attention_backend=name,
-                                               enable_chunked_prefill=SCHEDULING[mode])
+            runs[name, mode, sampling] = mem, run_engine(model_dir, load_format, requests, args, mem, sampling,
+                                                         attention_backend=name, enable_chunked_prefill=SCHEDULING[mode])
             gc.collect()
         facts = next(iter(runs.values()))[1].facts
         dtype = getattr(torch, facts["dtype"])
         peak = matmul_peak(facts["device"], dtype)
         model_flops = lambda out_tokens: 2 * num_params * (requests.prompt_tokens + out_tokens)
-        rows = [Row(f"nanovllm {mode}", run.facts["attention"], model_name, run.facts["device"], run.facts["dtype"],
+        rows = [Row(f"nanovllm {mode}" + ("" if sampling == "plain" else f", {sampling} sampling"),
+                    run.facts["attention"], model_name, run.facts["device"], run.facts["dtype"],
                     len(requests.prompts), run.tokens, run.seconds, run.tokens / run.seconds, None,
                     model_flops(run.tokens) / run.seconds / peak, mem.gib, percentiles(run.ttft), percentiles(run.itl))
-                for (_, mode), (mem, run) in runs.items()]
+                for (_, mode, sampling), (mem, run) in runs.items()]
         if args.baseline == "hf":
             mem = PeakMemory(device)
             hf_seconds, hf_tokens, hf_attention = run_hf(model_dir, requests, facts["device"], dtype, args, mem)
@@ -486,7 +498,8 @@ def main(argv: list[str] | None = None, prog: str | None = None) -> dict:
                      "output_len": [args.min_output_len, args.max_output_len], "prompt_tokens": requests.prompt_tokens,
                      "temperature": args.temperature, "seed": args.seed, "hf_batch_size": args.hf_batch_size,
                      "request_rate": args.request_rate},
-        "engines": {f"{run.facts['attention']} {mode}": run.facts for (_, mode), (_, run) in runs.items()},
+        "engines": {f"{run.facts['attention']} {mode} {sampling}": run.facts
+                    for (_, mode, sampling), (_, run) in runs.items()},
         "parameters": num_params, "threads": torch.get_num_threads(), "matmul_peak_gflops": peak / 1e9,
         "memory_bound_gib": facts["weights_gib"] + facts["kv_cache_gib"],
         "rows": [asdict(r) for r in rows],

@@ -27,7 +27,7 @@ def test_bench_with_hf_baseline_on_a_tiny_checkpoint(tied_model, tmp_path, capsy
         for latency in (ours["ttft_ms"], ours["itl_ms"]):
             assert 0 < latency["p50"] <= latency["p90"] <= latency["p99"] <= 1000 * ours["seconds"]
     assert hf["ttft_ms"] is None and result["matmul_peak_gflops"] > 0
-    assert result["engines"]["torch chunked"]["num_steps"] > 0
+    assert result["engines"]["torch chunked plain"]["num_steps"] > 0
     assert json.loads(out.read_text()) == result
     table = capsys.readouterr().out
     assert "| nanovllm chunked" in table and "| transformers" in table and "TTFT p99 ms" in table
@@ -62,8 +62,9 @@ def test_requests_arrive_as_a_poisson_process_and_latency_counts_from_arrival(ti
     assert 1 / 50 * 0.8 < sum(gaps) / len(gaps) < 1 / 50 * 1.2
     flags = ["--model", tied_model, "--device", "cpu", "--num-seqs", "6", "--min-input-len", "4", "--max-input-len",
              "8", "--min-output-len", "2", "--max-output-len", "4", "--request-rate", "20", "--scheduling", "chunked"]
-    result = bench.main(flags)
-    (row,) = result["rows"]
+    result = bench.main(flags + ["--sampling", "plain,all"])
+    row, all_options = result["rows"]
+    assert all_options["engine"] == "nanovllm chunked, all sampling" and all_options["tokens"] == row["tokens"]
     last_arrival = bench.make_requests(bench.parse_args(flags), 384).arrivals[-1]
     assert row["seconds"] >= last_arrival and result["workload"]["request_rate"] == 20
     assert 0 < row["ttft_ms"]["p50"] <= row["ttft_ms"]["p99"]
@@ -72,7 +73,7 @@ def test_requests_arrive_as_a_poisson_process_and_latency_counts_from_arrival(ti
 def test_bench_rejects_bad_flags(tied_model):
     with pytest.raises(SystemExit, match="--min-input-len"):
         bench.main(["--model", tied_model, "--device", "cpu", "--min-input-len", "9", "--max-input-len", "3"])
-    for flags in (["--scheduling", "chunked,lifo"], ["--request-rate", "0"]):
+    for flags in (["--scheduling", "chunked,lifo"], ["--request-rate", "0"], ["--sampling", "plain,greedy"]):
         with pytest.raises(SystemExit):
             bench.parse_args(["--model", tied_model] + flags)
 
