@@ -9,7 +9,7 @@ from transformers.generation.logits_process import (MinPLogitsWarper, Repetition
 
 from nanovllm import SamplingParams
 from nanovllm.execution.sampler import Sampler, SamplingRow
-from nanovllm.layers.sampler import apply_penalties
+from nanovllm.layers.sampler import apply_penalties, apply_top_k, apply_top_p
 
 EOS = 5
 DEVICES = ["cpu", pytest.param("cuda", marks=pytest.mark.cuda)]
@@ -246,3 +246,12 @@ def test_logprobs_are_raw_log_softmax():
 def test_no_logprobs_when_none_asked():
     out = Sampler(10, {EOS}, "cpu")(torch.randn(2, 10), rows_for([SamplingParams()] * 2))
     assert out.logprobs is None and len(out.token_ids) == 2
+
+
+def test_top_p_over_the_top_k_candidates_equals_the_full_sort():
+    torch.manual_seed(3)
+    logits = torch.randn(16, 2000) * 2
+    top_k = torch.randint(1, 40, (16,))
+    truncated = apply_top_k(logits, top_k, 40)
+    top_p = torch.rand(16) * 0.9 + 0.05
+    assert torch.equal(apply_top_p(truncated, top_p, candidates=40), apply_top_p(truncated, top_p))

@@ -176,7 +176,8 @@ class Sampler:
             scaled = apply_top_k(scaled, self._tensor(top_k, torch.int64), max(top_k))
         top_p = [1.0 if g else p.top_p for p, g in zip(params, greedy)]
         if min(top_p) < 1:
-            scaled = apply_top_p(scaled, self._tensor(top_p, torch.float32))
+            truncated = all(k or g for k, g in zip(top_k, greedy))  # then only max(top_k) tokens per row are left
+            scaled = apply_top_p(scaled, self._tensor(top_p, torch.float32), max(top_k) if truncated else None)
         generators = {i: self._generator(seq) for i, (seq, g) in enumerate(zip(seqs, greedy))
                       if not g and seq.params.seed is not None}
         sampled = exponential_race(scaled.softmax(dim=-1), generators)

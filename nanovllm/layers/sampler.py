@@ -37,14 +37,18 @@ def apply_top_k(logits: torch.Tensor, top_k: torch.Tensor, max_top_k: int) -> to
     return logits.masked_fill(logits < kth, NEG_INF)
 
 
-def apply_top_p(logits: torch.Tensor, top_p: torch.Tensor) -> torch.Tensor:
+def apply_top_p(logits: torch.Tensor, top_p: torch.Tensor, candidates: int | None = None) -> torch.Tensor:
     """Keep the most likely tokens until their probability reaches `top_p`, always at least the most likely one,
     exactly as transformers' TopPLogitsWarper: in ascending order, drop tokens whose cumulative probability is at
-    most 1 - top_p. top_p 1 keeps all."""
-    ascending, order = logits.sort(dim=-1)
+    most 1 - top_p. top_p 1 keeps all. `candidates`: no row has more finite logits than that (top-k ran first), so
+    only that many are sorted instead of the whole vocabulary."""
+    if candidates is None:
+        ascending, order = logits.sort(dim=-1)
+    else:
+        ascending, order = (t.flip(-1) for t in logits.topk(candidates, dim=-1))
     drop = ascending.softmax(dim=-1).cumsum(dim=-1) <= 1 - top_p.unsqueeze(1)
     drop[:, -1] = False
-    return logits.masked_fill(drop.scatter(1, order, drop), NEG_INF)
+    return logits.masked_fill(torch.zeros_like(logits, dtype=torch.bool).scatter_(1, order, drop), NEG_INF)
 
 
 def exponential_race(probs: torch.Tensor, generators: dict[int, torch.Generator]) -> torch.Tensor:
@@ -53,10 +57,20 @@ def exponential_race(probs: torch.Tensor, generators: dict[int, torch.Generator]
     depend on the rest of the batch; the others share torch's default generator."""
     noise = torch.empty_like(probs)
     if len(generators) < probs.size(0):
-        noise.exponential_()
+        _exponential(noise)
     for row, generator in generators.items():
-        noise[row].exponential_(generator=generator)
+        _exponential(noise[row], generator)
     return (probs / noise.clamp_min_(1e-10)).argmax(dim=-1)
+
+
+def _exponential(out: torch.Tensor, generator: torch.Generator | None = None) -> None:
+    """Fill `out` with Exp(1) draws. On CPU as -log(U), U uniform drawn in float64 (so never 0 in practice):
+    2.5x faster there than `exponential_`, which is the faster one on GPUs."""
+    if out.device.type != "cpu":
+        out.exponential_(generator=generator)
+        return
+    uniform = torch.rand(out.shape, dtype=torch.float64, generator=generator)
+    out.copy_(uniform.log_().neg_())
 
 
 def token_logprobs(logits: torch.Tensor, token_ids: torch.Tensor,
