@@ -1,6 +1,6 @@
 import os
-from dataclasses import fields
 from collections.abc import Iterator
+from dataclasses import fields
 from itertools import count
 from time import perf_counter
 
