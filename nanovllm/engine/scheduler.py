@@ -84,9 +84,9 @@ class Scheduler:
 
     Running sequences go first, decodes before prompts being prefilled: each takes the tokens it
     needs next (1 to decode, else the next chunk of its prompt); at most `max_num_seqs` run, and
-    never more than the budget, so no decode is ever starved. When one cannot get a KV block, the lowest-priority running
-    sequence (the youngest, under FCFS) is preempted: its blocks are freed and it is recomputed
-    later. Then, if nobody was preempted, waiting sequences are admitted in policy order with as
+    never more than the budget, so no decode is ever starved. When one cannot get a KV block, the
+    lowest-priority running sequence (the youngest, under FCFS) is preempted: its blocks are freed
+    and it is recomputed later. Then, if nobody was preempted, waiting sequences are admitted in policy order with as
     much of their prompt (after any prefix-cache hit) as the budget and the free blocks allow.
     With `enable_chunked_prefill=False` a step is nano-vLLM's instead: whole prompts only, and
     only when none waits does every running sequence decode.
