@@ -5,9 +5,9 @@ The workload is nano-vLLM's: seeded random prompt token ids, random input and ou
 arriving as a Poisson process of R requests/s); throughput is output tokens per wall second after
 a warm-up. Each request's time to first token (from its arrival) and inter-token latencies are
 recorded, and reported as p50/p90/p99 for each scheduling mode (`--scheduling`): vLLM V1's
-chunked prefill with mixed steps, and nano-vLLM's prefill-first steps, in the same run. A short matmul probe measures the machine's dense matmul peak for
-the model's dtype in the same run, and model FLOP utilization is
-2 x parameters x (prompt + output tokens) / seconds / probe peak.
+chunked prefill with mixed steps, and nano-vLLM's prefill-first steps, in the same run. A short
+matmul probe measures the machine's dense matmul peak for the model's dtype in the same run, and
+model FLOP utilization is 2 x parameters x (prompt + output tokens) / seconds / probe peak.
 
 Without `--model` the model is built from a config (Qwen3-0.6B's by default) with random
 weights. With `--baseline hf` those weights are drawn once by transformers (seeded), saved to
@@ -345,7 +345,8 @@ def run_engine(model_dir: str, load_format: str, requests: Requests, args: argpa
         weights = sum(p.numel() * p.element_size() for p in runner.model.parameters())
         facts = {"device": llm.config.device, "dtype": str(llm.config.torch_dtype).removeprefix("torch."),
                  "attention": llm.config.attention_backend,
-                 "weights_gib": weights / 2**30, "kv_cache_gib": runner.kv_cache.numel() * runner.kv_cache.element_size() / 2**30,
+                 "weights_gib": weights / 2**30,
+                 "kv_cache_gib": runner.kv_cache.numel() * runner.kv_cache.element_size() / 2**30,
                  "max_num_batched_tokens": llm.config.max_num_batched_tokens, **llm.stats()}
     if tokens != sum(requests.max_tokens):
         raise RuntimeError(f"nanovllm produced {tokens} tokens, the requests asked for {sum(requests.max_tokens)}")
