@@ -20,6 +20,7 @@ from nanovllm.utils.compile import set_compile
 from nanovllm.utils.context import get_context, reset_context, set_context
 from nanovllm.utils.loader import init_dummy_weights, load_model
 from nanovllm.utils.parallel import min_over_ranks
+from nanovllm.utils.tensors import to_device
 
 
 @contextmanager
@@ -126,8 +127,7 @@ class ModelRunner:
         bind_kv_cache(self.model, self.kv_cache)
 
     def _tensor(self, data: list, dtype: torch.dtype) -> torch.Tensor:
-        """A host list on this rank's device; on CUDA through pinned memory, so the copy does not block."""
-        return torch.tensor(data, dtype=dtype, pin_memory=self.device.type == "cuda").to(self.device, non_blocking=True)
+        return to_device(data, dtype, self.device)
 
     def prepare_block_tables(self, seqs: list[Sequence]) -> torch.Tensor:
         width = max(len(seq.block_table) for seq in seqs)

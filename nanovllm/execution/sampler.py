@@ -8,6 +8,7 @@ from nanovllm.layers.sampler import (NEG_INF, apply_min_p, apply_penalties, appl
                                      token_logprobs)
 from nanovllm.outputs import TokenLogprobs
 from nanovllm.sampling_params import SamplingParams
+from nanovllm.utils.tensors import to_device
 
 
 @dataclass
@@ -65,7 +66,7 @@ class Sampler:
                 self.free_slots.append(self.slots.pop(seq_id))
 
     def _tensor(self, data: list, dtype: torch.dtype) -> torch.Tensor:
-        return torch.tensor(data, dtype=dtype, pin_memory=self.device.type == "cuda").to(self.device, non_blocking=True)
+        return to_device(data, dtype, self.device)
 
     def _index(self, rows: list[int], batch: int) -> torch.Tensor | slice:
         """Selects `rows` of the batch; a plain slice when that is every row, so nothing is gathered or scattered."""
