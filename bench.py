@@ -1,8 +1,8 @@
 """Throughput benchmark, nanovllm against transformers: `python bench.py --help`.
 
-The code lives in `nanovllm/bench.py`, so an installed nanovllm runs it too: `python -m nanovllm bench`.
+The code lives in `nanovllm/benchmarks/throughput.py`, so an installed nanovllm runs it too: `python -m nanovllm bench`.
 """
-from nanovllm.bench import main, make_requests, parse_args
+from nanovllm.benchmarks.throughput import main, make_requests, parse_args
 
 __all__ = ["main", "make_requests", "parse_args"]
 

@@ -75,7 +75,7 @@ def _convert(args: argparse.Namespace) -> int:
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     if argv[:1] == ["bench"]:
-        from nanovllm.bench import main as bench
+        from nanovllm.benchmarks.throughput import main as bench
 
         bench(argv[1:], prog="python -m nanovllm bench")
         return 0

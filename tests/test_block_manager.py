@@ -1,7 +1,7 @@
 import pytest
 
-from nanovllm.engine.block_manager import BlockManager
-from nanovllm.engine.sequence import Sequence
+from nanovllm.core.block_manager import BlockManager
+from nanovllm.core.sequence import Sequence
 from nanovllm.sampling_params import SamplingParams
 
 BS = 4

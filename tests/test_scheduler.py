@@ -5,9 +5,9 @@ from types import SimpleNamespace
 
 import pytest
 
-from nanovllm.engine.block_manager import BlockManager
-from nanovllm.engine.scheduler import ScheduledBatch, Scheduler
-from nanovllm.engine.sequence import Sequence, SequenceStatus
+from nanovllm.core.block_manager import BlockManager
+from nanovllm.core.scheduler import ScheduledBatch, Scheduler
+from nanovllm.core.sequence import Sequence, SequenceStatus
 from nanovllm.sampling_params import SamplingParams
 
 BS = 4

@@ -9,8 +9,8 @@ from transformers import AutoTokenizer, PreTrainedTokenizerBase
 
 from nanovllm.config import Config
 from nanovllm.engine.request import Completion, Request
-from nanovllm.engine.scheduler import ScheduledBatch, Scheduler
-from nanovllm.engine.sequence import Sequence
+from nanovllm.core.scheduler import ScheduledBatch, Scheduler
+from nanovllm.core.sequence import Sequence
 from nanovllm.execution.model_runner import ModelRunner
 from nanovllm.outputs import RequestOutput
 from nanovllm.sampling_params import SamplingParams

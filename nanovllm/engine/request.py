@@ -2,7 +2,7 @@
 from transformers import PreTrainedTokenizerBase
 
 from nanovllm.engine.detokenizer import IncrementalDetokenizer
-from nanovllm.engine.sequence import Sequence
+from nanovllm.core.sequence import Sequence
 from nanovllm.outputs import CompletionOutput, Logprob, RequestOutput, TokenLogprobs
 from nanovllm.sampling_params import SamplingParams
 

@@ -6,8 +6,8 @@ import torch
 
 from nanovllm.backends import Platform, importable, load_backend
 from nanovllm.config import Config
-from nanovllm.engine.scheduler import ScheduledBatch
-from nanovllm.engine.sequence import Sequence
+from nanovllm.core.scheduler import ScheduledBatch
+from nanovllm.core.sequence import Sequence
 from nanovllm.execution.cuda_graph import DecodeGraphs
 from nanovllm.execution.gpu_memory import gpu_kv_cache_bytes
 from nanovllm.execution.sampler import Sampler, SamplerOutput

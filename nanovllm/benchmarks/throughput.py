@@ -42,14 +42,14 @@ import torch
 from tqdm.auto import tqdm
 
 from nanovllm import LLM, SamplingParams
-from nanovllm.attention_bench import format_micro, run_micro
+from nanovllm.benchmarks.attention import format_micro, run_micro
 from nanovllm.backends import ATTENTION_BACKENDS, Platform, select_backend, unsupported
 from nanovllm.config import Config, resolve_dtype
 from nanovllm.gguf_import import resolve_model
 from nanovllm.models.hf_config import head_dim
-from nanovllm.utils.report import markdown_table
+from nanovllm.benchmarks.report import markdown_table
 
-DEFAULT_CONFIG = Path(__file__).parent / "model_configs" / "qwen3-0.6b.json"
+DEFAULT_CONFIG = Path(__file__).parent.parent / "model_configs" / "qwen3-0.6b.json"
 
 # (num_seqs, min_input, max_input, min_output, max_output, max_num_batched_tokens): nano-vLLM's published
 # workload on CUDA with the engine's default budget; scaled on CPU so the whole run, baseline included, takes
@@ -399,7 +399,7 @@ def save_json(result: dict, path: str | None) -> dict:
 
 
 def micro(args: argparse.Namespace, device: str) -> dict:
-    """--attention-micro: decode attention us per call for each backend (see `nanovllm.attention_bench`)."""
+    """--attention-micro: decode attention us per call for each backend (see `nanovllm.benchmarks.attention`)."""
     from transformers import AutoConfig
 
     cfg = AutoConfig.from_pretrained(resolve_model(args.model) if args.model else args.config)

@@ -2,8 +2,8 @@ import heapq
 from dataclasses import dataclass, field
 
 from nanovllm.config import Config
-from nanovllm.engine.block_manager import BlockManager
-from nanovllm.engine.sequence import Sequence, SequenceStatus
+from nanovllm.core.block_manager import BlockManager
+from nanovllm.core.sequence import Sequence, SequenceStatus
 
 
 @dataclass

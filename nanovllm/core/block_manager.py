@@ -2,7 +2,7 @@ from array import array
 
 import xxhash
 
-from nanovllm.engine.sequence import Sequence
+from nanovllm.core.sequence import Sequence
 
 
 class Block:

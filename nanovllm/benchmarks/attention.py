@@ -16,7 +16,7 @@ from transformers import PretrainedConfig
 from nanovllm.backends import Platform, load_backend
 from nanovllm.models.hf_config import head_dim
 from nanovllm.utils.context import Context
-from nanovllm.utils.report import markdown_table
+from nanovllm.benchmarks.report import markdown_table
 
 
 @dataclass
