@@ -64,7 +64,7 @@ class ModelRunner:
         if config.load_format == "dummy":
             init_dummy_weights(self.model, hf_config, config.seed)
         else:
-            load_model(self.model, config.model)
+            load_model(self.model, config.model, hf_config)
         self.model.eval()
         if self.device.type == "cpu" and can_prepack(config.torch_dtype):
             prepack_linear_weights(self.model)

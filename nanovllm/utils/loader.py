@@ -1,13 +1,16 @@
 """Load Hugging Face safetensors checkpoints into nanovllm models (packed and sharded parameters)."""
+import json
+import os
 from collections import Counter
 from collections.abc import Iterable, Iterator
 
 import torch
-from safetensors import safe_open
+from safetensors import SafetensorError, safe_open
 from torch import nn
 from transformers import AutoModelForCausalLM, PretrainedConfig
 
 from nanovllm.config import find_weight_files
+from nanovllm.models.hf_config import head_dim
 
 
 def default_weight_loader(param: nn.Parameter, loaded_weight: torch.Tensor) -> None:
@@ -49,15 +52,62 @@ def load_weights(model: nn.Module, weights: Iterable[tuple[str, torch.Tensor]], 
         raise ValueError(f"checkpoint in {source!r} is missing weights for: {shown}")
 
 
-def _safetensors_weights(path: str) -> Iterator[tuple[str, torch.Tensor]]:
+def _reference_model(hf_config: PretrainedConfig) -> nn.Module:
+    """transformers' own model for this config on the meta device: the checkpoint's names and full shapes."""
+    with torch.device("meta"):
+        return AutoModelForCausalLM.from_config(hf_config)
+
+
+def _shape_sources(hf_config: PretrainedConfig, config_json: dict) -> list[tuple[int, str]]:
+    """Tensor dimensions the config implies, each with the config.json key(s) it comes from."""
+    def key(name: str) -> str:
+        value = getattr(hf_config, name, None)
+        missing = "" if name in config_json else ", not in config.json: transformers' default"
+        return f"{name}={value}{missing}"
+
+    dim = head_dim(hf_config)
+    head_key = key("head_dim") if "head_dim" in config_json else "head_dim (hidden_size / num_attention_heads)"
+    return [(hf_config.vocab_size, key("vocab_size")), (hf_config.hidden_size, key("hidden_size")),
+            (hf_config.intermediate_size, key("intermediate_size")),
+            (hf_config.num_attention_heads * dim, f"{key('num_attention_heads')} x {head_key}"),
+            (hf_config.num_key_value_heads * dim, f"{key('num_key_value_heads')} x {head_key}"),
+            (dim, head_key)]
+
+
+def _shape_mismatch(name: str, file: str, shape: tuple[int, ...], expected: tuple[int, ...],
+                    sources: list[tuple[int, str]]) -> ValueError:
+    culprit = next((i for i, (got, want) in enumerate(zip(shape, expected)) if got != want), None)
+    if culprit is None:
+        why = f"it has {len(shape)} dimensions, the model expects {len(expected)}"
+    else:
+        keys = [source for size, source in sources if size == expected[culprit]]
+        why = f"dimension {culprit} is {shape[culprit]} but the config implies {expected[culprit]}" + (
+            f" ({' or '.join(keys)})" if keys else "")
+    return ValueError(f"weight {name!r} in {file} has shape {tuple(shape)}, but the model config expects "
+                      f"{tuple(expected)}: {why}. The checkpoint and its config.json do not match; fix config.json "
+                      "or use the config the weights were saved with.")
+
+
+def _safetensors_weights(path: str, hf_config: PretrainedConfig) -> Iterator[tuple[str, torch.Tensor]]:
+    """Every tensor of the checkpoint, each checked against the full shape the config implies before it is read."""
+    expected = {name: tuple(t.shape) for name, t in _reference_model(hf_config).state_dict().items()}
+    with open(os.path.join(path, "config.json")) as f:
+        sources = _shape_sources(hf_config, json.load(f))
     for file in find_weight_files(path):
-        with safe_open(file, "pt", "cpu") as f:
-            for name in f.keys():
-                yield name, f.get_tensor(name)
+        try:
+            with safe_open(file, "pt", "cpu") as f:
+                for name in f.keys():
+                    shape = tuple(f.get_slice(name).get_shape())
+                    if name in expected and shape != expected[name]:
+                        raise _shape_mismatch(name, file, shape, expected[name], sources)
+                    yield name, f.get_tensor(name)
+        except SafetensorError as e:
+            raise ValueError(f"{file} is not a readable safetensors file ({e}); it may be truncated or corrupt: "
+                             "download or convert it again") from None
 
 
-def load_model(model: nn.Module, path: str) -> None:
-    load_weights(model, _safetensors_weights(path), path)
+def load_model(model: nn.Module, path: str, hf_config: PretrainedConfig) -> None:
+    load_weights(model, _safetensors_weights(path, hf_config), path)
 
 
 def _dummy_weights(hf_config: PretrainedConfig, seed: int) -> Iterator[tuple[str, torch.Tensor]]:
@@ -67,8 +117,7 @@ def _dummy_weights(hf_config: PretrainedConfig, seed: int) -> Iterator[tuple[str
     drawn in that order from one seeded generator, so every tensor-parallel size slices the same
     full tensors.
     """
-    with torch.device("meta"):
-        reference = AutoModelForCausalLM.from_config(hf_config)
+    reference = _reference_model(hf_config)
     std = getattr(hf_config, "initializer_range", 0.02)
     generator = torch.Generator().manual_seed(seed)
     for name, param in reference.named_parameters():
