@@ -43,6 +43,7 @@ class Config:
     dtype: str = "auto"
     load_format: str = "auto"
     cpu_kvcache_gib: float = 4.0
+    distributed_timeout_s: float = 300.0
     seed: int = 0
     enable_chunked_prefill: bool = True
     scheduling_policy: str = "fcfs"
@@ -81,6 +82,8 @@ class Config:
             raise ValueError(f"num_kvcache_blocks must be -1 (auto) or a positive integer, got {self.num_kvcache_blocks}")
         if self.cpu_kvcache_gib <= 0:
             raise ValueError(f"cpu_kvcache_gib must be positive, got {self.cpu_kvcache_gib}")
+        if not self.distributed_timeout_s > 0:
+            raise ValueError(f"distributed_timeout_s must be positive, got {self.distributed_timeout_s}")
         if self.load_format not in ("auto", "dummy"):
             raise ValueError(f"load_format must be 'auto' or 'dummy', got {self.load_format!r}")
         if not isinstance(self.enable_chunked_prefill, bool):

@@ -130,3 +130,22 @@ def test_tp2_nccl_matches_transformers(tied_model, enforce_eager):
              enforce_eager=enforce_eager) as llm:
         assert _token_ids(llm.generate(PROMPTS, GREEDY, use_tqdm=False)) == expected
     _assert_nothing_left()
+
+
+def test_stopped_worker_is_reported_after_the_timeout_and_nothing_is_left(tied_model):
+    """A worker that stops answering (SIGSTOP, as a debugger or Ctrl-Z would) makes the step's collective time out
+    after `distributed_timeout_s`: rank 0 names the worker and its state, and the stopped process is killed."""
+    llm = LLM(tied_model, tensor_parallel_size=2, distributed_timeout_s=2, **SMALL_CACHE)
+    try:
+        (worker,) = llm.model_runner.workers.processes
+        error, elapsed = _disturb_mid_generate(llm, lambda: os.kill(worker.pid, signal.SIGSTOP))
+        assert isinstance(error, WorkerFailure), error
+        assert "did not answer within distributed_timeout_s=2" in str(error)
+        assert f"worker rank 1 (pid {worker.pid}) is stopped by a signal" in str(error)
+        assert elapsed < BOUND_S
+        assert multiprocessing.active_children() == []
+        with pytest.raises(RuntimeError, match="create a new LLM"):
+            llm.generate(PROMPTS, GREEDY, use_tqdm=False)
+    finally:
+        llm.exit()
+    _assert_nothing_left()

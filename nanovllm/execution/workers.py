@@ -26,7 +26,10 @@ the worker process waking up on a contended machine, which any channel would pay
 Failure handling: a worker that raises sends its traceback up its pipe and exits; one that is
 killed just exits. Either way rank 0's next collective fails (gloo reports the closed
 connection at once; a dead worker is also noticed before each dispatch) and rank 0 raises a
-`RuntimeError` naming the worker, its exit code and its traceback. After any failure inside a
+`WorkerFailure` naming the worker, its exit code and its traceback. A worker that is alive but
+stops answering (stopped by a signal, or stuck) makes the collective time out after the engine's
+`distributed_timeout_s`, and the `WorkerFailure` names it and its state. After a worker failure
+the group is shut down at once (no process is left behind); after any other failure inside a
 step the ranks are out of step, so the group refuses further calls; `shutdown` (from
 `LLM.exit()`, the context manager, or `atexit`) always destroys the process group, joins the
 workers and kills any that do not exit in time.
@@ -51,8 +54,6 @@ from nanovllm.utils.context import get_context as get_attention_context
 from nanovllm.utils.context import reset_context, set_context
 from nanovllm.utils.parallel import join_tp_group, leave_tp_group
 
-TIMEOUT = timedelta(minutes=10)
-"""Rendezvous and per-collective timeout: only reached when a live rank stops taking part."""
 JOIN_TIMEOUT_S = 10.0
 FAILURE_GRACE_S = 5.0
 """How long rank 0 waits, after a failed collective, for the worker that broke it to exit and report."""
@@ -105,18 +106,32 @@ def _broadcast(slots: list[_TensorSlot], tensors: list[torch.Tensor] | None, dev
     return out
 
 
+def collective_timeout(config: Config) -> timedelta:
+    """Rendezvous and per-collective timeout: only reached when a live rank stops taking part."""
+    return timedelta(seconds=config.distributed_timeout_s)
+
+
 def init_process_group(config: Config, rank: int, store: dist.Store) -> None:
     """Join the tensor-parallel group: NCCL on CUDA (one device per rank), gloo on CPU."""
     if config.device == "cuda":
         torch.cuda.set_device(rank)
     backend = "nccl" if config.device == "cuda" else "gloo"
-    join_tp_group(backend, store, rank, config.tensor_parallel_size, TIMEOUT)
+    join_tp_group(backend, store, rank, config.tensor_parallel_size, collective_timeout(config))
 
 
 def _describe_exit(code: int) -> str:
     if code < 0:
         return f"was killed by {signal.Signals(-code).name}"
     return f"exited with code {code}"
+
+
+def _is_stopped(pid: int) -> bool:
+    """Whether process `pid` is stopped by a signal (SIGSTOP, SIGTSTP; Linux's /proc, else unknown: False)."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rpartition(")")[2].split()[0] in ("T", "t")
+    except (OSError, IndexError):
+        return False
 
 
 class WorkerGroup:
@@ -135,6 +150,7 @@ class WorkerGroup:
                                "cannot create its own process group; exit() the previous engine first, or use "
                                "tensor_parallel_size=1")
         world_size = config.tensor_parallel_size
+        self.timeout_s = config.distributed_timeout_s
         self.closed = False
         self.broken = False
         self.reports: dict[int, str] = {}
@@ -148,7 +164,8 @@ class WorkerGroup:
             addr = os.environ.get("MASTER_ADDR", "127.0.0.1")
             port = int(os.environ.get("MASTER_PORT", 0))  # 0: the OS picks a free port
             try:
-                store = dist.TCPStore(addr, port, world_size, is_master=True, timeout=TIMEOUT, wait_for_workers=False)
+                store = dist.TCPStore(addr, port, world_size, is_master=True,
+                                     timeout=collective_timeout(config), wait_for_workers=False)
             except RuntimeError as e:
                 raise RuntimeError(f"could not listen on MASTER_ADDR:MASTER_PORT = {addr}:{port} for the "
                                    f"tensor-parallel rendezvous ({e}); unset MASTER_PORT to use a free port") from e
@@ -200,7 +217,7 @@ class WorkerGroup:
         except BaseException as e:
             self.broken = True
             error = self._explain(e)
-            if shutdown:
+            if shutdown or isinstance(error, WorkerFailure):
                 self.shutdown()
             if error is e:
                 raise
@@ -213,9 +230,21 @@ class WorkerGroup:
         for process in self.processes:
             if process.sentinel in exiting:
                 process.join()  # its sentinel closes just before it can be reaped
-        if all(p.exitcode is None for p in self.processes):
-            return error
-        return self._worker_failure()
+        if any(p.exitcode is not None for p in self.processes):
+            return self._worker_failure()
+        if "timed out" in str(error).lower() or any(_is_stopped(p.pid) for p in self.processes):
+            return self._unresponsive_failure(error)
+        return error
+
+    def _unresponsive_failure(self, error: BaseException) -> "WorkerFailure":
+        """Every worker is alive but a collective failed: name the ones that stopped answering."""
+        lines = [f"tensor-parallel worker rank {rank} (pid {process.pid}) "
+                 + ("is stopped by a signal (SIGSTOP/SIGTSTP)" if _is_stopped(process.pid) else "is running")
+                 for rank, process in enumerate(self.processes, start=1)]
+        return WorkerFailure(f"a tensor-parallel collective failed with every worker alive ({error}); the workers "
+                             f"did not answer within distributed_timeout_s={self.timeout_s:g}:\n" + "\n".join(lines)
+                             + "\nThe workers were stopped; create a new LLM (raise distributed_timeout_s if a step "
+                             "can legitimately take longer).")
 
     def _worker_failure(self) -> "WorkerFailure":
         lines = []
@@ -229,7 +258,7 @@ class WorkerGroup:
                 pass
             report = f":\n{self.reports[rank]}" if rank in self.reports else ""
             lines.append(f"tensor-parallel worker rank {rank} (pid {process.pid}) {_describe_exit(process.exitcode)}{report}")
-        return WorkerFailure("\n".join(lines) + "\nThe engine cannot continue: call exit() and create a new LLM.")
+        return WorkerFailure("\n".join(lines) + "\nThe engine cannot continue: create a new LLM.")
 
     def shutdown(self) -> None:
         """Stop the workers, destroy the process group; safe to call twice.
@@ -266,7 +295,8 @@ def _worker_main(runner_cls: type, config: Config, rank: int, addr: str, port: i
     torch.set_num_threads(num_threads)
     runner = None
     try:
-        store = dist.TCPStore(addr, port, config.tensor_parallel_size, is_master=False, timeout=TIMEOUT)
+        store = dist.TCPStore(addr, port, config.tensor_parallel_size, is_master=False,
+                             timeout=collective_timeout(config))
         init_process_group(config, rank, store)
         runner = runner_cls(config, rank)
         while True:
