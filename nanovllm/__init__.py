@@ -1,5 +1,19 @@
-from nanovllm.llm import LLM
+"""nanovllm: `LLM(model).generate(prompts, SamplingParams(...))`.
+
+`LLM` and `default_model` are imported on first use, so that `import nanovllm` (and
+`python -m nanovllm --help`) does not pay for torch and transformers.
+"""
+from importlib import import_module
+
 from nanovllm.outputs import CompletionOutput, Logprob, RequestOutput
 from nanovllm.sampling_params import SamplingParams
 
-__all__ = ["LLM", "SamplingParams", "RequestOutput", "CompletionOutput", "Logprob"]
+__all__ = ["LLM", "SamplingParams", "RequestOutput", "CompletionOutput", "Logprob", "default_model"]
+
+_LAZY = {"LLM": "nanovllm.llm", "default_model": "nanovllm.smollm2"}
+
+
+def __getattr__(name: str):
+    if name in _LAZY:
+        return getattr(import_module(_LAZY[name]), name)
+    raise AttributeError(f"module 'nanovllm' has no attribute {name!r}")

@@ -43,8 +43,7 @@ def _parser() -> argparse.ArgumentParser:
 
 
 def _generate(args: argparse.Namespace) -> int:
-    from nanovllm import LLM, SamplingParams
-    from nanovllm.default_model import default_model
+    from nanovllm import LLM, SamplingParams, default_model
 
     params = SamplingParams(temperature=args.temperature, max_tokens=args.max_tokens)
     with LLM(args.model or default_model(), device=args.device) as llm:
@@ -75,9 +74,12 @@ def _convert(args: argparse.Namespace) -> int:
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     if argv[:1] == ["bench"]:
-        from nanovllm.benchmarks.throughput import main as bench
+        from nanovllm.benchmarks.options import parse_args
 
-        bench(argv[1:], prog="python -m nanovllm bench")
+        bench_args = parse_args(argv[1:], prog="python -m nanovllm bench")
+        from nanovllm.benchmarks.throughput import run
+
+        run(bench_args)
         return 0
     args = _parser().parse_args(argv)
     try:

@@ -33,6 +33,26 @@ def test_help_lists_the_commands():
     assert all(f"    {command} " in result.stdout for command in ("generate", "convert", "bench"))
 
 
+HELP_WITHOUT_TORCH = """
+import sys
+from nanovllm.cli import main
+try:
+    main(sys.argv[1:])
+except SystemExit as e:
+    assert e.code == 0, e.code
+print("imported:", sorted(m for m in ("torch", "transformers") if m in sys.modules))
+"""
+
+
+@pytest.mark.parametrize("command", [[], ["generate"], ["convert"], ["bench"]])
+def test_help_answers_without_importing_torch_or_transformers(command):
+    result = subprocess.run([sys.executable, "-c", HELP_WITHOUT_TORCH, *command, "--help"], capture_output=True,
+                            text=True, timeout=120)
+    assert result.returncode == 0, result.stderr
+    assert "usage: python -m nanovllm" in result.stdout
+    assert result.stdout.rstrip().endswith("imported: []")
+
+
 def test_bench_is_dispatched_to_the_benchmark(capsys):
     with pytest.raises(SystemExit) as exit_info:
         cli(["bench", "--help"])

@@ -8,7 +8,7 @@ import pytest
 
 from checkpoints import hf_greedy
 from nanovllm import LLM, SamplingParams
-from nanovllm.default_model import default_model, default_model_file
+from nanovllm.smollm2 import default_model, default_model_file
 from test_example import run_example
 
 pytest.importorskip("gguf")

@@ -1,27 +1,6 @@
-"""Throughput benchmark: nanovllm, optionally against transformers' `generate` on the same requests and weights.
+"""The throughput benchmark's runs: nanovllm (and transformers' `generate` as a baseline) on one workload.
 
-The workload is nano-vLLM's: seeded random prompt token ids, random input and output lengths,
-`ignore_eos`, temperature 0.6, every request submitted at once (or, with `--request-rate R`,
-arriving as a Poisson process of R requests/s); throughput is output tokens per wall second after
-a warm-up. Each request's time to first token (from its arrival) and inter-token latencies are
-recorded, and reported as p50/p90/p99 for each scheduling mode (`--scheduling`): vLLM V1's
-chunked prefill with mixed steps, and nano-vLLM's prefill-first steps, in the same run. A short
-matmul probe measures the machine's dense matmul peak for the model's dtype in the same run, and
-model FLOP utilization is 2 x parameters x (prompt + output tokens) / seconds / probe peak.
-
-Without `--model` the model is built from a config (Qwen3-0.6B's by default) with random
-weights. With `--baseline hf` those weights are drawn once by transformers (seeded), saved to
-a temporary directory, and both engines load that same checkpoint. `--model` takes a model
-directory or a .gguf file (converted once, see `nanovllm convert`).
-
-    python bench.py                              # device defaults, random Qwen3-0.6B
-    python bench.py --baseline hf --json out.json
-    python bench.py --model ~/models/Qwen3-0.6B --num-seqs 64
-    python bench.py --request-rate 0.5 --scheduling chunked   # latency under load
-    python bench.py --scheduling chunked --sampling plain,all  # the sampler's cost with every option on
-    python bench.py --attention-backend triton,flash-attn-4,torch   # one row per backend, same workload
-    python bench.py --attention-micro            # decode attention us per call, every backend that runs here
-    python -m nanovllm bench ...                 # the same, from an installed nanovllm
+The workload, the flags and what is measured: `nanovllm.benchmarks.options`.
 """
 import argparse
 import gc
@@ -43,23 +22,12 @@ from tqdm.auto import tqdm
 
 from nanovllm import LLM, SamplingParams
 from nanovllm.benchmarks.attention import format_micro, run_micro
+from nanovllm.benchmarks.options import SAMPLING, SCHEDULING, parse_args, resolve_workload
 from nanovllm.backends import ATTENTION_BACKENDS, Platform, select_backend, unsupported
 from nanovllm.config import Config, resolve_dtype
 from nanovllm.gguf_import import resolve_model
 from nanovllm.models.hf_config import head_dim
 from nanovllm.benchmarks.report import markdown_table
-
-DEFAULT_CONFIG = Path(__file__).parent.parent / "model_configs" / "qwen3-0.6b.json"
-
-# (num_seqs, min_input, max_input, min_output, max_output, max_num_batched_tokens): nano-vLLM's published
-# workload on CUDA with the engine's default budget; scaled on CPU so the whole run, baseline included, takes
-# minutes on a small machine, with a budget that keeps one step under ~10 s there.
-DEVICE_DEFAULTS = {"cuda": (256, 100, 1024, 100, 1024, 16384), "cpu": (32, 64, 256, 32, 128, 512)}
-SCHEDULING = {"chunked": True, "prefill-first": False}
-# --sampling: plain temperature sampling (the workload's), or every sampler stage on at once (a seed per request).
-SAMPLING = {"plain": {}, "all": dict(top_p=0.9, top_k=50, min_p=0.05, repetition_penalty=1.1, presence_penalty=0.5,
-                                     frequency_penalty=0.5, logprobs=5)}
-
 
 @dataclass
 class Requests:
@@ -96,83 +64,6 @@ def percentiles(values: list[float]) -> dict[str, float] | None:
     if not ordered:
         return None
     return {f"p{p}": 1000 * ordered[-(-p * len(ordered) // 100) - 1] for p in (50, 90, 99)}
-
-
-def parse_args(argv: list[str] | None, prog: str | None = None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(prog=prog, description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--model", help="Hugging Face model directory or .gguf file; default: random weights from --config")
-    p.add_argument("--config", default=str(DEFAULT_CONFIG), help="config.json used without --model")
-    p.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda"])
-    p.add_argument("--dtype", default="auto", help="default: the model's on CUDA, float32 on CPU")
-    p.add_argument("--num-seqs", type=int, help="number of requests (CUDA 256, CPU 32)")
-    p.add_argument("--min-input-len", type=int, help="shortest prompt (CUDA 100, CPU 64)")
-    p.add_argument("--max-input-len", type=int, help="longest prompt (CUDA 1024, CPU 256)")
-    p.add_argument("--min-output-len", type=int, help="fewest output tokens (CUDA 100, CPU 32)")
-    p.add_argument("--max-output-len", type=int, help="most output tokens (CUDA 1024, CPU 128)")
-    p.add_argument("--temperature", type=float, default=0.6)
-    p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--baseline", choices=["none", "hf"], default="none",
-                   help="'hf': also run transformers' generate on the same requests and weights")
-    p.add_argument("--hf-batch-size", type=int, default=32,
-                   help="requests per transformers generate call (padded, each group runs to its longest request)")
-    p.add_argument("--threads", type=int, help="torch CPU threads (default: torch's choice)")
-    p.add_argument("--enforce-eager", action="store_true", help="no CUDA graphs / compilation")
-    p.add_argument("--kvcache-block-size", type=int, help="engine KV block size (default: the engine's)")
-    p.add_argument("--max-num-batched-tokens", type=int, help="engine token budget per step (CUDA 16384, CPU 512)")
-    p.add_argument("--scheduling", default="chunked,prefill-first",
-                   help="comma-separated scheduling modes to run, each a row: 'chunked' (vLLM V1: chunked prefill, "
-                        "mixed steps) and/or 'prefill-first' (nano-vLLM's); default both")
-    p.add_argument("--sampling", default="plain",
-                   help="comma-separated sampling settings to run, each a row: 'plain' (temperature only) and/or "
-                        "'all' (top-p, top-k, min-p, the three penalties, a seed and 5 logprobs per request)")
-    p.add_argument("--request-rate", type=float, default=float("inf"),
-                   help="requests per second, arriving as a Poisson process (default: all at once)")
-    p.add_argument("--attention-backend", default="auto",
-                   help=f"one of {', '.join(ATTENTION_BACKENDS)}, a comma-separated list of them (the workload runs "
-                        "once per backend, one row each), or 'all': every backend that can run the model here")
-    p.add_argument("--attention-micro", action="store_true",
-                   help="instead of the workload, time one paged decode attention call per backend (with "
-                        "--attention-backend auto: every backend that can run the model here)")
-    p.add_argument("--micro-batch", type=int, default=256, help="decode batch of --attention-micro (default 256)")
-    p.add_argument("--micro-max-context", type=int, default=2048,
-                   help="longest context of --attention-micro; lengths are uniform in 1..this (default 2048)")
-    p.add_argument("--json", help="also write the results as JSON to this path")
-    args = p.parse_args(argv)
-    args.attention_backend = args.attention_backend.split(",")
-    unknown = [name for name in args.attention_backend if name not in (*ATTENTION_BACKENDS, "all")]
-    if unknown:
-        p.error(f"--attention-backend: unknown {', '.join(unknown)}; choose from {', '.join(ATTENTION_BACKENDS)}, all")
-    for name in ("num_seqs", "min_input_len", "max_input_len", "min_output_len", "max_output_len",
-                 "hf_batch_size", "threads", "kvcache_block_size", "max_num_batched_tokens", "micro_batch",
-                 "micro_max_context"):
-        value = getattr(args, name)
-        if value is not None and value < 1:
-            p.error(f"--{name.replace('_', '-')} must be a positive integer, got {value}")
-    for flag, choices in (("scheduling", SCHEDULING), ("sampling", SAMPLING)):
-        setattr(args, flag, getattr(args, flag).split(","))
-        unknown = [value for value in getattr(args, flag) if value not in choices]
-        if unknown:
-            p.error(f"--{flag} {unknown} unknown; choose from {sorted(choices)}")
-    if not args.request_rate > 0:
-        p.error(f"--request-rate must be positive, got {args.request_rate}")
-    if args.model is not None and not (os.path.isdir(args.model) or
-                                       args.model.endswith(".gguf") and os.path.isfile(args.model)):
-        p.error(f"--model {args.model!r} is neither a directory nor a .gguf file")
-    if args.model is None and not os.path.isfile(args.config):
-        p.error(f"--config {args.config!r} not found")
-    return args
-
-
-def resolve_workload(args: argparse.Namespace, device: str) -> None:
-    """Fill unset workload flags with the device's defaults and check the ranges."""
-    names = ("num_seqs", "min_input_len", "max_input_len", "min_output_len", "max_output_len", "max_num_batched_tokens")
-    for name, default in zip(names, DEVICE_DEFAULTS[device]):
-        if getattr(args, name) is None:
-            setattr(args, name, default)
-    for kind in ("input", "output"):
-        lo, hi = getattr(args, f"min_{kind}_len"), getattr(args, f"max_{kind}_len")
-        if lo > hi:
-            raise ValueError(f"--min-{kind}-len ({lo}) is larger than --max-{kind}-len ({hi})")
 
 
 def make_requests(args: argparse.Namespace, vocab_size: int) -> Requests:
@@ -436,7 +327,11 @@ def format_report(rows: list[Row]) -> str:
 
 
 def main(argv: list[str] | None = None, prog: str | None = None) -> dict:
-    args = parse_args(argv, prog)
+    return run(parse_args(argv, prog))
+
+
+def run(args: argparse.Namespace) -> dict:
+    """Run the benchmark `options.parse_args` describes; print the report and return the results."""
     if args.threads:
         torch.set_num_threads(args.threads)
     device = "cuda" if args.device == "auto" and torch.cuda.is_available() else args.device
