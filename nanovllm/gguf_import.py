@@ -5,8 +5,8 @@ and rebuilds the tokenizer; this module writes the result out as safetensors, co
 tokenizer files, so the engine, and transformers itself, load it like any checkpoint. `LLM` does
 this once per file into a cache directory (`$NANOVLLM_CACHE`, default `~/.cache/nanovllm`).
 """
-import hashlib
 import importlib.util
+import json
 import os
 import shutil
 import sys
@@ -14,6 +14,7 @@ import tempfile
 from pathlib import Path
 
 import torch
+import xxhash
 from transformers import AutoConfig, PretrainedConfig
 
 from nanovllm.models import model_class
@@ -111,18 +112,80 @@ def convert_gguf(path: str, out_dir: str) -> None:
     tokenizer.save_pretrained(out_dir)
 
 
+HEADER_BYTES = 1 << 20
+SAMPLES, SAMPLE_BYTES = 64, 1 << 16
+SOURCES = "sources.json"
+
+
+def content_key(path: str) -> str:
+    """A key of the GGUF file's content: xxh64 of its size, its first MiB (the header: metadata, vocabulary and tensor
+    table) and 64 evenly spaced 64 KiB samples of the tensor data.
+
+    Not the whole file: hashing a multi-GB model on every start would cost seconds, while two different models,
+    or two quantizations of one, already differ in their header or in the sampled tensor bytes.
+    """
+    size = os.path.getsize(path)
+    digest = xxhash.xxh64(str(size).encode())
+    with open(path, "rb") as f:
+        digest.update(f.read(HEADER_BYTES))
+        for i in range(SAMPLES):
+            f.seek(HEADER_BYTES + max(size - HEADER_BYTES, 0) * i // SAMPLES)
+            digest.update(f.read(SAMPLE_BYTES))
+    return digest.hexdigest()
+
+
+def _read_sources(conversion: Path) -> list[str]:
+    try:
+        return json.loads((conversion / SOURCES).read_text())
+    except (OSError, ValueError):
+        return []
+
+
+def _write_sources(conversion: Path, sources: list[str]) -> None:
+    tmp = conversion / f".{SOURCES}.{os.getpid()}"
+    tmp.write_text(json.dumps(sorted(set(sources))))
+    os.replace(tmp, conversion / SOURCES)
+
+
+def _drop_stale(keep: Path, source: str) -> None:
+    """`source` now converts to `keep`: forget it in every other conversion, and delete the conversions that no
+    existing file converts to any more (and those of the same model name from before conversions named their
+    sources)."""
+    for other in keep.parent.iterdir():
+        if other == keep or not other.is_dir() or other.name.startswith("."):
+            continue
+        if not (other / SOURCES).is_file():
+            if other.name.rsplit("-", 1)[0] == keep.name.rsplit("-", 1)[0]:
+                shutil.rmtree(other, ignore_errors=True)
+            continue
+        sources = [s for s in _read_sources(other) if s != source and os.path.isfile(s)]
+        if sources:
+            _write_sources(other, sources)
+        else:
+            shutil.rmtree(other, ignore_errors=True)
+
+
 def cached_conversion(path: str) -> str:
     """The converted directory of the GGUF file at `path`, converting it on first use.
 
-    The cache key is the file's absolute path, size and modification time, so an edited or replaced
-    file is converted again. The model's family is checked before any tensor is read, and a
-    conversion becomes visible only when complete (written to a temporary directory, then renamed).
+    The cache is keyed by the file's content (`content_key`), so copies of one file (in several virtualenvs, say)
+    share one conversion, and an edited or replaced file is converted again; each conversion records the files it
+    was made from, and one that no existing file converts to any more is deleted. The model's family is checked
+    before any tensor is read, and a conversion becomes visible only when complete (written to a temporary
+    directory, then renamed).
     """
-    stat = os.stat(path)
-    key = hashlib.sha256(f"{os.path.abspath(path)}:{stat.st_size}:{stat.st_mtime_ns}".encode()).hexdigest()[:16]
-    target = cache_dir() / "gguf" / f"{Path(path).stem}-{key}"
-    if (target / "config.json").is_file():
-        return str(target)
+    source, key, cache = os.path.abspath(path), content_key(path), cache_dir() / "gguf"
+    converted = [found for found in cache.glob(f"*-{key}") if (found / "config.json").is_file()]
+    target = converted[0] if converted else cache / f"{Path(path).stem}-{key}"
+    if not (target / "config.json").is_file():
+        _convert_into(path, target)
+    if source not in _read_sources(target):
+        _write_sources(target, [*_read_sources(target), source])
+        _drop_stale(target, source)
+    return str(target)
+
+
+def _convert_into(path: str, target: Path) -> None:
     try:
         model_class(read_gguf_config(path))
     except ValueError as e:
@@ -138,7 +201,6 @@ def cached_conversion(path: str) -> str:
             raise
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
-    return str(target)
 
 
 def resolve_model(model: str) -> str:

@@ -8,6 +8,7 @@ import torch
 from checkpoints import GGUF_Q8_0_TENSORS, hf_greedy, make_checkpoint, make_gguf
 from nanovllm import LLM, SamplingParams
 from nanovllm.cli import main as cli
+from nanovllm.gguf_import import cached_conversion
 
 gguf = pytest.importorskip("gguf")
 pytest.importorskip("accelerate")
@@ -83,13 +84,23 @@ def test_gguf_file_runs_like_transformers_on_the_converted_directory(gguf_file, 
     assert "converting" not in capsys.readouterr().err
 
 
-def test_a_changed_gguf_file_is_converted_again(gguf_file, tmp_path):
-    copy = shutil.copy(gguf_file, tmp_path / "copy.gguf")
-    with LLM(str(copy), device="cpu", max_model_len=64, load_format="dummy") as llm:
-        first = llm.config.model
-    os.utime(copy, ns=(0, 0))
-    with LLM(str(copy), device="cpu", max_model_len=64, load_format="dummy") as llm:
-        assert llm.config.model != first
+def test_copies_share_one_conversion_and_a_changed_file_replaces_its_own(gguf_file, llama_dir, cache, tmp_path,
+                                                                          capsys):
+    """The cache is keyed by content: two copies of one file (two virtualenvs, say) convert once; when one copy
+    changes, it gets its own conversion, and a conversion no file converts to any more is deleted."""
+    first, second = (str(shutil.copy(gguf_file, tmp_path / f"{name}.gguf")) for name in ("one", "two"))
+    converted = cached_conversion(first)
+    assert "converting" in capsys.readouterr().err
+    assert cached_conversion(second) == converted
+    assert "converting" not in capsys.readouterr().err
+    other = make_gguf(str(tmp_path / "other.gguf"), llama_dir, "{{ messages[0]['content'] }}")
+    shutil.copy(other, second)  # a different model under the same path
+    changed = cached_conversion(second)
+    assert changed != converted and os.path.isdir(converted)  # `first` still converts to it
+    shutil.copy(gguf_file, second)
+    os.remove(first)
+    assert cached_conversion(second) == converted
+    assert sorted(os.listdir(cache / "gguf")) == [os.path.basename(converted)]
 
 
 def test_bad_gguf_inputs(gguf_file, llama_dir, tmp_path, monkeypatch, capsys):
