@@ -27,13 +27,15 @@ class Config:
     what was chosen.
     On CPU the KV cache is sized from `cpu_kvcache_gib` (GiB of host memory); on CUDA
     from `gpu_memory_utilization` of the device memory. A positive `num_kvcache_blocks`
-    overrides both.
+    overrides both. `max_model_len` defaults to the model's `max_position_embeddings` (without
+    chunked prefill, at most `max_num_batched_tokens`), lowered by the model runner to what the
+    KV cache holds; a value given explicitly is never lowered.
     """
 
     model: str
     max_num_batched_tokens: int = 16384
     max_num_seqs: int = 512
-    max_model_len: int = 4096
+    max_model_len: int | None = None
     gpu_memory_utilization: float = 0.9
     tensor_parallel_size: int = 1
     enforce_eager: bool = False
@@ -45,10 +47,12 @@ class Config:
     cpu_kvcache_gib: float = 4.0
     distributed_timeout_s: float = 300.0
     seed: int = 0
+    max_logprobs: int = 20
     enable_chunked_prefill: bool = True
     scheduling_policy: str = "fcfs"
     attention_backend: str = "auto"
     hf_config: PretrainedConfig = field(init=False, repr=False)
+    max_model_len_given: bool = field(init=False, repr=False)
     torch_dtype: torch.dtype = field(init=False)
 
     def __post_init__(self) -> None:
@@ -61,7 +65,13 @@ class Config:
         self.torch_dtype = resolve_dtype(self.dtype, self.device, self.hf_config)
         self.attention_backend = choose_backend(self.attention_backend, self.device, self.torch_dtype,
                                                 self.kvcache_block_size, head_dim(self.hf_config))
-        self.max_model_len = min(self.max_model_len, self.hf_config.max_position_embeddings)
+        self.max_model_len_given = self.max_model_len is not None
+        if self.max_model_len_given:
+            self.max_model_len = min(self.max_model_len, self.hf_config.max_position_embeddings)
+        else:
+            self.max_model_len = self.hf_config.max_position_embeddings
+            if not self.enable_chunked_prefill:
+                self.max_model_len = min(self.max_model_len, self.max_num_batched_tokens)
         if not self.enable_chunked_prefill and self.max_num_batched_tokens < self.max_model_len:
             raise ValueError(
                 f"max_num_batched_tokens ({self.max_num_batched_tokens}) is smaller than max_model_len "
@@ -74,6 +84,8 @@ class Config:
         positive = ("max_num_batched_tokens", "max_num_seqs", "max_model_len", "kvcache_block_size", "tensor_parallel_size")
         for name in positive:
             value = getattr(self, name)
+            if name == "max_model_len" and value is None:
+                continue
             if not isinstance(value, int) or value < 1:
                 raise ValueError(f"{name} must be a positive integer, got {value!r}")
         if not 0.0 < self.gpu_memory_utilization <= 1.0:
@@ -84,6 +96,8 @@ class Config:
             raise ValueError(f"cpu_kvcache_gib must be positive, got {self.cpu_kvcache_gib}")
         if not self.distributed_timeout_s > 0:
             raise ValueError(f"distributed_timeout_s must be positive, got {self.distributed_timeout_s}")
+        if isinstance(self.max_logprobs, bool) or not isinstance(self.max_logprobs, int) or self.max_logprobs < -1:
+            raise ValueError(f"max_logprobs must be an integer >= 0, or -1 for no limit, got {self.max_logprobs!r}")
         if self.load_format not in ("auto", "dummy"):
             raise ValueError(f"load_format must be 'auto' or 'dummy', got {self.load_format!r}")
         if not isinstance(self.enable_chunked_prefill, bool):

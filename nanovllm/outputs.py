@@ -44,15 +44,31 @@ LEGACY_KEYS = ("text", "token_ids")
 
 
 @dataclass
-class RequestOutput:
-    """One request: its prompt and its `n` completions. `out["text"]` and `out["token_ids"]` read the first completion,
-    as nano-vLLM's dict outputs did."""
+class RequestMetrics:
+    """When things happened to a request, in `time.time()` seconds: it arrived, got its first and its latest token,
+    and finished (None until then)."""
 
-    request_id: int
+    arrival_time: float
+    first_token_time: float | None = None
+    last_token_time: float | None = None
+    finished_time: float | None = None
+
+
+@dataclass
+class RequestOutput:
+    """One request: its prompt and its `n` completions. `prompt_logprobs` (with `SamplingParams.prompt_logprobs`) has
+    None for the first prompt token, then per token a dict from token id to Logprob (the prompt's token and the most
+    likely ones); `num_cached_tokens`: prompt tokens served from the prefix cache. `out["text"]` and
+    `out["token_ids"]` read the first completion, as nano-vLLM's dict outputs did."""
+
+    request_id: str
     prompt: str | None
     prompt_token_ids: list[int]
     outputs: list[CompletionOutput]
     finished: bool
+    prompt_logprobs: list[dict[int, Logprob] | None] | None = None
+    num_cached_tokens: int = 0
+    metrics: RequestMetrics | None = None
 
     def __getitem__(self, key: str):
         if key not in LEGACY_KEYS:

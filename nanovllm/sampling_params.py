@@ -1,6 +1,6 @@
 import math
 import warnings
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 from typing import Callable
 
 MIN_TEMPERATURE = 0.01
@@ -51,7 +51,12 @@ class SamplingParams:
     multiplies negative logits of every token in the prompt or the completion so far;
     `presence_penalty` and `frequency_penalty` are subtracted (once, or once per occurrence) for
     tokens in the completion. `logprobs=k` returns, with each sampled token, its log-probability and
-    rank and the k most likely tokens' (log-softmax of the model's raw logits).
+    rank and the k most likely tokens' (log-softmax of the model's raw logits; -1: the whole
+    vocabulary); `prompt_logprobs=k` the same for every prompt token after the first.
+    `max_tokens=None` generates until `max_model_len`. `allowed_token_ids` restricts sampling to
+    those ids; `bad_words` are never generated (a word's last token is banned wherever the
+    completion so far ends with the word's other tokens, with or without a leading space).
+    `detokenize=False` returns token ids only (no text, so no stop strings).
     """
 
     n: int = 1
@@ -63,14 +68,20 @@ class SamplingParams:
     stop: str | list[str] | None = None
     stop_token_ids: list[int] | None = None
     include_stop_str_in_output: bool = False
-    max_tokens: int = 16
+    max_tokens: int | None = 16
     min_tokens: int = 0
     ignore_eos: bool = False
     repetition_penalty: float = 1.0
     presence_penalty: float = 0.0
     frequency_penalty: float = 0.0
     logprobs: int | None = None
+    prompt_logprobs: int | None = None
     skip_special_tokens: bool = True
+    detokenize: bool = True
+    allowed_token_ids: list[int] | None = None
+    bad_words: list[str] | None = None
+    bad_words_token_ids: list[list[int]] = field(default_factory=list, init=False, repr=False, compare=False)
+    """`bad_words` as token-id sequences, filled in by the engine from the model's tokenizer."""
 
     def __post_init__(self) -> None:
         self.n = _integer("n", self.n, ">= 1", lambda v: v >= 1)
@@ -88,9 +99,11 @@ class SamplingParams:
         self.stop = _stop_strings(self.stop)
         self.stop_token_ids = _token_ids("stop_token_ids", self.stop_token_ids)
         self.include_stop_str_in_output = _flag("include_stop_str_in_output", self.include_stop_str_in_output)
-        self.max_tokens = _integer("max_tokens", self.max_tokens, ">= 1", lambda v: v >= 1)
+        if self.max_tokens is not None:
+            self.max_tokens = _integer("max_tokens", self.max_tokens, ">= 1, or None (up to max_model_len)",
+                                       lambda v: v >= 1)
         self.min_tokens = _integer("min_tokens", self.min_tokens, ">= 0", lambda v: v >= 0)
-        if self.min_tokens > self.max_tokens:
+        if self.max_tokens is not None and self.min_tokens > self.max_tokens:
             raise ValueError(f"min_tokens must be at most max_tokens, got min_tokens={self.min_tokens} and "
                              f"max_tokens={self.max_tokens}")
         self.ignore_eos = _flag("ignore_eos", self.ignore_eos)
@@ -100,21 +113,45 @@ class SamplingParams:
                                         lambda v: -2 <= v <= 2)
         self.frequency_penalty = _number("frequency_penalty", self.frequency_penalty, "in [-2, 2]",
                                          lambda v: -2 <= v <= 2)
-        if self.logprobs is not None:
-            self.logprobs = _integer("logprobs", self.logprobs, ">= 0, or None", lambda v: v >= 0)
+        for name in ("logprobs", "prompt_logprobs"):
+            if getattr(self, name) is not None:
+                setattr(self, name, _integer(name, getattr(self, name), ">= 0, -1 for the whole vocabulary, or None",
+                                             lambda v: v >= -1))
         self.skip_special_tokens = _flag("skip_special_tokens", self.skip_special_tokens)
+        self.detokenize = _flag("detokenize", self.detokenize)
+        if self.stop and not self.detokenize:
+            raise ValueError("stop strings need the text: they cannot be used with detokenize=False "
+                             "(use stop_token_ids)")
+        if self.allowed_token_ids is not None:
+            self.allowed_token_ids = _token_ids("allowed_token_ids", self.allowed_token_ids)
+            if not self.allowed_token_ids:
+                raise ValueError("allowed_token_ids must not be empty (None allows every token)")
+        if self.bad_words is not None and not (isinstance(self.bad_words, (list, tuple)) and all(
+                isinstance(w, str) and w for w in self.bad_words)):
+            raise ValueError(f"bad_words must be a list of non-empty strings, got {self.bad_words!r}")
 
     @property
     def uses_penalties(self) -> bool:
         return self.repetition_penalty != 1 or self.presence_penalty != 0 or self.frequency_penalty != 0
 
-    def check_vocab(self, vocab_size: int) -> None:
-        """Reject token ids and a logprobs count the model's vocabulary cannot serve (call before any work)."""
-        bad = [t for t in self.stop_token_ids if t >= vocab_size]
-        if bad:
-            raise ValueError(f"stop_token_ids has token id {bad[0]} outside the vocabulary [0, {vocab_size})")
-        if self.logprobs is not None and self.logprobs > vocab_size:
-            raise ValueError(f"logprobs must be at most the vocabulary size {vocab_size}, got {self.logprobs}")
+    def check_vocab(self, vocab_size: int, max_logprobs: int) -> None:
+        """Reject token ids and logprobs counts the model's vocabulary, or the engine's `max_logprobs` (-1: no cap),
+        cannot serve (call before any work)."""
+        for name in ("stop_token_ids", "allowed_token_ids"):
+            bad = [t for t in getattr(self, name) or () if t >= vocab_size]
+            if bad:
+                raise ValueError(f"{name} has token id {bad[0]} outside the vocabulary [0, {vocab_size})")
+        for name in ("logprobs", "prompt_logprobs"):
+            value = getattr(self, name)
+            if value is None:
+                continue
+            count = vocab_size if value == -1 else value
+            if count > vocab_size:
+                raise ValueError(f"{name} must be at most the vocabulary size {vocab_size}, got {value}")
+            if max_logprobs != -1 and count > max_logprobs:
+                raise ValueError(f"{name}={value} asks for {count} log-probabilities per token, more than the "
+                                 f"engine's max_logprobs={max_logprobs}; create the LLM with a larger max_logprobs "
+                                 "(-1: no limit)")
 
     def for_sample(self, index: int) -> "SamplingParams":
         """The parameters of the `index`-th of the `n` samples of one prompt: n=1, and with a seed, seed + index (as

@@ -29,10 +29,13 @@ def expected(tied_model):
     ([GOOD, [1] * 129], GREEDY, "more than max_model_len=128"),
     ([[1, 384]], GREEDY, "token id 384 outside the vocabulary"),
     ([[-1, 2]], GREEDY, "token id -1 outside the vocabulary"),
-    ([[1, 2.5]], GREEDY, "must be a string or a list of token ids"),
+    ([[1, 2.5]], GREEDY, r"must be a string, .* or a list of token ids \(ints\), got list"),
+    ([{"prompt_token_ids": GOOD, "multi_modal_data": {}}], GREEDY, r"got keys \['multi_modal_data', 'prompt_token_ids'\]"),
+    ([{}], GREEDY, r"nanovllm takes \{'prompt': text\} or \{'prompt_token_ids': ids\}"),
+    ([{"prompt_token_ids": []}], GREEDY, "prompt 0 is empty"),
     ([GOOD, GOOD], [GREEDY], "got 2 prompts but 1 sampling params"),
-    ("hello", GREEDY, "prompts must be a list"),
-    ([GOOD], [None], "sampling params must be SamplingParams"),
+    (42, GREEDY, "prompts must be a prompt or a list of prompts"),
+    ([GOOD], ["greedy"], "sampling params must be SamplingParams"),
 ])
 def test_bad_requests_are_rejected_and_engine_still_serves(llm, expected, prompts, params, message):
     with pytest.raises(ValueError, match=message):

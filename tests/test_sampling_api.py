@@ -169,10 +169,10 @@ def test_stream_deltas_add_up_to_the_generated_outputs(llm, prompts):
             if c.finish_reason:
                 finish[key] = c.finish_reason
         order.append(out.request_id)
-    first = min(order)
+    first = min(map(int, order))
     for i, request in enumerate(expected):
         for c in request.outputs:
-            key = (first + i, c.index)
+            key = (str(first + i), c.index)
             assert (text[key], tokens[key], finish[key]) == (c.text, c.token_ids, c.finish_reason)
             assert logprobs[key] == (c.logprobs or [])
     assert_all_blocks_free(llm)
@@ -190,7 +190,7 @@ def test_leaving_a_stream_early_aborts_its_requests(llm, prompts, greedy):
 
 @pytest.mark.parametrize("params, message", [
     (dict(stop_token_ids=[384]), "stop_token_ids has token id 384 outside the vocabulary"),
-    (dict(logprobs=21), "logprobs must be at most 20"),
+    (dict(logprobs=21), "logprobs=21 asks for 21 log-probabilities per token, more than the engine.s max_logprobs=20"),
 ])
 def test_params_the_model_cannot_serve_are_rejected_before_any_work(llm, prompts, greedy, params, message):
     good = SamplingParams(temperature=0, max_tokens=MAX_TOKENS, ignore_eos=True)

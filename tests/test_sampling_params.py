@@ -10,11 +10,14 @@ from nanovllm.outputs import CompletionOutput, RequestOutput
 VLLM_DEFAULTS = {"n": 1, "temperature": 1.0, "top_p": 1.0, "top_k": -1, "min_p": 0.0, "seed": None, "stop": [],
                  "stop_token_ids": [], "include_stop_str_in_output": False, "max_tokens": 16, "min_tokens": 0,
                  "ignore_eos": False, "repetition_penalty": 1.0, "presence_penalty": 0.0, "frequency_penalty": 0.0,
-                 "logprobs": None, "skip_special_tokens": True}
+                 "logprobs": None, "skip_special_tokens": True, "prompt_logprobs": None, "detokenize": True,
+                 "allowed_token_ids": None, "bad_words": None}
 
 
 def test_defaults_are_vllms():
-    assert asdict(SamplingParams()) == VLLM_DEFAULTS
+    fields = asdict(SamplingParams())
+    assert fields.pop("bad_words_token_ids") == []  # filled in by the engine
+    assert fields == VLLM_DEFAULTS
 
 
 @pytest.mark.parametrize("kwargs, message", [
@@ -38,18 +41,23 @@ def test_defaults_are_vllms():
     ({"stop": ["a", ""]}, r"stop must be a non-empty string"),
     ({"stop": 5}, r"stop must be"),
     ({"stop_token_ids": [1, -2]}, r"stop_token_ids must be a list of token ids \(integers >= 0\), got \[1, -2\]"),
+    ({"max_tokens": 0}, r"max_tokens must be an integer >= 1, or None \(up to max_model_len\), got 0"),
+    ({"logprobs": -2}, r"logprobs must be an integer >= 0, -1 for the whole vocabulary, or None, got -2"),
+    ({"prompt_logprobs": 1.5}, r"prompt_logprobs must be an integer"),
+    ({"detokenize": 1}, r"detokenize must be True or False"),
+    ({"detokenize": False, "stop": "x"}, r"stop strings need the text: they cannot be used with detokenize=False"),
+    ({"allowed_token_ids": []}, r"allowed_token_ids must not be empty"),
+    ({"allowed_token_ids": [1, "a"]}, r"allowed_token_ids must be a list of token ids"),
+    ({"bad_words": "word"}, r"bad_words must be a list of non-empty strings, got 'word'"),
     ({"stop_token_ids": 7}, r"stop_token_ids must be a list"),
     ({"stop_token_ids": [True]}, r"stop_token_ids must be a list"),
     ({"include_stop_str_in_output": 1}, r"include_stop_str_in_output must be True or False, got 1"),
-    ({"max_tokens": 0}, r"max_tokens must be an integer >= 1, got 0"),
-    ({"max_tokens": None}, r"max_tokens must be an integer"),
     ({"min_tokens": -1}, r"min_tokens must be an integer >= 0, got -1"),
     ({"min_tokens": 20}, r"min_tokens must be at most max_tokens, got min_tokens=20 and max_tokens=16"),
     ({"ignore_eos": "no"}, r"ignore_eos must be True or False"),
     ({"repetition_penalty": 0}, r"repetition_penalty must be a number > 0 \(1 is off\), got 0"),
     ({"presence_penalty": 2.5}, r"presence_penalty must be a number in \[-2, 2\], got 2.5"),
     ({"frequency_penalty": -3}, r"frequency_penalty must be a number in \[-2, 2\], got -3"),
-    ({"logprobs": -1}, r"logprobs must be an integer >= 0, or None, got -1"),
     ({"logprobs": True}, r"logprobs must be an integer"),
     ({"skip_special_tokens": None}, r"skip_special_tokens must be True or False"),
 ])
@@ -76,11 +84,16 @@ def test_each_of_n_samples_gets_its_own_seed():
 
 
 def test_check_vocab():
-    SamplingParams(stop_token_ids=[99], logprobs=100).check_vocab(100)
+    SamplingParams(stop_token_ids=[99], logprobs=100, prompt_logprobs=-1).check_vocab(100, max_logprobs=-1)
     with pytest.raises(ValueError, match=r"stop_token_ids has token id 100 outside the vocabulary \[0, 100\)"):
-        SamplingParams(stop_token_ids=[5, 100]).check_vocab(100)
+        SamplingParams(stop_token_ids=[5, 100]).check_vocab(100, 20)
+    with pytest.raises(ValueError, match=r"allowed_token_ids has token id 100 outside the vocabulary"):
+        SamplingParams(allowed_token_ids=[100]).check_vocab(100, 20)
     with pytest.raises(ValueError, match="logprobs must be at most the vocabulary size 100, got 101"):
-        SamplingParams(logprobs=101).check_vocab(100)
+        SamplingParams(logprobs=101).check_vocab(100, -1)
+    with pytest.raises(ValueError, match=r"prompt_logprobs=-1 asks for 100 log-probabilities per token, more than the "
+                                         r"engine's max_logprobs=20; create the LLM with a larger max_logprobs"):
+        SamplingParams(prompt_logprobs=-1).check_vocab(100, 20)
 
 
 def test_request_output_keeps_nano_vllm_dict_access():

@@ -162,7 +162,7 @@ class Scheduler:
         admitted = False
         while self.waiting and budget and len(self.running) < self.max_num_seqs:
             seq = self.waiting.peek()
-            cached = self.block_manager.cached_prefix(seq)
+            cached = [] if seq.params.prompt_logprobs is not None else self.block_manager.cached_prefix(seq)
             num_cached = len(cached) * self.block_manager.block_size
             num_tokens = len(seq) - num_cached
             if num_tokens > budget:
@@ -173,6 +173,8 @@ class Scheduler:
                 break
             self.waiting.pop()
             seq.num_computed_tokens = num_cached
+            if seq.num_cached_tokens < 0:
+                seq.num_cached_tokens = num_cached
             self.num_cached_tokens += num_cached
             seq.status = SequenceStatus.RUNNING
             self.running.append(seq)

@@ -27,6 +27,7 @@ class Sequence:
         self.token_ids = copy(token_ids)
         self.num_prompt_tokens = len(token_ids)
         self.num_computed_tokens = 0
+        self.num_cached_tokens = -1  # prompt tokens the prefix cache served when first scheduled; -1 before that
         self.block_size = block_size
         self.block_table: list[int] = []
         self.params = params

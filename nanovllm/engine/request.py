@@ -1,9 +1,11 @@
 """A user's request as the user sees it: the `n` sequences sampling one prompt, their text and log-probabilities."""
+import time
+
 from transformers import PreTrainedTokenizerBase
 
-from nanovllm.engine.detokenizer import IncrementalDetokenizer
 from nanovllm.core.sequence import Sequence
-from nanovllm.outputs import CompletionOutput, Logprob, RequestOutput, TokenLogprobs
+from nanovllm.engine.detokenizer import IncrementalDetokenizer
+from nanovllm.outputs import CompletionOutput, Logprob, RequestMetrics, RequestOutput, TokenLogprobs
 from nanovllm.sampling_params import SamplingParams
 
 
@@ -13,21 +15,20 @@ class Completion:
     def __init__(self, index: int, seq: Sequence, tokenizer: PreTrainedTokenizerBase | None):
         self.index = index
         self.seq = seq
-        self.tokenizer = tokenizer
-        self.detokenizer = IncrementalDetokenizer(tokenizer, seq.token_ids, seq.params) if tokenizer else None
+        self.tokenizer = tokenizer if seq.params.detokenize else None
+        self.detokenizer = IncrementalDetokenizer(tokenizer, seq.token_ids, seq.params) if self.tokenizer else None
         self.text = ""
         self.logprobs: list[dict[int, Logprob]] | None = [] if seq.params.logprobs is not None else None
         self.cumulative_logprob = 0.0
         self.reported_tokens = self.reported_text = 0
+        self.reported_finish = False
 
     def update(self, logprobs: TokenLogprobs | None) -> str | None:
         """Take the token the sequence just got; returns the stop string it completed, if any."""
         seq, token_id = self.seq, self.seq.token_ids[-1]
         if logprobs is not None:
             self.cumulative_logprob += logprobs.logprob
-            ranked = dict(zip(logprobs.top_ids, zip(logprobs.top_logprobs, range(1, len(logprobs.top_ids) + 1))))
-            ranked[token_id] = (logprobs.logprob, logprobs.rank)
-            self.logprobs.append({t: Logprob(lp, rank, self._decode(t)) for t, (lp, rank) in ranked.items()})
+            self.logprobs.append(ranked_logprobs(token_id, logprobs, self.tokenizer))
         if self.detokenizer is None:
             return None
         stop_token = seq.finish_reason == "stop" and not seq.params.include_stop_str_in_output
@@ -35,8 +36,11 @@ class Completion:
         self.text += delta.text
         return delta.stop
 
-    def _decode(self, token_id: int) -> str | None:
-        return self.tokenizer.decode([token_id]) if self.tokenizer else None
+    @property
+    def has_news(self) -> bool:
+        """Whether tokens, text or the finish are still unreported (to a stream)."""
+        return (self.seq.num_completion_tokens > self.reported_tokens or len(self.text) > self.reported_text
+                or self.seq.is_finished and not self.reported_finish)
 
     def output(self, delta: bool) -> CompletionOutput:
         """Everything so far, or (with `delta`) what is new since the last delta."""
@@ -47,19 +51,36 @@ class Completion:
             tokens, text = tokens[self.reported_tokens:], text[self.reported_text:]
             logprobs = None if logprobs is None else logprobs[self.reported_tokens:]
             self.reported_tokens, self.reported_text = seq.num_completion_tokens, len(self.text)
+            self.reported_finish = seq.is_finished
         return CompletionOutput(self.index, text, tokens, None if logprobs is None else self.cumulative_logprob,
                                 logprobs, seq.finish_reason, seq.stop_reason)
 
 
-class Request:
-    """The `n` sequences of one prompt (sample i seeded with `seed + i`, as vLLM) and their completions."""
+def ranked_logprobs(token_id: int, logprobs: TokenLogprobs,
+                    tokenizer: PreTrainedTokenizerBase | None) -> dict[int, Logprob]:
+    """vLLM's order: the chosen token first, then the most likely ones by rank."""
+    ranked = {token_id: (logprobs.logprob, logprobs.rank)}
+    for rank, (top_id, top_logprob) in enumerate(zip(logprobs.top_ids, logprobs.top_logprobs), start=1):
+        ranked.setdefault(top_id, (top_logprob, rank))
+    return {t: Logprob(lp, rank, tokenizer.decode([t]) if tokenizer else None) for t, (lp, rank) in ranked.items()}
 
-    def __init__(self, request_id: int, prompt: str | None, seqs: list[Sequence],
+
+class Request:
+    """The `n` sequences of one prompt (sample i seeded with `seed + i`, as vLLM) and their completions.
+
+    `error` is set when the engine aborted the request because a step failed; the caller that waits for it raises.
+    """
+
+    def __init__(self, request_id: str, prompt: str | None, seqs: list[Sequence],
                  tokenizer: PreTrainedTokenizerBase | None):
         self.request_id = request_id
         self.prompt = prompt
         self.prompt_token_ids = seqs[0].token_ids[:seqs[0].num_prompt_tokens]
         self.completions = [Completion(i, seq, tokenizer) for i, seq in enumerate(seqs)]
+        self.tokenizer = tokenizer if seqs[0].params.detokenize else None
+        self.prompt_logprobs: list[dict[int, Logprob] | None] | None = None
+        self.metrics = RequestMetrics(time.time())
+        self.error: BaseException | None = None
 
     @staticmethod
     def sample_params(params: SamplingParams) -> list[SamplingParams]:
@@ -69,11 +90,27 @@ class Request:
     def finished(self) -> bool:
         return all(c.seq.is_finished for c in self.completions)
 
+    @property
+    def has_news(self) -> bool:
+        return any(c.has_news for c in self.completions)
+
+    def set_prompt_logprobs(self, logprobs: list[TokenLogprobs]) -> None:
+        """Record the prompt's log-probabilities (token i + 1 given tokens 0..i), once."""
+        if self.prompt_logprobs is None:
+            self.prompt_logprobs = [None] + [ranked_logprobs(token_id, lp, self.tokenizer)
+                                             for token_id, lp in zip(self.prompt_token_ids[1:], logprobs)]
+
+    def record_token(self, now: float) -> None:
+        if self.metrics.first_token_time is None:
+            self.metrics.first_token_time = now
+        self.metrics.last_token_time = now
+
     def output(self, delta: bool = False) -> RequestOutput:
         """The request's outputs: cumulative, or only the completions with news since the last delta."""
         completions = self.completions
         if delta:
-            completions = [c for c in completions
-                           if c.seq.num_completion_tokens > c.reported_tokens or len(c.text) > c.reported_text]
+            completions = [c for c in completions if c.has_news]
+        seq = self.completions[0].seq
         return RequestOutput(self.request_id, self.prompt, self.prompt_token_ids,
-                             [c.output(delta) for c in completions], self.finished)
+                             [c.output(delta) for c in completions], self.finished, self.prompt_logprobs,
+                             max(seq.num_cached_tokens, 0), self.metrics)

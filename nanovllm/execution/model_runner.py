@@ -1,3 +1,4 @@
+import logging
 import math
 from collections.abc import Iterable
 from contextlib import contextmanager, nullcontext
@@ -21,6 +22,8 @@ from nanovllm.utils.context import get_context, reset_context, set_context
 from nanovllm.utils.loader import init_dummy_weights, load_model
 from nanovllm.utils.parallel import min_over_ranks
 from nanovllm.utils.tensors import to_device
+
+logger = logging.getLogger("nanovllm")
 
 
 @contextmanager
@@ -116,7 +119,12 @@ class ModelRunner:
         if config.num_kvcache_blocks == -1:
             config.num_kvcache_blocks = min_over_ranks(self.auto_num_kv_blocks(), self.device)
         needed = blocks_per_sequence(config)
-        if config.num_kvcache_blocks < needed:
+        if config.num_kvcache_blocks < needed and not config.max_model_len_given:
+            config.max_model_len = config.num_kvcache_blocks * self.block_size
+            logger.info("max_model_len lowered from the model's %d to %d tokens, what the KV cache holds (give "
+                        "max_model_len, or more memory, to choose)", config.hf_config.max_position_embeddings,
+                        config.max_model_len)
+        elif config.num_kvcache_blocks < needed:
             raise ValueError(
                 f"the KV cache holds {config.num_kvcache_blocks} blocks of {self.block_size} tokens, but one "
                 f"max_model_len={config.max_model_len} sequence needs {needed}. Give it more memory "

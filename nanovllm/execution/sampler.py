@@ -83,6 +83,7 @@ class Sampler:
             slots = self._slots([seqs[i] for i in penalized])
             processed = self._penalize(logits, [params[i] for i in penalized], index, slots)
         processed = self._suppress_stop_tokens(processed, seqs)
+        processed = self._restrict(processed, seqs)
         token_ids = self._sample(processed, seqs)
         if penalized:
             self.output_counts[slots, token_ids[index]] += 1
@@ -92,14 +93,17 @@ class Sampler:
         if not asked:
             return SamplerOutput(token_ids.tolist())
         index = self._index(asked, len(seqs))
-        results = token_logprobs(logits[index], token_ids[index], max(params[i].logprobs for i in asked))
+        counts = [self._num_logprobs(params[i].logprobs) for i in asked]
+        results = token_logprobs(logits[index], token_ids[index], max(counts))
         token_ids = token_ids.tolist()
         chosen, ranks, top_ids, top_logprobs = (t.tolist() for t in results)
         logprobs: list[TokenLogprobs | None] = [None] * len(seqs)
-        for j, i in enumerate(asked):
-            k = params[i].logprobs
+        for j, (i, k) in enumerate(zip(asked, counts)):
             logprobs[i] = TokenLogprobs(chosen[j], ranks[j], top_ids[j][:k], top_logprobs[j][:k])
         return SamplerOutput(token_ids, logprobs)
+
+    def _num_logprobs(self, asked: int) -> int:
+        return self.vocab_size if asked == -1 else asked
 
     def _penalize(self, logits: torch.Tensor, params: list[SamplingParams], index: torch.Tensor | slice,
                   slots: torch.Tensor) -> torch.Tensor:
@@ -161,6 +165,29 @@ class Sampler:
         if not rows:
             return logits
         return logits.index_put((self._tensor(rows, torch.int64), self._tensor(token_ids, torch.int64)),
+                                logits.new_full((), NEG_INF))
+
+    def _restrict(self, logits: torch.Tensor, seqs: Sequence[SamplingRow]) -> torch.Tensor:
+        """`allowed_token_ids`: every other token is never sampled. `bad_words`: a word's last token is never
+        sampled where the completion ends with the word's other tokens (a one-token word: anywhere)."""
+        restricted = [i for i, seq in enumerate(seqs) if seq.params.allowed_token_ids]
+        if restricted:
+            allowed = [seqs[i].params.allowed_token_ids for i in restricted]
+            bias = logits.new_full((len(restricted), logits.size(1)), NEG_INF)
+            bias[self._tensor([j for j, ids in enumerate(allowed) for _ in ids], torch.int64),
+                 self._tensor([t for ids in allowed for t in ids], torch.int64)] = 0
+            index = self._tensor(restricted, torch.int64)
+            logits = logits.index_put((index,), logits[index] + bias)
+        rows, banned = [], []
+        for i, seq in enumerate(seqs):
+            completion = seq.token_ids[seq.num_prompt_tokens:]
+            for *prefix, last in seq.params.bad_words_token_ids:
+                if not prefix or completion[-len(prefix):] == prefix:
+                    rows.append(i)
+                    banned.append(last)
+        if not rows:
+            return logits
+        return logits.index_put((self._tensor(rows, torch.int64), self._tensor(banned, torch.int64)),
                                 logits.new_full((), NEG_INF))
 
     def _sample(self, logits: torch.Tensor, seqs: Sequence[SamplingRow]) -> torch.Tensor:
