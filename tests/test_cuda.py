@@ -164,7 +164,7 @@ def test_graph_replay_equals_eager_decode(gpu_model, name, dtype, batch_size):
             llm.scheduler.postprocess(batch, runner.run(batch).token_ids)
             batch = llm.scheduler.schedule()
         assert len(batch) == batch_size
-        input_ids, positions = runner.prepare(batch)
+        input_ids, positions, _ = runner.prepare(batch)
         with torch.inference_mode():
             replayed = runner.graphs.run(input_ids, positions, get_context()).clone()
             eager = runner.model(input_ids, positions)

@@ -77,7 +77,7 @@ def test_padded_decode_equals_unpadded_decode(tied_model):
         buffers = DecodeBuffers.allocate(sizes[-1], 16, 64, runner.config.hf_config.hidden_size, torch.float32,
                                          torch.device("cpu"))
         before = runner.kv_cache.clone()
-        input_ids, positions = runner.prepare(batch)
+        input_ids, positions, _ = runner.prepare(batch)
         ctx = get_context()
         with torch.inference_mode():
             stale = torch.arange(sizes[-1])  # a previous, larger batch whose slots the padding must not reuse

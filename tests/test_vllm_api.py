@@ -198,3 +198,27 @@ def test_max_model_len_defaults_to_the_models_within_the_kv_cache(tied_model, ca
     assert "max_model_len lowered from the model's 1024 to 640" in caplog.text
     with pytest.raises(ValueError, match="the KV cache holds 40 blocks"):
         LLM(tied_model, device="cpu", kvcache_block_size=16, num_kvcache_blocks=40, max_model_len=1024)
+
+
+def test_prompt_logprobs_equal_transformers_across_prefill_chunks(tied_model, llm):
+    """A 45-token prompt prefilled in 64-token budgets shared with another request (so in chunks), and not served
+    from the prefix cache: every prompt token's log-probability is log_softmax of transformers' logits."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    prompt = list(range(50, 95))
+    llm.generate([prompt], GREEDY, use_tqdm=False)  # its blocks are now in the prefix cache
+    params = SamplingParams(temperature=0, max_tokens=2, prompt_logprobs=2)
+    other, out = llm.generate([list(range(200, 240)), prompt], [GREEDY, params], use_tqdm=False)  # 24 + 21
+    assert other.prompt_logprobs is None and out.num_cached_tokens == 0
+    assert out.prompt_logprobs[0] is None and len(out.prompt_logprobs) == len(prompt)
+    model = AutoModelForCausalLM.from_pretrained(tied_model, dtype=torch.float32)
+    with torch.no_grad():
+        reference = model(torch.tensor([prompt])).logits[0].log_softmax(-1)
+    for position in range(1, len(prompt)):
+        scores, token = out.prompt_logprobs[position], prompt[position]
+        top = reference[position - 1].topk(2).indices.tolist()
+        assert list(scores) == list(dict.fromkeys([token, *top]))  # the prompt's token first, then by rank
+        for token_id, logprob in scores.items():
+            assert logprob.logprob == pytest.approx(reference[position - 1, token_id].item(), abs=1e-4)
+    assert_all_blocks_free(llm)

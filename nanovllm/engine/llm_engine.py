@@ -218,6 +218,8 @@ class LLMEngine:
         if not batch:
             return batch, []
         output = self.model_runner.run(batch)
+        for seq_id, (first, logprobs) in (output.prompt_logprobs or {}).items():
+            self._completions[seq_id][0].add_prompt_logprobs(first, logprobs)
         sampled = self.scheduler.postprocess(batch, output.token_ids)
         updated: dict[str, Request] = {}
         now = time.time()

@@ -79,6 +79,7 @@ class Request:
         self.completions = [Completion(i, seq, tokenizer) for i, seq in enumerate(seqs)]
         self.tokenizer = tokenizer if seqs[0].params.detokenize else None
         self.prompt_logprobs: list[dict[int, Logprob] | None] | None = None
+        self._prompt_scores: dict[int, dict[int, Logprob]] = {}  # prompt position -> its token's logprobs
         self.metrics = RequestMetrics(time.time())
         self.error: BaseException | None = None
 
@@ -94,11 +95,14 @@ class Request:
     def has_news(self) -> bool:
         return any(c.has_news for c in self.completions)
 
-    def set_prompt_logprobs(self, logprobs: list[TokenLogprobs]) -> None:
-        """Record the prompt's log-probabilities (token i + 1 given tokens 0..i), once."""
-        if self.prompt_logprobs is None:
-            self.prompt_logprobs = [None] + [ranked_logprobs(token_id, lp, self.tokenizer)
-                                             for token_id, lp in zip(self.prompt_token_ids[1:], logprobs)]
+    def add_prompt_logprobs(self, first: int, logprobs: list[TokenLogprobs]) -> None:
+        """Record the log-probabilities of prompt tokens `first + 1`, `first + 2`, ... (a prefill chunk's share; a
+        recomputed chunk, after preemption or from another sample, changes nothing)."""
+        for position, lp in enumerate(logprobs, start=first + 1):
+            if position not in self._prompt_scores:
+                self._prompt_scores[position] = ranked_logprobs(self.prompt_token_ids[position], lp, self.tokenizer)
+        if self.prompt_logprobs is None and len(self._prompt_scores) == len(self.prompt_token_ids) - 1:
+            self.prompt_logprobs = [None] + [self._prompt_scores[p] for p in range(1, len(self.prompt_token_ids))]
 
     def record_token(self, now: float) -> None:
         if self.metrics.first_token_time is None:

@@ -11,7 +11,7 @@ from nanovllm.core.scheduler import ScheduledBatch
 from nanovllm.core.sequence import Sequence
 from nanovllm.execution.cuda_graph import DecodeGraphs
 from nanovllm.execution.gpu_memory import gpu_kv_cache_bytes
-from nanovllm.execution.sampler import Sampler, SamplerOutput
+from nanovllm.execution.sampler import PromptRows, Sampler, SamplerOutput
 from nanovllm.execution.workers import WorkerGroup
 from nanovllm.layers.attention import Attention, bind_kv_cache
 from nanovllm.layers.prepack import can_prepack, prepack_linear_weights
@@ -149,22 +149,28 @@ class ModelRunner:
             slots.extend(range(first + max(start - i * bs, 0), first + min(end - i * bs, bs)))
         return slots
 
-    def prepare(self, batch: ScheduledBatch) -> tuple[torch.Tensor, torch.Tensor]:
+    def prepare(self, batch: ScheduledBatch) -> tuple[torch.Tensor, torch.Tensor, list[PromptRows]]:
         """Set the attention context for one varlen step (sequence i computes its tokens `starts[i]` to
         `starts[i] + num_tokens[i]`; the tokens before are already in its KV cache) and return the
-        input ids and positions. Logits are taken only at the last row of each sequence that samples."""
+        input ids and positions. Logits are taken at the last row of each sequence that samples, then at the
+        prompt rows of sequences that asked for prompt logprobs (returned, in that order)."""
         input_ids, positions, slot_mapping, context_lens, logits_indices = [], [], [], [], []
         cu_seqlens_q, cu_seqlens_k = [0], [0]
+        prompt_rows: list[PromptRows] = []
         for seq, start, num_tokens, samples in zip(batch.seqs, batch.starts, batch.num_tokens, batch.samples):
             end = start + num_tokens
             input_ids.extend(seq[start:end])
             positions.extend(range(start, end))
             slot_mapping.extend(self.slots(seq.block_table, start, end))
+            if seq.params.prompt_logprobs is not None and start < seq.num_prompt_tokens - 1:
+                scored = range(start, min(end, seq.num_prompt_tokens - 1))  # position p scores prompt token p + 1
+                prompt_rows.append(PromptRows(seq, start, [cu_seqlens_q[-1] + p - start for p in scored]))
             cu_seqlens_q.append(cu_seqlens_q[-1] + num_tokens)
             cu_seqlens_k.append(cu_seqlens_k[-1] + end)
             context_lens.append(end)
             if samples:
                 logits_indices.append(cu_seqlens_q[-1] - 1)
+        logits_indices += [row for rows in prompt_rows for row in rows.rows]
         set_context(cu_seqlens_q=self._tensor(cu_seqlens_q, torch.int32),
                     cu_seqlens_k=self._tensor(cu_seqlens_k, torch.int32),
                     max_seqlen_q=max(batch.num_tokens), max_seqlen_k=max(context_lens),
@@ -172,7 +178,7 @@ class ModelRunner:
                     block_tables=self.prepare_block_tables(batch.seqs),
                     slot_mapping=self._tensor(slot_mapping, torch.int64),
                     logits_indices=self._tensor(logits_indices, torch.int64))
-        return self._tensor(input_ids, torch.int64), self._tensor(positions, torch.int64)
+        return self._tensor(input_ids, torch.int64), self._tensor(positions, torch.int64), prompt_rows
 
     @torch.inference_mode()
     def run_model(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor | None:
@@ -191,11 +197,13 @@ class ModelRunner:
         """Run one scheduled step; rank 0 returns a sampled token for each sequence that samples, in batch order."""
         if self.rank == 0:
             self.sampler.release(batch.finished_seq_ids)
-        input_ids, positions = self.prepare(batch)
+        input_ids, positions, prompt_rows = self.prepare(batch)
         logits = self.call("run_model", input_ids, positions)
         reset_context()
         if self.rank != 0:
             return None
-        if logits is None:
-            return SamplerOutput([])
-        return self.sampler(logits, [seq for seq, samples in zip(batch.seqs, batch.samples) if samples])
+        sampling = [seq for seq, samples in zip(batch.seqs, batch.samples) if samples]
+        output = self.sampler(logits[:len(sampling)], sampling) if sampling else SamplerOutput([])
+        if prompt_rows:
+            output.prompt_logprobs = self.sampler.prompt_logprobs(logits[len(sampling):], prompt_rows)
+        return output

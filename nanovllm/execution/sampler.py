@@ -22,11 +22,22 @@ class SamplingRow:
 
 
 @dataclass
+class PromptRows:
+    """The logits rows that score `seq`'s prompt tokens `first + 1`, `first + 2`, ... in this step."""
+
+    seq: SamplingRow
+    first: int
+    rows: list[int]
+
+
+@dataclass
 class SamplerOutput:
-    """One sampled token id per row; with `logprobs` (one entry per row, None where not asked) when any row asked."""
+    """One sampled token id per row; with `logprobs` (one entry per row, None where not asked) when any row asked;
+    `prompt_logprobs`: per sequence id, the first prompt position scored in this step and its tokens' logprobs."""
 
     token_ids: list[int]
     logprobs: list[TokenLogprobs | None] | None = None
+    prompt_logprobs: dict[int, tuple[int, list[TokenLogprobs]]] | None = None
 
 
 def num_completion_tokens(seq: SamplingRow) -> int:
@@ -101,6 +112,21 @@ class Sampler:
         for j, (i, k) in enumerate(zip(asked, counts)):
             logprobs[i] = TokenLogprobs(chosen[j], ranks[j], top_ids[j][:k], top_logprobs[j][:k])
         return SamplerOutput(token_ids, logprobs)
+
+    @torch.inference_mode()
+    def prompt_logprobs(self, logits: torch.Tensor,
+                        prompt_rows: list[PromptRows]) -> dict[int, tuple[int, list[TokenLogprobs]]]:
+        """The raw log-probabilities of prompt tokens, from the logits rows `prompt_rows` name (in that order)."""
+        targets = [token_id for p in prompt_rows for token_id in p.seq.token_ids[p.first + 1:p.first + 1 + len(p.rows)]]
+        counts = [self._num_logprobs(p.seq.params.prompt_logprobs) for p in prompt_rows]
+        results = token_logprobs(logits.float(), self._tensor(targets, torch.int64), max(counts))
+        chosen, ranks, top_ids, top_logprobs = (t.tolist() for t in results)
+        out, row = {}, 0
+        for p, k in zip(prompt_rows, counts):
+            out[p.seq.seq_id] = p.first, [TokenLogprobs(chosen[r], ranks[r], top_ids[r][:k], top_logprobs[r][:k])
+                                          for r in range(row, row + len(p.rows))]
+            row += len(p.rows)
+        return out
 
     def _num_logprobs(self, asked: int) -> int:
         return self.vocab_size if asked == -1 else asked
