@@ -2,12 +2,12 @@
 import pytest
 import torch
 
-from nanovllm.backends import ATTENTION_BACKENDS, Platform, load_backend, unsupported
+from nanovllm.backends import ATTENTION_BACKENDS, Backend, Platform, load_backend, unsupported
 
 BACKENDS = ATTENTION_BACKENDS[1:]
 
 
-def require_backend(name: str, dtype: torch.dtype, block_size: int, head_dim: int) -> type:
+def require_backend(name: str, dtype: torch.dtype, block_size: int, head_dim: int) -> Backend:
     """Backend `name` as the engine would load it on this GPU; skips the test where it cannot run."""
     platform = Platform.probe("cuda")
     reason = unsupported(name, platform, dtype, block_size, head_dim)

@@ -120,32 +120,47 @@ def test_a_named_backend_that_can_run_is_taken(requested, platform, dtype, block
     assert select(requested, platform, dtype, block_size) == (requested, {})
 
 
-def test_load_backend_on_cpu_is_the_class_itself():
-    assert load_backend("torch", cpu()) is TorchBackend
+def test_load_backend_on_cpu_is_the_torch_kernel_with_its_own_writer():
+    backend = load_backend("torch", cpu())
+    assert backend.attend is TorchBackend.attend and backend.store_kvcache is TorchBackend.store_kvcache
+    assert backend.name == "torch" and not backend.capturable
 
 
 @pytest.mark.skipif(not has_triton, reason="triton not installed")
-@pytest.mark.parametrize("name, base, capturable", [("torch", TorchBackend, False), ("flash-attn", FlashBackend, True),
-                                                     ("flash-attn-4", Flash4Backend, True)])
-def test_on_cuda_kv_writes_use_triton_and_capturable_attention_enables_graphs(name, base, capturable):
+@pytest.mark.parametrize("name, kernel, capturable", [("flash-attn", FlashBackend, True),
+                                                       ("flash-attn-4", Flash4Backend, True)])
+def test_on_cuda_kv_writes_use_triton_and_capturable_attention_enables_graphs(name, kernel, capturable):
     from nanovllm.backends.triton_kv import store_kvcache
 
     backend = load_backend(name, gpu())
-    assert issubclass(backend, base) and backend.attend is base.attend
-    assert backend.store_kvcache is store_kvcache
+    assert backend.attend is kernel.attend and backend.store_kvcache is store_kvcache
     assert backend.capturable == capturable and backend.name == f"{name}+triton"
+    torch_backend = load_backend("torch", gpu())
+    assert torch_backend.store_kvcache is TorchBackend.store_kvcache and not torch_backend.capturable
 
 
-@pytest.mark.parametrize("name, base", [("flash-attn", FlashBackend), ("flash-attn-4", Flash4Backend)])
-def test_without_triton_kv_writes_use_torch_and_nothing_is_captured(name, base):
+@pytest.mark.parametrize("name, kernel", [("flash-attn", FlashBackend), ("flash-attn-4", Flash4Backend)])
+def test_without_triton_kv_writes_use_torch_and_nothing_is_captured(name, kernel):
     backend = load_backend(name, gpu(installed=(name,)))
-    assert backend is base and backend.store_kvcache is TorchBackend.store_kvcache and not backend.capturable
+    assert backend.attend is kernel.attend and backend.store_kvcache is TorchBackend.store_kvcache
+    assert backend.name == name and not backend.capturable
 
 
 def test_triton_backend_loads_by_its_path_when_present():
     module = pytest.importorskip("nanovllm.backends.triton_backend")
     backend = load_backend("triton", gpu())
-    assert backend is module.TritonBackend and backend.name == "triton" and backend.capturable
+    assert backend.attend is module.TritonBackend.attend and backend.store_kvcache is module.TritonBackend.store_kvcache
+    assert backend.name == "triton" and backend.capturable
+
+
+def test_a_backend_is_one_registry_row(monkeypatch):
+    """Selection reads only the declarations: a new row (a CPU kernel, say) is chosen by "auto" where it serves."""
+    cpu_kernel = backends.BackendSpec("cpu-kernel", "nanovllm.backends.torch_backend:TorchBackend", devices=("cpu",),
+                                      dtypes=(torch.float32,), own_kv_writer=True)
+    monkeypatch.setattr(backends, "BACKENDS", {"cpu-kernel": cpu_kernel, **backends.BACKENDS})
+    assert select(platform=cpu(), dtype=torch.float32) == ("cpu-kernel", {})
+    assert select(platform=gpu(installed=()), dtype=torch.float32)[0] == "torch"
+    assert load_backend("cpu-kernel", cpu()).attend is TorchBackend.attend
 
 
 def test_choose_backend_logs_the_choice_and_why(monkeypatch, caplog):
@@ -189,7 +204,8 @@ def test_engine_setting_is_checked_resolved_and_logged(tied_model, caplog):
         LLM(tied_model, device="cpu", attention_backend="flash-attn-4")
     with caplog.at_level(logging.INFO, logger="nanovllm"):
         with LLM(tied_model, device="cpu", kvcache_block_size=16, max_model_len=64) as llm:
-            assert llm.config.attention_backend == "torch" and llm.model_runner.backend is TorchBackend
+            assert llm.config.attention_backend == "torch"
+            assert llm.model_runner.backend == load_backend("torch", cpu())
     assert [r.getMessage() for r in caplog.records if r.name == "nanovllm"] == ["attention backend: torch"]
 
 
@@ -219,7 +235,7 @@ def test_cpu_engine_skips_warmup_graphs_and_compile(tied_model, monkeypatch):
     monkeypatch.setattr(compile_mod, "_enabled", True)
     with LLM(tied_model, device="cpu", kvcache_block_size=16, max_model_len=64) as llm:
         runner = llm.model_runner
-        assert runner.backend is TorchBackend and runner.graphs is None
+        assert runner.backend.name == "torch" and runner.graphs is None
         assert not compile_mod._enabled
 
 

@@ -6,11 +6,10 @@ so this module imports without it.
 """
 import torch
 
-from nanovllm.backends.torch_backend import TorchBackend
 from nanovllm.utils.context import Context
 
 
-class Flash4Backend(TorchBackend):
+class Flash4Backend:
     """One varlen call over the paged cache for every step: prefill, cached-prefix prefill and decode
     (cu_seqlens_q = 0..n) alike, which is also what a CUDA graph captures.
 
@@ -22,8 +21,6 @@ class Flash4Backend(TorchBackend):
     Blackwell). Any block size works: pages are looked up per row.
     """
 
-    name = "flash-attn-4"
-    # K/V writes and `capturable` are the torch backend's until load_backend swaps in the Triton writer
 
     @staticmethod
     def attend(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, ctx: Context,

@@ -1,11 +1,10 @@
 """flash-attn 2 backend (`pip install flash-attn`), imported on first use, so this module imports without it."""
 import torch
 
-from nanovllm.backends.torch_backend import TorchBackend
 from nanovllm.utils.context import Context
 
 
-class FlashBackend(TorchBackend):
+class FlashBackend:
     """Varlen prefill (reading a cached prefix through the block table) and paged decode.
 
     flash-attn's paged KV path needs a cache block size that is a multiple of 256 and a
@@ -17,8 +16,6 @@ class FlashBackend(TorchBackend):
     a prefix-cache hit changes how this backend computes a row. flash-attn 4 has a single kernel.
     """
 
-    name = "flash-attn"
-    # K/V writes and `capturable` are the torch backend's until load_backend swaps in the Triton writer
 
     @staticmethod
     def attend(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, ctx: Context,

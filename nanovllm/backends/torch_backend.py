@@ -81,8 +81,8 @@ def _decode_in_place(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
 
 
 class TorchBackend:
-    name = "torch"
-    capturable = False  # the store's boolean mask syncs with the host; decode gathers whole block tables
+    """Per-sequence SDPA; not capturable in a CUDA graph: the store's boolean mask syncs with the host, and decode
+    gathers whole block tables."""
 
     @staticmethod
     def store_kvcache(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,

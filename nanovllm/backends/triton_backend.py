@@ -14,7 +14,5 @@ class TritonBackend:
     captured in CUDA graphs; the split-KV scratch is allocated per call, from the graph's pool.
     """
 
-    name = "triton"
-    capturable = True
     store_kvcache = staticmethod(store_kvcache)
     attend = staticmethod(paged_attention)
