@@ -39,7 +39,7 @@ def test_allocate_shares_full_prefix_blocks_with_ref_counts():
     bm.deallocate(s1)
     assert [bm.blocks[b].ref_count for b in s2.block_table] == [1, 1, 1]
     bm.deallocate(s2)
-    assert bm.num_free_blocks == 8 and not bm.used_block_ids
+    assert bm.num_free_blocks == 8 and all(block.ref_count == 0 for block in bm.blocks)
 
 
 def test_different_prefix_same_block_content_misses():

@@ -180,10 +180,10 @@ def test_kv_cache_is_sized_from_gpu_memory_utilization(gpu_model):
     headroom = 256 * 2**20
     utilization = (total - free + headroom) / total
     with LLM(gpu_model, dtype="bfloat16", gpu_memory_utilization=utilization) as llm:
-        config = llm.config
+        config, num_blocks = llm.config, llm.model_runner.capacity.num_blocks
         cap = config.max_num_seqs * blocks_per_sequence(config)
-        assert blocks_per_sequence(config) <= config.num_kvcache_blocks < cap
-        assert config.num_kvcache_blocks * llm.model_runner.kv_block_bytes() <= headroom
+        assert blocks_per_sequence(config) <= num_blocks < cap
+        assert num_blocks * llm.model_runner.kv_block_bytes() <= headroom
         used = total - torch.cuda.mem_get_info()[1]
         assert used <= utilization * total + 256 * 2**20  # CUDA graphs' pool and library workspaces
 

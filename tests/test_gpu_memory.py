@@ -22,7 +22,7 @@ def test_budget_is_never_negative():
 
 
 @pytest.mark.parametrize("batched, max_len, max_seqs, expected", [(16384, 4096, 512, 4), (8192, 1024, 3, 3),
-                                                                    (4096, 4096, 512, 1)])
+                                                                    (4096, 4096, 512, 1), (16384, 40960, 512, 1)])
 def test_warmup_batch_is_the_largest_prefill_the_budget_allows(batched, max_len, max_seqs, expected):
     class Settings:
         max_num_batched_tokens, max_model_len, max_num_seqs = batched, max_len, max_seqs

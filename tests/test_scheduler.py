@@ -1,24 +1,42 @@
 """The scheduler alone (no model): one token budget per step, chunked prefill, mixed steps, preemption,
 priorities, aborts and finish reasons, as vLLM V1 schedules."""
 import random
-from types import SimpleNamespace
 
 import pytest
 
 from nanovllm.core.block_manager import BlockManager
-from nanovllm.core.scheduler import ScheduledBatch, Scheduler
+from nanovllm.core.scheduler import ScheduledBatch, Scheduler, SchedulerConfig
 from nanovllm.core.sequence import Sequence, SequenceStatus
+from nanovllm.core.stopping import token_finish
 from nanovllm.sampling_params import SamplingParams
 
 BS = 4
+EOS = {0}
+
+
+class EngineSideScheduler(Scheduler):
+    """The scheduler, plus what the engine does with a step's sampled tokens."""
+
+    def __init__(self, config: SchedulerConfig, max_model_len: int):
+        super().__init__(config)
+        self.max_model_len = max_model_len
+
+    def take(self, batch: ScheduledBatch, tokens: list[int]) -> list[Sequence]:
+        """Append the sampled tokens, then end the sequences `token_finish` ends."""
+        sampled = self.postprocess(batch, tokens)
+        for x in sampled:
+            ending = token_finish(x, EOS, self.max_model_len)
+            if ending is not None:
+                self.finish(x, *ending)
+        return sampled
 
 
 def make_scheduler(num_blocks=16, max_num_seqs=8, max_num_batched_tokens=64, max_model_len=64, chunked=True,
-                   policy="fcfs") -> Scheduler:
-    config = SimpleNamespace(max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens,
-                             max_model_len=max_model_len, num_kvcache_blocks=num_blocks, kvcache_block_size=BS,
-                             enable_chunked_prefill=chunked, scheduling_policy=policy)
-    return Scheduler(config, eos_token_ids={0})
+                   policy="fcfs") -> EngineSideScheduler:
+    return EngineSideScheduler(SchedulerConfig(num_kv_blocks=num_blocks, block_size=BS, max_num_seqs=max_num_seqs,
+                                               max_num_batched_tokens=max_num_batched_tokens,
+                                               enable_chunked_prefill=chunked, scheduling_policy=policy),
+                               max_model_len)
 
 
 def seq(seq_id: int, n: int, max_tokens: int = 64, ignore_eos: bool = True, priority: int = 0,
@@ -30,7 +48,7 @@ def seq(seq_id: int, n: int, max_tokens: int = 64, ignore_eos: bool = True, prio
 def run_step(s: Scheduler, token: int = 7) -> ScheduledBatch:
     """Schedule one step and feed back `token` for every sequence that samples."""
     batch = s.schedule()
-    s.postprocess(batch, [token] * sum(batch.samples))
+    s.take(batch, [token] * sum(batch.samples))
     return batch
 
 
@@ -40,7 +58,7 @@ def plan(batch: ScheduledBatch) -> list[tuple[int, int, int]]:
 
 def all_blocks_free(s: Scheduler) -> bool:
     bm = s.block_manager
-    return bm.num_free_blocks == len(bm.blocks) and not bm.used_block_ids
+    return bm.num_free_blocks == len(bm.blocks)
 
 
 def test_long_prompt_runs_in_chunks_and_samples_only_at_its_end():
@@ -162,7 +180,7 @@ def test_preemption_takes_the_youngest_and_it_resumes_before_later_arrivals():
     assert b.status == c.status == SequenceStatus.PREEMPTED and not b.block_table and not c.block_table
     assert b.num_computed_tokens == 0 and len(b) == 5, "its sampled token is kept and recomputed"
     assert s.num_preemptions == 2
-    s.postprocess(batch, [7])
+    s.take(batch, [7])
     s.add(d := seq(4, 2))
     assert list(s.waiting) == [b, c, d]
 
@@ -219,7 +237,7 @@ def test_finish_reasons_free_blocks():
     for x in (by_eos, by_max_tokens, by_length):
         s.add(x)
     batch = s.schedule()
-    sampled = s.postprocess(batch, [0, 5, 5])
+    sampled = s.take(batch, [0, 5, 5])
     assert sampled == [by_eos, by_max_tokens, by_length]
     assert [x.finish_reason for x in sampled] == ["stop", "length", "length"]
     assert s.is_finished() and all_blocks_free(s)
@@ -234,7 +252,7 @@ def test_abort_frees_every_block_wherever_the_request_is(where):
     if where != "waiting":
         run_step(s)
     if where == "preempted":
-        s.postprocess(s.schedule(), [7])
+        s.take(s.schedule(), [7])
         assert b.status == SequenceStatus.PREEMPTED
     s.abort(b.seq_id)
     assert b.finish_reason == "abort" and b.is_finished and not b.block_table

@@ -169,11 +169,11 @@ def test_a_request_whose_output_fails_is_aborted_alone(llm, expected, monkeypatc
     update = Completion.update
     victim = []
 
-    def failing(self, logprobs):
+    def failing(self, logprobs, ending):
         if self.seq.token_ids[:len(PROMPTS[1])] == PROMPTS[1] and len(self.seq.completion_token_ids) == 3:
             victim.append(self.seq.seq_id)
             raise TypeError("boom")
-        return update(self, logprobs)
+        return update(self, logprobs, ending)
 
     monkeypatch.setattr(Completion, "update", failing)
     with caplog.at_level(logging.ERROR, logger="nanovllm"):
@@ -191,10 +191,10 @@ def test_llm_without_a_model_says_what_to_pass():
 
 def test_max_model_len_defaults_to_the_models_within_the_kv_cache(tied_model, caplog):
     with LLM(tied_model, device="cpu") as engine:
-        assert engine.config.max_model_len == 1024  # the checkpoint's max_position_embeddings
+        assert engine.max_model_len == 1024  # the checkpoint's max_position_embeddings
     with caplog.at_level(logging.INFO, logger="nanovllm"), \
             LLM(tied_model, device="cpu", kvcache_block_size=16, num_kvcache_blocks=40) as engine:
-        assert engine.config.max_model_len == 640
+        assert engine.max_model_len == 640
     assert "max_model_len lowered from the model's 1024 to 640" in caplog.text
     with pytest.raises(ValueError, match="the KV cache holds 40 blocks"):
         LLM(tied_model, device="cpu", kvcache_block_size=16, num_kvcache_blocks=40, max_model_len=1024)

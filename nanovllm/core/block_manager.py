@@ -40,7 +40,6 @@ class BlockManager:
         self.blocks = [Block(i) for i in range(num_blocks)]
         self.hash_to_block_id: dict[int, int] = {}
         self.free_block_ids: dict[int, None] = dict.fromkeys(range(num_blocks))  # ordered set, LRU first
-        self.used_block_ids: set[int] = set()
 
     @property
     def num_free_blocks(self) -> int:
@@ -60,7 +59,6 @@ class BlockManager:
         self._forget(block)
         block.reset()
         del self.free_block_ids[block_id]
-        self.used_block_ids.add(block_id)
         return block
 
     def _forget(self, block: Block) -> None:
@@ -101,7 +99,6 @@ class BlockManager:
                 block.ref_count += 1
             else:
                 del self.free_block_ids[block_id]
-                self.used_block_ids.add(block_id)
                 block.ref_count = 1
             seq.block_table.append(block_id)
         for _ in range(num_new_blocks):
@@ -125,6 +122,5 @@ class BlockManager:
             block = self.blocks[block_id]
             block.ref_count -= 1
             if block.ref_count == 0:
-                self.used_block_ids.remove(block_id)
                 self.free_block_ids[block_id] = None
         seq.block_table.clear()

@@ -1,9 +1,21 @@
 import heapq
 from dataclasses import dataclass, field
 
-from nanovllm.config import Config
 from nanovllm.core.block_manager import BlockManager
 from nanovllm.core.sequence import Sequence, SequenceStatus
+
+
+@dataclass(frozen=True)
+class SchedulerConfig:
+    """What the scheduler works with: its limits and policy ("fcfs" or "priority"), and the KV cache it hands
+    out, `num_kv_blocks` blocks of `block_size` tokens (as many as the model runner could allocate)."""
+
+    num_kv_blocks: int
+    block_size: int
+    max_num_seqs: int = 512
+    max_num_batched_tokens: int = 16384
+    enable_chunked_prefill: bool = True
+    scheduling_policy: str = "fcfs"
 
 
 @dataclass
@@ -92,16 +104,14 @@ class Scheduler:
     only when none waits does every running sequence decode.
     """
 
-    def __init__(self, config: Config, eos_token_ids: set[int]):
+    def __init__(self, config: SchedulerConfig):
         self.max_num_seqs = min(config.max_num_seqs, config.max_num_batched_tokens)
         self.max_num_batched_tokens = config.max_num_batched_tokens
-        self.max_model_len = config.max_model_len
         self.chunked_prefill = config.enable_chunked_prefill
-        self.eos_token_ids = eos_token_ids
-        self.block_manager = BlockManager(config.num_kvcache_blocks, config.kvcache_block_size)
+        self.block_manager = BlockManager(config.num_kv_blocks, config.block_size)
         self.waiting = WaitingQueue(by_priority=config.scheduling_policy == "priority")
         self.running: list[Sequence] = []
-        self.requests: dict[int, Sequence] = {}
+        self.unfinished: dict[int, Sequence] = {}
         self.finished_seq_ids: list[int] = []
         self.in_flight = ScheduledBatch()
         self.num_preemptions = self.num_cached_tokens = 0
@@ -119,7 +129,7 @@ class Scheduler:
             raise ValueError(f"request {seq.seq_id} has {len(seq)} prompt tokens, more than max_num_batched_tokens="
                              f"{self.max_num_batched_tokens}, and chunked prefill is off")
         self.waiting.push(seq)
-        self.requests[seq.seq_id] = seq
+        self.unfinished[seq.seq_id] = seq
 
     def schedule(self) -> ScheduledBatch:
         batch = self.in_flight = ScheduledBatch(finished_seq_ids=self.finished_seq_ids)
@@ -199,28 +209,13 @@ class Scheduler:
         self.block_manager.deallocate(seq, valid)
 
     def postprocess(self, batch: ScheduledBatch, token_ids: list[int]) -> list[Sequence]:
-        """Append each sampled token (one per sequence that samples, in batch order) and finish the
-        sequences that are done. Returns the sequences that got a token."""
+        """Append each sampled token (one per sequence that samples, in batch order); returns those sequences.
+        Whether one ends there is the engine's call (see `nanovllm.core.stopping`), carried out by `finish`."""
         self.in_flight = ScheduledBatch()
         sampled = [seq for seq, samples in zip(batch.seqs, batch.samples) if samples]
         for seq, token_id in zip(sampled, token_ids):
             seq.append_token(token_id)
-            reason, stop_token = self._finish_reason(seq, token_id)
-            if reason:
-                self.finish(seq, reason, stop_token)
         return sampled
-
-    def _finish_reason(self, seq: Sequence, token_id: int) -> tuple[str | None, int | None]:
-        """Why `seq` ends with `token_id` (and the stop token id that ended it), or (None, None)."""
-        params = seq.params
-        if seq.num_completion_tokens >= params.min_tokens:
-            if token_id in params.stop_token_ids:
-                return "stop", token_id
-            if not params.ignore_eos and token_id in self.eos_token_ids:
-                return "stop", None
-        if seq.num_completion_tokens == params.max_tokens or len(seq) >= self.max_model_len:
-            return "length", None
-        return None, None
 
     def finish(self, seq: Sequence, reason: str, stop_reason: int | str | None = None) -> None:
         """End `seq` wherever it is (running, waiting or preempted) and free its blocks."""
@@ -229,18 +224,18 @@ class Scheduler:
         else:
             self.waiting.remove(seq)
         self._free(seq)
-        del self.requests[seq.seq_id]
+        del self.unfinished[seq.seq_id]
         self.finished_seq_ids.append(seq.seq_id)
         seq.status = SequenceStatus.FINISHED
         seq.finish_reason, seq.stop_reason = reason, stop_reason
 
     def abort(self, seq_id: int) -> None:
         """Finish an unfinished request as aborted; unknown or finished ids are ignored."""
-        if seq_id in self.requests:
-            self.finish(self.requests[seq_id], "abort")
+        if seq_id in self.unfinished:
+            self.finish(self.unfinished[seq_id], "abort")
 
     def abort_all(self) -> None:
         """Finish every unfinished request as aborted and free its blocks (after an error mid-generate)."""
-        for seq_id in list(self.requests):
+        for seq_id in list(self.unfinished):
             self.abort(seq_id)
         self.in_flight = ScheduledBatch()

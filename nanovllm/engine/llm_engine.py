@@ -10,11 +10,12 @@ from tqdm.auto import tqdm
 from transformers import AutoTokenizer, PreTrainedTokenizerBase
 
 from nanovllm.config import Config
-from nanovllm.core.scheduler import ScheduledBatch, Scheduler
+from nanovllm.core.scheduler import ScheduledBatch, Scheduler, SchedulerConfig
 from nanovllm.core.sequence import Sequence
+from nanovllm.core.stopping import token_finish
 from nanovllm.engine.request import Completion, Request
 from nanovllm.execution.model_runner import ModelRunner
-from nanovllm.outputs import RequestOutput
+from nanovllm.outputs import RequestOutput, TokenLogprobs
 from nanovllm.sampling_params import SamplingParams
 
 _TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "vocab.json", "tokenizer.model")
@@ -59,7 +60,12 @@ class LLMEngine:
         self.tokenizer = load_tokenizer(config.model)
         self.eos_token_ids = self._eos_token_ids()
         self.model_runner = ModelRunner(config, eos_token_ids=self.eos_token_ids)
-        self.scheduler = Scheduler(config, self.eos_token_ids)
+        capacity = self.model_runner.capacity
+        self.max_model_len = capacity.max_model_len
+        self.scheduler = Scheduler(SchedulerConfig(
+            num_kv_blocks=capacity.num_blocks, block_size=config.kvcache_block_size,
+            max_num_seqs=config.max_num_seqs, max_num_batched_tokens=config.max_num_batched_tokens,
+            enable_chunked_prefill=config.enable_chunked_prefill, scheduling_policy=config.scheduling_policy))
         self._seq_ids, self._request_ids = count(), count()
         self._requests: dict[str, Request] = {}
         self._completions: dict[int, tuple[Request, Completion]] = {}
@@ -109,8 +115,8 @@ class LLMEngine:
                              f"list of token ids (ints), got {type(prompt).__name__}")
         if not token_ids:
             raise ValueError(f"prompt {index} is empty; every prompt needs at least one token")
-        if len(token_ids) > self.config.max_model_len:
-            raise ValueError(f"prompt {index} has {len(token_ids)} tokens, more than max_model_len={self.config.max_model_len}")
+        if len(token_ids) > self.max_model_len:
+            raise ValueError(f"prompt {index} has {len(token_ids)} tokens, more than max_model_len={self.max_model_len}")
         vocab_size = self.config.hf_config.vocab_size
         bad = [t for t in token_ids if not 0 <= t < vocab_size]
         if bad:
@@ -130,7 +136,7 @@ class LLMEngine:
         if isinstance(priority, bool) or not isinstance(priority, int):
             raise ValueError(f"priority must be an int (lower runs first), got {priority!r}")
         # a copy: the engine fills in what the user's object leaves open
-        params = replace(params, max_tokens=params.max_tokens or max(self.config.max_model_len - len(token_ids), 1))
+        params = replace(params, max_tokens=params.max_tokens or max(self.max_model_len - len(token_ids), 1))
         if params.bad_words and self.tokenizer is None:
             raise ValueError(f"bad_words need a tokenizer and {self.config.model!r} has none")
         samples = Request.sample_params(params)
@@ -227,22 +233,27 @@ class LLMEngine:
             request, completion = self._completions[seq.seq_id]
             updated[request.request_id] = request
             try:
-                stop = completion.update(logprobs)
+                self._advance(seq, completion, logprobs)
             except Exception:
                 logger.exception("request %s: processing its output failed; it is aborted, the others go on",
                                  request.request_id)
-                if not seq.is_finished:
-                    self.scheduler.finish(seq, "abort")
-                continue
-            if stop is not None and seq.is_finished:
-                seq.finish_reason, seq.stop_reason = "stop", stop
-            elif stop is not None:
-                self.scheduler.finish(seq, "stop", stop)
+                self.scheduler.abort(seq.seq_id)
         for request in updated.values():
             request.record_token(now)
             if request.finished:
                 self._forget(request)
         return batch, list(updated.values())
+
+    def _advance(self, seq: Sequence, completion: Completion, logprobs: TokenLogprobs | None) -> None:
+        """Take the token `seq` just got and decide whether it ends there: the one place that decides (EOS, stop
+        tokens, max_tokens and max_model_len by `token_finish`, then stop strings in the detokenized text; aborts
+        come from `abort_request` and failed steps)."""
+        ending = token_finish(seq, self.eos_token_ids, self.max_model_len)
+        stop_string = completion.update(logprobs, ending)
+        if stop_string is not None:
+            ending = "stop", stop_string
+        if ending is not None:
+            self.scheduler.finish(seq, *ending)
 
     def _step_for(self, requests: list[Request]) -> ScheduledBatch | None:
         """Under the lock, run one step if any of `requests` is unfinished (None when all are). A step that fails

@@ -23,16 +23,17 @@ class Completion:
         self.reported_tokens = self.reported_text = 0
         self.reported_finish = False
 
-    def update(self, logprobs: TokenLogprobs | None) -> str | None:
-        """Take the token the sequence just got; returns the stop string it completed, if any."""
+    def update(self, logprobs: TokenLogprobs | None, ending: tuple[str, int | None] | None) -> str | None:
+        """Take the token the sequence just got, which `ending` (if not None) ends it; returns the stop string its
+        text completed, if any. An ending stop token or EOS adds no text unless `include_stop_str_in_output`."""
         seq, token_id = self.seq, self.seq.token_ids[-1]
         if logprobs is not None:
             self.cumulative_logprob += logprobs.logprob
             self.logprobs.append(ranked_logprobs(token_id, logprobs, self.tokenizer))
         if self.detokenizer is None:
             return None
-        stop_token = seq.finish_reason == "stop" and not seq.params.include_stop_str_in_output
-        delta = self.detokenizer.update([] if stop_token else [token_id], finished=seq.is_finished)
+        stop_token = ending is not None and ending[0] == "stop" and not seq.params.include_stop_str_in_output
+        delta = self.detokenizer.update([] if stop_token else [token_id], finished=ending is not None)
         self.text += delta.text
         return delta.stop
 

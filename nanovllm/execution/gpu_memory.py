@@ -18,14 +18,19 @@ def kv_cache_budget(total: int, free: int, peak: int, current: int, utilization:
     return max(0, int(total * utilization) - (total - free) - (peak - current))
 
 
+def warmup_length(config: Config) -> int:
+    """Tokens of each warm-up sequence: max_model_len, or one budget-long chunk of a longer one (chunked prefill)."""
+    return min(config.max_model_len, config.max_num_batched_tokens)
+
+
 def warmup_batch_size(config: Config) -> int:
-    """The most max-length sequences one prefill step can hold."""
-    return min(config.max_num_batched_tokens // config.max_model_len, config.max_num_seqs)
+    """The most warm-up sequences one prefill step can hold."""
+    return min(config.max_num_batched_tokens // warmup_length(config), config.max_num_seqs)
 
 
 def warmup_cache_blocks(config: Config) -> int:
     """Blocks the warm-up batch occupies in its (one-layer) KV cache."""
-    return warmup_batch_size(config) * -(-config.max_model_len // config.kvcache_block_size)
+    return warmup_batch_size(config) * -(-warmup_length(config) // config.kvcache_block_size)
 
 
 WARMUP_SAMPLING = SamplingParams(top_p=0.9, top_k=50, min_p=0.05, seed=0, min_tokens=1, stop_token_ids=[0],
@@ -47,7 +52,7 @@ def warmup(model: nn.Module, sampler: Sampler, config: Config, device: torch.dev
     The model must be bound to a cache of at least `warmup_cache_blocks(config)` blocks; every layer
     may share one, since only the attention kernels' working memory is being measured.
     """
-    num_seqs, seq_len, block_size = warmup_batch_size(config), config.max_model_len, config.kvcache_block_size
+    num_seqs, seq_len, block_size = warmup_batch_size(config), warmup_length(config), config.kvcache_block_size
     blocks_per_seq = -(-seq_len // block_size)
     positions = torch.arange(seq_len, device=device).repeat(num_seqs)
     block_tables = torch.arange(num_seqs * blocks_per_seq, dtype=torch.int32, device=device).view(num_seqs, -1)
@@ -92,8 +97,7 @@ def gpu_kv_cache_bytes(model: nn.Module, sampler: Sampler, config: Config, devic
         stats = torch.cuda.memory_stats(device)
     except torch.cuda.OutOfMemoryError as e:
         raise ValueError(
-            f"the warm-up pass ({warmup_batch_size(config)} sequence(s) of max_model_len={config.max_model_len} "
-            "tokens) ran out of GPU memory before the KV cache was allocated; lower max_num_batched_tokens, "
+            f"the warm-up pass ({warmup_batch_size(config)} sequence(s) of {warmup_length(config)} tokens) ran out of GPU memory before the KV cache was allocated; lower max_num_batched_tokens, "
             "max_num_seqs or max_model_len, or free GPU memory"
         ) from e
     finally:

@@ -2,6 +2,7 @@ import logging
 import math
 from collections.abc import Iterable
 from contextlib import contextmanager, nullcontext
+from dataclasses import dataclass
 
 import torch
 
@@ -40,6 +41,15 @@ def blocks_per_sequence(config: Config) -> int:
     return -(-config.max_model_len // config.kvcache_block_size)
 
 
+@dataclass(frozen=True)
+class KVCapacity:
+    """What the KV cache this rank allocated (the same on every rank) holds: `num_blocks` blocks, and the longest
+    sequence the engine may run, `max_model_len` (the configured one, or for the model's own default what fits)."""
+
+    num_blocks: int
+    max_model_len: int
+
+
 class ModelRunner:
     """Owns the model and the KV cache of one tensor-parallel rank; turns batches into tensors and runs them.
 
@@ -75,11 +85,12 @@ class ModelRunner:
         for module in self.model.modules():
             if isinstance(module, Attention):
                 module.backend = self.backend
-        self.allocate_kv_cache()
+        self.capacity = self.allocate_kv_cache()
         self.graphs = None
         if on_gpu and not config.enforce_eager and self.backend.capturable:
-            self.graphs = DecodeGraphs(self.model, config.max_num_seqs, blocks_per_sequence(config),
-                                       config.max_model_len, hf_config.hidden_size, config.torch_dtype, self.device)
+            max_len = self.capacity.max_model_len
+            self.graphs = DecodeGraphs(self.model, config.max_num_seqs, -(-max_len // self.block_size), max_len,
+                                       hf_config.hidden_size, config.torch_dtype, self.device)
 
     def exit(self) -> None:
         if self.workers is not None:
@@ -114,25 +125,28 @@ class ModelRunner:
         usable = self.config.max_num_seqs * blocks_per_sequence(self.config)
         return min(budget // self.kv_block_bytes(), usable)
 
-    def allocate_kv_cache(self) -> None:
+    def allocate_kv_cache(self) -> KVCapacity:
+        """Allocate the KV cache (as many blocks as `num_kvcache_blocks`, or the memory budget, allows: the same on
+        every tensor-parallel rank) and say what it holds. The model's own max_model_len is lowered to fit (and
+        logged); one given explicitly that does not fit is a ValueError."""
         config = self.config
-        if config.num_kvcache_blocks == -1:
-            config.num_kvcache_blocks = min_over_ranks(self.auto_num_kv_blocks(), self.device)
-        needed = blocks_per_sequence(config)
-        if config.num_kvcache_blocks < needed and not config.max_model_len_given:
-            config.max_model_len = config.num_kvcache_blocks * self.block_size
+        num_blocks = config.num_kvcache_blocks
+        if num_blocks == -1:
+            num_blocks = min_over_ranks(self.auto_num_kv_blocks(), self.device)
+        max_model_len, needed = config.max_model_len, blocks_per_sequence(config)
+        if num_blocks < needed and not config.max_model_len_given:
+            max_model_len = num_blocks * self.block_size
             logger.info("max_model_len lowered from the model's %d to %d tokens, what the KV cache holds (give "
-                        "max_model_len, or more memory, to choose)", config.hf_config.max_position_embeddings,
-                        config.max_model_len)
-        elif config.num_kvcache_blocks < needed:
+                        "max_model_len, or more memory, to choose)", config.max_model_len, max_model_len)
+        elif num_blocks < needed:
             raise ValueError(
-                f"the KV cache holds {config.num_kvcache_blocks} blocks of {self.block_size} tokens, but one "
+                f"the KV cache holds {num_blocks} blocks of {self.block_size} tokens, but one "
                 f"max_model_len={config.max_model_len} sequence needs {needed}. Give it more memory "
                 "(cpu_kvcache_gib / gpu_memory_utilization / num_kvcache_blocks) or lower max_model_len."
             )
-        self.kv_cache = torch.zeros(self.kv_cache_shape(config.num_kvcache_blocks), dtype=config.torch_dtype,
-                                    device=self.device)
+        self.kv_cache = torch.zeros(self.kv_cache_shape(num_blocks), dtype=config.torch_dtype, device=self.device)
         bind_kv_cache(self.model, self.kv_cache)
+        return KVCapacity(num_blocks, max_model_len)
 
     def _tensor(self, data: list, dtype: torch.dtype) -> torch.Tensor:
         return to_device(data, dtype, self.device)
