@@ -10,6 +10,7 @@ from nanovllm.backends import ATTENTION_BACKENDS, choose_backend
 from nanovllm.gguf_import import resolve_model
 from nanovllm.models import model_class
 from nanovllm.models.hf_config import head_dim
+from nanovllm.models.loader import find_weight_files
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -144,13 +145,6 @@ def load_hf_config(model: str) -> PretrainedConfig:
     except ValueError as e:
         raise ValueError(f"{path}: {e}") from None
     return cfg
-
-
-def find_weight_files(model: str) -> list[str]:
-    files = sorted(os.path.join(model, f) for f in os.listdir(model) if f.endswith(".safetensors"))
-    if not files:
-        raise FileNotFoundError(f"no *.safetensors weight files in model directory {model!r}")
-    return files
 
 
 def resolve_device(device: str) -> str:

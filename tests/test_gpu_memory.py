@@ -46,7 +46,7 @@ def test_warmup_runs_over_one_shared_layer_of_cache(tied_model):
         warmup(runner.model, sampler, config, torch.device("cpu"))
         # one sample over a full decode batch of 5, penalized (so counted) on every row; then the rows were released
         assert sampler.output_counts.shape == (5, config.hf_config.vocab_size) and int(sampler.output_counts.sum()) == 5
-        assert sampler.slots == {} and sampler.generators == {} and sorted(sampler.free_slots) == list(range(5))
+        assert sampler.entries == {} and sampler.generators == {} and sorted(sampler.free_entries) == list(range(5))
         assert get_context() == Context()
         assert scratch.abs().sum(dim=(1, 3, 4, 5)).gt(0).all()  # every block of both sequences was written
 

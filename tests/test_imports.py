@@ -1,8 +1,23 @@
-"""No import circles among nanovllm's modules, counting imports inside functions too."""
+"""The import graph of nanovllm's modules (counting imports inside functions too): no circles, and every import
+goes down (or across) the floors of the house, never up."""
 import ast
+import subprocess
+import sys
 from pathlib import Path
 
 PACKAGE = Path(__file__).resolve().parent.parent / "nanovllm"
+
+FLOORS = [
+    ("bookkeeping, tensor-free", ["nanovllm.sampling_params", "nanovllm.outputs", "nanovllm.core"]),
+    ("utilities", ["nanovllm.utils"]),
+    ("kernels and layers", ["nanovllm.backends", "nanovllm.layers"]),
+    ("models and their weights", ["nanovllm.models", "nanovllm.gguf_import"]),
+    ("engine settings", ["nanovllm.config"]),
+    ("running a model", ["nanovllm.execution"]),
+    ("the engine", ["nanovllm.engine"]),
+    ("entry points", ["nanovllm", "nanovllm.llm", "nanovllm.smollm2", "nanovllm.cli", "nanovllm.__main__",
+                      "nanovllm.benchmarks"]),
+]
 
 
 def module_name(path: Path) -> str:
@@ -22,9 +37,21 @@ def imports_of(path: Path, modules: set[str]) -> set[str]:
     return found & modules
 
 
-def test_no_import_cycles():
+def import_graph() -> dict[str, set[str]]:
     paths = {module_name(path): path for path in PACKAGE.rglob("*.py")}
-    graph = {name: imports_of(path, set(paths)) - {name} for name, path in paths.items()}
+    return {name: imports_of(path, set(paths)) - {name} for name, path in paths.items()}
+
+
+def floor(module: str) -> int:
+    """The floor of `module`: that of the longest listed prefix."""
+    matches = [(len(prefix), level) for level, (_, prefixes) in enumerate(FLOORS) for prefix in prefixes
+               if module == prefix or module.startswith(prefix + ".")]
+    assert matches, f"{module} is on no floor: add it to FLOORS"
+    return max(matches)[1]
+
+
+def test_no_import_cycles():
+    graph = import_graph()
     done: set[str] = set()
 
     def visit(name: str, trail: list[str]) -> None:
@@ -37,3 +64,19 @@ def test_no_import_cycles():
     for name in sorted(graph):
         visit(name, [])
     assert "nanovllm.execution.model_runner" in graph["nanovllm.engine.llm_engine"]
+
+
+def test_every_import_goes_down_the_floors():
+    upward = [f"{name} ({FLOORS[floor(name)][0]}) imports {imported} ({FLOORS[floor(imported)][0]})"
+              for name, imports in sorted(import_graph().items()) for imported in sorted(imports)
+              if floor(imported) > floor(name)]
+    assert not upward, "imports that go up a floor:\n" + "\n".join(upward)
+
+
+def test_the_core_imports_neither_torch_nor_the_engine():
+    code = ("import sys, nanovllm.core.scheduler, nanovllm.core.stopping\n"
+            "print(sorted(m for m in sys.modules if m.split('.')[0] in ('torch', 'transformers') "
+            "or m in ('nanovllm.config', 'nanovllm.engine', 'nanovllm.execution')))")
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.strip() == "[]"

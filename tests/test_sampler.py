@@ -9,7 +9,7 @@ from transformers.generation.logits_process import (MinPLogitsWarper, Repetition
 
 from nanovllm import SamplingParams
 from nanovllm.execution.sampler import Sampler, SamplingRow
-from nanovllm.layers.sampler import apply_penalties, apply_top_k, apply_top_p
+from nanovllm.execution.sampling_ops import apply_penalties, apply_top_k, apply_top_p
 
 EOS = 5
 DEVICES = ["cpu", pytest.param("cuda", marks=pytest.mark.cuda)]
@@ -171,11 +171,11 @@ def test_penalties_over_steps_equal_recomputing_them(device):
             row.token_ids.append(token)
     assert all(len(set(row.token_ids[row.num_prompt_tokens:])) > 1 for row in rows[:len(PENALIZED)])
     logits = torch.randn(vocab)
-    assert sampler.slots.keys() == {row.seq_id for row in rows if row.params.uses_penalties}
+    assert sampler.entries.keys() == {row.seq_id for row in rows if row.params.uses_penalties}
     for row in rows:
         if not row.params.uses_penalties:
             continue
-        slot, p = sampler.slots[row.seq_id], row.params
+        slot, p = sampler.entries[row.seq_id], row.params
         prompt, output = row.token_ids[:row.num_prompt_tokens], row.token_ids[row.num_prompt_tokens:]
         prompt_mask, output_counts = sampler.prompt_mask[slot:slot + 1].cpu(), sampler.output_counts[slot:slot + 1].cpu()
         assert torch.equal(output_counts[0], torch.bincount(torch.tensor(output), minlength=vocab).int())
@@ -191,12 +191,12 @@ def test_state_is_rebuilt_when_a_sample_was_dropped_and_released():
     sampler(torch.randn(1, 20), [row])  # the engine drops this sample (say, a partial prefill)
     row.token_ids += [4, 4]  # and the sequence goes on with other tokens
     sampler(torch.randn(1, 20), [row])
-    assert sampler.output_counts[sampler.slots[7]][4] == 2 and sampler.output_counts[sampler.slots[7]].sum() == 3
+    assert sampler.output_counts[sampler.entries[7]][4] == 2 and sampler.output_counts[sampler.entries[7]].sum() == 3
     sampler.release([7])
-    assert sampler.slots == {} and sampler.counted == {} and sampler.free_slots == [0]
+    assert sampler.entries == {} and sampler.counted == {} and sampler.free_entries == [0]
     other = SamplingRow(8, SamplingParams(repetition_penalty=1.5, seed=3), [9], 1)
     sampler(torch.randn(1, 20), [other])
-    assert sampler.slots == {8: 0} and sampler.output_counts[0].sum() == 1 and sampler.prompt_mask[0].sum() == 1
+    assert sampler.entries == {8: 0} and sampler.output_counts[0].sum() == 1 and sampler.prompt_mask[0].sum() == 1
     assert set(sampler.generators) == {8}
     sampler.release([8, 99])
     assert sampler.generators == {}

@@ -24,7 +24,7 @@ from nanovllm import LLM, SamplingParams
 from nanovllm.benchmarks.attention import format_micro, run_micro
 from nanovllm.benchmarks.options import SAMPLING, SCHEDULING, parse_args, resolve_workload
 from nanovllm.backends import ATTENTION_BACKENDS, Platform, select_backend, unsupported
-from nanovllm.config import Config, resolve_dtype
+from nanovllm.config import Config, resolve_device, resolve_dtype
 from nanovllm.gguf_import import resolve_model
 from nanovllm.models.hf_config import head_dim
 from nanovllm.benchmarks.report import markdown_table
@@ -334,14 +334,14 @@ def run(args: argparse.Namespace) -> dict:
     """Run the benchmark `options.parse_args` describes; print the report and return the results."""
     if args.threads:
         torch.set_num_threads(args.threads)
-    device = "cuda" if args.device == "auto" and torch.cuda.is_available() else args.device
-    device = "cpu" if device == "auto" else device
-    if args.attention_micro:
-        return micro(args, device)
     try:
-        resolve_workload(args, device)
+        device = resolve_device(args.device)
+        if not args.attention_micro:
+            resolve_workload(args, device)
     except ValueError as e:
         sys.exit(f"bench.py: error: {e}")
+    if args.attention_micro:
+        return micro(args, device)
     tmp = None if args.model else tempfile.mkdtemp(prefix="nanovllm-bench-")
     try:
         if args.model:

@@ -20,7 +20,7 @@ from nanovllm.models import build_model
 from nanovllm.models.hf_config import head_dim
 from nanovllm.utils.compile import set_compile
 from nanovllm.utils.context import get_context, reset_context, set_context
-from nanovllm.utils.loader import init_dummy_weights, load_model
+from nanovllm.models.loader import init_dummy_weights, load_model
 from nanovllm.utils.parallel import min_over_ranks
 from nanovllm.utils.tensors import to_device
 

@@ -4,8 +4,8 @@ from dataclasses import dataclass
 
 import torch
 
-from nanovllm.layers.sampler import (NEG_INF, apply_min_p, apply_penalties, apply_top_k, apply_top_p, exponential_race,
-                                     token_logprobs)
+from nanovllm.execution.sampling_ops import (NEG_INF, apply_min_p, apply_penalties, apply_top_k, apply_top_p,
+                                             exponential_race, token_logprobs)
 from nanovllm.outputs import TokenLogprobs
 from nanovllm.sampling_params import SamplingParams
 from nanovllm.utils.tensors import to_device
@@ -62,9 +62,9 @@ class Sampler:
         self.eos_token_ids = set(eos_token_ids)
         self.device = torch.device(device)
         self.generators: dict[int, torch.Generator] = {}
-        self.slots: dict[int, int] = {}  # seq id -> its row of the count tables
+        self.entries: dict[int, int] = {}  # seq id -> its row of the count tables
         self.counted: dict[int, int] = {}  # seq id -> how many completion tokens its output counts cover
-        self.free_slots: list[int] = []
+        self.free_entries: list[int] = []
         self.prompt_mask = torch.zeros(0, vocab_size, dtype=torch.bool, device=self.device)
         self.output_counts = torch.zeros(0, vocab_size, dtype=torch.int32, device=self.device)
 
@@ -73,8 +73,8 @@ class Sampler:
         for seq_id in seq_ids:
             self.generators.pop(seq_id, None)
             self.counted.pop(seq_id, None)
-            if seq_id in self.slots:
-                self.free_slots.append(self.slots.pop(seq_id))
+            if seq_id in self.entries:
+                self.free_entries.append(self.entries.pop(seq_id))
 
     def _tensor(self, data: list, dtype: torch.dtype) -> torch.Tensor:
         return to_device(data, dtype, self.device)
@@ -91,13 +91,13 @@ class Sampler:
         penalized = [i for i, p in enumerate(params) if p.uses_penalties]
         if penalized:
             index = self._index(penalized, len(seqs))
-            slots = self._slots([seqs[i] for i in penalized])
-            processed = self._penalize(logits, [params[i] for i in penalized], index, slots)
+            entries = self._entries([seqs[i] for i in penalized])
+            processed = self._penalize(logits, [params[i] for i in penalized], index, entries)
         processed = self._suppress_stop_tokens(processed, seqs)
         processed = self._restrict(processed, seqs)
         token_ids = self._sample(processed, seqs)
         if penalized:
-            self.output_counts[slots, token_ids[index]] += 1
+            self.output_counts[entries, token_ids[index]] += 1
             for i in penalized:
                 self.counted[seqs[i].seq_id] += 1
         asked = [i for i, p in enumerate(params) if p.logprobs is not None]
@@ -132,39 +132,39 @@ class Sampler:
         return self.vocab_size if asked == -1 else asked
 
     def _penalize(self, logits: torch.Tensor, params: list[SamplingParams], index: torch.Tensor | slice,
-                  slots: torch.Tensor) -> torch.Tensor:
+                  entries: torch.Tensor) -> torch.Tensor:
         penalties = [self._tensor([getattr(p, name) for p in params], torch.float32)
                      for name in ("repetition_penalty", "presence_penalty", "frequency_penalty")]
-        rows = apply_penalties(logits[index], self.prompt_mask[slots], self.output_counts[slots], *penalties)
+        rows = apply_penalties(logits[index], self.prompt_mask[entries], self.output_counts[entries], *penalties)
         return rows if isinstance(index, slice) else logits.index_put((index,), rows)
 
-    def _slots(self, seqs: list[SamplingRow]) -> torch.Tensor:
+    def _entries(self, seqs: list[SamplingRow]) -> torch.Tensor:
         """Each sequence's row of the count tables, (re)built from its tokens unless it counts exactly the
         completion so far (it does from the second step on, as long as every sample is appended)."""
         stale = [seq for seq in seqs if self.counted.get(seq.seq_id) != num_completion_tokens(seq)]
         if stale:
             self._build(stale)
-        return self._tensor([self.slots[seq.seq_id] for seq in seqs], torch.int64)
+        return self._tensor([self.entries[seq.seq_id] for seq in seqs], torch.int64)
 
     def _build(self, seqs: list[SamplingRow]) -> None:
-        new = [seq.seq_id for seq in seqs if seq.seq_id not in self.slots]
-        self._grow(len(self.slots) + len(new))
+        new = [seq.seq_id for seq in seqs if seq.seq_id not in self.entries]
+        self._grow(len(self.entries) + len(new))
         for seq_id in new:
-            self.slots[seq_id] = self.free_slots.pop()
-        slots, prompt_slots, prompt_ids, output_slots, output_ids = [], [], [], [], []
+            self.entries[seq_id] = self.free_entries.pop()
+        entries, prompt_entries, prompt_ids, output_entries, output_ids = [], [], [], [], []
         for seq in seqs:
-            slot, n = self.slots[seq.seq_id], seq.num_prompt_tokens
-            slots.append(slot)
-            prompt_slots += [slot] * n
+            entry, n = self.entries[seq.seq_id], seq.num_prompt_tokens
+            entries.append(entry)
+            prompt_entries += [entry] * n
             prompt_ids += seq.token_ids[:n]
-            output_slots += [slot] * (len(seq.token_ids) - n)
+            output_entries += [entry] * (len(seq.token_ids) - n)
             output_ids += seq.token_ids[n:]
             self.counted[seq.seq_id] = num_completion_tokens(seq)
-        slots = self._tensor(slots, torch.int64)
-        self.prompt_mask[slots] = False
-        self.output_counts[slots] = 0
-        self.prompt_mask[self._tensor(prompt_slots, torch.int64), self._tensor(prompt_ids, torch.int64)] = True
-        self.output_counts.index_put_((self._tensor(output_slots, torch.int64), self._tensor(output_ids, torch.int64)),
+        entries = self._tensor(entries, torch.int64)
+        self.prompt_mask[entries] = False
+        self.output_counts[entries] = 0
+        self.prompt_mask[self._tensor(prompt_entries, torch.int64), self._tensor(prompt_ids, torch.int64)] = True
+        self.output_counts.index_put_((self._tensor(output_entries, torch.int64), self._tensor(output_ids, torch.int64)),
                                       torch.ones(len(output_ids), dtype=torch.int32, device=self.device),
                                       accumulate=True)
 
@@ -176,7 +176,7 @@ class Sampler:
         extra = max(needed, 2 * capacity) - capacity
         self.prompt_mask = torch.cat([self.prompt_mask, self.prompt_mask.new_zeros(extra, self.vocab_size)])
         self.output_counts = torch.cat([self.output_counts, self.output_counts.new_zeros(extra, self.vocab_size)])
-        self.free_slots += range(capacity, capacity + extra)
+        self.free_entries += range(capacity, capacity + extra)
 
     def _suppress_stop_tokens(self, logits: torch.Tensor, seqs: Sequence[SamplingRow]) -> torch.Tensor:
         """min_tokens: while a sequence has fewer completion tokens, EOS (unless ignored) and its stop tokens are

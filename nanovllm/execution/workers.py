@@ -18,10 +18,9 @@ leave idle workers blocked inside a collective between `generate` calls, where t
 group timeout eventually kills them; shared memory plus events needs a fixed-size buffer and a
 second handshake so that rank 0 never overwrites a message a worker has not read yet, and
 leaves a segment behind if rank 0 is killed. A pipe is ordered and buffered, needs neither,
-and a worker whose rank 0 dies reads EOF and exits, so no orphan is left. Measured per step on
-a 2-core CPU box shared with other jobs (tiny float32 Qwen3, gloo, decode batch of 8): building
-and pickling the message ~80 µs, sending it ~10 µs; the two batch broadcasts 2.3-2.9 ms, mostly
-the worker process waking up on a contended machine, which any channel would pay.
+and a worker whose rank 0 dies reads EOF and exits, so no orphan is left. Per step, building and
+sending the message costs far less than the batch broadcasts, whose cost is mostly the worker
+process waking up, which any channel would pay.
 
 Failure handling: a worker that raises sends its traceback up its pipe and exits; one that is
 killed just exits. Either way rank 0's next collective fails (gloo reports the closed
@@ -139,9 +138,8 @@ class WorkerGroup:
 
     On CPU the ranks share the machine's cores: each runs `torch.get_num_threads() // N` intra-op
     threads (rank 0's own setting is restored by `shutdown`). With more threads than cores per
-    rank, OpenMP threads spinning in one rank starve the rank it waits for in a collective:
-    measured on 2 cores, tp=2 decode took 113-227 ms per step with 2 threads per rank and
-    15-21 ms with 1.
+    rank, OpenMP threads spinning in one rank starve the rank it waits for in a collective
+    (several times slower decode steps on a 2-core machine).
     """
 
     def __init__(self, config: Config, runner_cls: type):

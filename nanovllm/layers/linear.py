@@ -41,10 +41,6 @@ class LinearBase(nn.Module):
         return linear(x, self.weight, self.bias)
 
 
-class ReplicatedLinear(LinearBase):
-    pass
-
-
 class ColumnParallelLinear(LinearBase):
     """Output features split across ranks; each rank holds `output_size / tp_size` rows."""
 

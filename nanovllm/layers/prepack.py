@@ -1,10 +1,9 @@
 """CPU weight prepacking: lay every linear weight out once in oneDNN's blocked format.
 
 MKL's sgemm re-packs the weight matrix on every call. At decode batch sizes (a few to a few
-dozen rows) that repacking costs more than the product itself: on a 2-core AVX2 machine the
-model's projections ran at 4-10 GFLOP/s through `F.linear` and at 20-60 GFLOP/s prepacked,
-with large prefill batches no slower. This is the same transformation inductor's CPU
-`freezing` applies, without compiling the model.
+dozen rows) that repacking costs more than the product itself, so prepacked projections run
+several times faster there, and large prefill batches no slower (README, Benchmark). This is
+the same transformation inductor's CPU `freezing` applies, without compiling the model.
 
 The LM head is packed too. When it is tied to the embedding it gets its own packed copy (the
 embedding lookup needs the plain matrix), which costs `vocab x hidden` more memory.

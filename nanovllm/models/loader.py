@@ -9,8 +9,14 @@ from safetensors import SafetensorError, safe_open
 from torch import nn
 from transformers import AutoModelForCausalLM, PretrainedConfig
 
-from nanovllm.config import find_weight_files
 from nanovllm.models.hf_config import head_dim
+
+
+def find_weight_files(model: str) -> list[str]:
+    files = sorted(os.path.join(model, f) for f in os.listdir(model) if f.endswith(".safetensors"))
+    if not files:
+        raise FileNotFoundError(f"no *.safetensors weight files in model directory {model!r}")
+    return files
 
 
 def default_weight_loader(param: nn.Parameter, loaded_weight: torch.Tensor) -> None:
