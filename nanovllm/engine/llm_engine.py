@@ -3,7 +3,7 @@ import os
 import threading
 import time
 from collections.abc import Iterable, Iterator
-from dataclasses import fields, replace
+from dataclasses import fields
 from itertools import count
 
 from tqdm.auto import tqdm
@@ -13,6 +13,7 @@ from nanovllm.config import Config
 from nanovllm.core.scheduler import ScheduledBatch, Scheduler, SchedulerConfig
 from nanovllm.core.sequence import Sequence
 from nanovllm.core.stopping import token_finish
+from nanovllm.engine.frontend import CheckedPrompt, Params, Prompt, PromptFrontend
 from nanovllm.engine.request import Completion, Request
 from nanovllm.execution.model_runner import ModelRunner
 from nanovllm.outputs import RequestOutput, TokenLogprobs
@@ -22,10 +23,6 @@ _TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "vocab.json", "to
 
 logger = logging.getLogger("nanovllm")
 
-Prompt = str | list[int] | dict
-"""Text; vLLM's `{"prompt": text}` or `{"prompt_token_ids": ids}`; or (nanovllm's shorthand) a list of token ids."""
-Conversation = list[dict[str, str]]
-Params = SamplingParams | list[SamplingParams] | None
 
 
 def load_tokenizer(model: str) -> PreTrainedTokenizerBase | None:
@@ -38,7 +35,7 @@ def load_tokenizer(model: str) -> PreTrainedTokenizerBase | None:
         raise ValueError(f"could not load the tokenizer in {model!r}: {e}") from e
 
 
-class LLMEngine:
+class LLMEngine(PromptFrontend):
     """Continuous-batching engine: `generate`, `chat` or `stream`; or `add_request`, then `step` until `is_finished`.
 
     Safe to share between threads: every caller's requests join the same batches, and whoever's requests are
@@ -78,10 +75,6 @@ class LLMEngine:
             ids.add(self.tokenizer.eos_token_id)
         return ids
 
-    def get_tokenizer(self) -> PreTrainedTokenizerBase | None:
-        """The model's tokenizer (None for a model directory without tokenizer files)."""
-        return self.tokenizer
-
     def exit(self) -> None:
         with self._lock:
             if getattr(self, "model_runner", None) is not None:
@@ -94,85 +87,26 @@ class LLMEngine:
     def __exit__(self, *exc) -> None:
         self.exit()
 
-    def _to_token_ids(self, prompt: Prompt, index: int, add_special_tokens: bool = True) -> tuple[str | None, list[int]]:
-        """The prompt's text (if any) and validated token ids, so a bad prompt is rejected before any work starts."""
-        text = None
-        if isinstance(prompt, dict):
-            unknown = sorted(set(prompt) - {"prompt", "prompt_token_ids"})
-            if unknown or not prompt:
-                raise ValueError(f"prompt {index}: nanovllm takes {{'prompt': text}} or {{'prompt_token_ids': ids}}, "
-                                 f"got keys {sorted(prompt)} (multimodal data and other inputs are not supported)")
-            text = prompt.get("prompt")
-            prompt = prompt["prompt_token_ids"] if "prompt_token_ids" in prompt else text
-        if isinstance(prompt, str):
-            if self.tokenizer is None:
-                raise ValueError(f"prompt {index} is text but {self.config.model!r} has no tokenizer; pass token ids")
-            text, token_ids = prompt, self.tokenizer.encode(prompt, add_special_tokens=add_special_tokens)
-        elif isinstance(prompt, (list, tuple)) and all(isinstance(t, int) and not isinstance(t, bool) for t in prompt):
-            token_ids = list(prompt)
-        else:
-            raise ValueError(f"prompt {index} must be a string, {{'prompt': text}}, {{'prompt_token_ids': ids}} or a "
-                             f"list of token ids (ints), got {type(prompt).__name__}")
-        if not token_ids:
-            raise ValueError(f"prompt {index} is empty; every prompt needs at least one token")
-        if len(token_ids) > self.max_model_len:
-            raise ValueError(f"prompt {index} has {len(token_ids)} tokens, more than max_model_len={self.max_model_len}")
-        vocab_size = self.config.hf_config.vocab_size
-        bad = [t for t in token_ids if not 0 <= t < vocab_size]
-        if bad:
-            raise ValueError(f"prompt {index} has token id {bad[0]} outside the vocabulary [0, {vocab_size})")
-        return text, token_ids
-
-    def _new_request(self, prompt: Prompt, params: SamplingParams | None, priority: int, index: int = 0,
-                     add_special_tokens: bool = True) -> Request:
-        """A validated request (nothing is queued yet): `params.n` sequences of the prompt."""
+    def _new_request(self, checked: CheckedPrompt) -> Request:
+        """A request for a checked prompt (nothing is queued yet): `params.n` sequences of the prompt."""
         if self.model_runner is None:
             raise RuntimeError("this engine has been shut down (exit() was called); create a new LLM")
-        text, token_ids = self._to_token_ids(prompt, index, add_special_tokens)
-        params = SamplingParams() if params is None else params
-        if not isinstance(params, SamplingParams):
-            raise ValueError(f"sampling params must be SamplingParams, got {type(params).__name__}")
-        params.check_vocab(self.config.hf_config.vocab_size, self.config.max_logprobs)
-        if isinstance(priority, bool) or not isinstance(priority, int):
-            raise ValueError(f"priority must be an int (lower runs first), got {priority!r}")
-        # a copy: the engine fills in what the user's object leaves open
-        params = replace(params, max_tokens=params.max_tokens or max(self.max_model_len - len(token_ids), 1))
-        if params.bad_words and self.tokenizer is None:
-            raise ValueError(f"bad_words need a tokenizer and {self.config.model!r} has none")
+        params = checked.params
         samples = Request.sample_params(params)
         if params.bad_words:
             bad_words_token_ids = self._bad_word_ids(params)
             for sample_params in samples:
                 sample_params.bad_words_token_ids = bad_words_token_ids
-        seqs = [Sequence(next(self._seq_ids), token_ids, self.config.kvcache_block_size, sample_params, priority)
+        seqs = [Sequence(next(self._seq_ids), checked.token_ids, self.config.kvcache_block_size, sample_params,
+                         checked.priority)
                 for sample_params in samples]
-        return Request(str(next(self._request_ids)), text, seqs, self.tokenizer)
+        return Request(str(next(self._request_ids)), checked.text, seqs, self.tokenizer)
 
     def _bad_word_ids(self, params: SamplingParams) -> list[list[int]]:
         """Each bad word's token ids, as written and after a space (as vLLM), without duplicates."""
         variants = {tuple(self.tokenizer.encode(prefix + word, add_special_tokens=False))
                     for word in params.bad_words or () for prefix in ("", " ")}
         return [list(ids) for ids in sorted(variants) if ids]
-
-    def _new_requests(self, prompts: Prompt | list[Prompt], sampling_params: Params, priority: int | list[int] | None,
-                      add_special_tokens: bool = True) -> list[Request]:
-        if isinstance(prompts, (str, dict)):
-            prompts = [prompts]
-        if not isinstance(prompts, (list, tuple)):
-            raise ValueError(f"prompts must be a prompt or a list of prompts (strings, {{'prompt': ...}} or "
-                             f"{{'prompt_token_ids': ...}} dicts, or token-id lists), got {type(prompts).__name__}")
-        sampling_params = self._per_prompt("sampling params", sampling_params, len(prompts))
-        priority = self._per_prompt("priorities", 0 if priority is None else priority, len(prompts))
-        return [self._new_request(p, sp, pr, i, add_special_tokens)
-                for i, (p, sp, pr) in enumerate(zip(prompts, sampling_params, priority))]
-
-    @staticmethod
-    def _per_prompt(name: str, value, num_prompts: int) -> list:
-        if not isinstance(value, (list, tuple)):
-            return [value] * num_prompts
-        if len(value) != num_prompts:
-            raise ValueError(f"got {num_prompts} prompts but {len(value)} {name}; pass one value or one per prompt")
-        return list(value)
 
     def _add(self, requests: list[Request]) -> None:
         """Queue `requests`, all or none."""
@@ -199,7 +133,7 @@ class LLMEngine:
     def add_request(self, prompt: Prompt, sampling_params: SamplingParams | None = None, priority: int = 0) -> str:
         """Queue one request and return its id. Under `scheduling_policy="priority"` a lower
         `priority` runs first (and is preempted last); first-come-first-served ignores it, as vLLM."""
-        request = self._new_request(prompt, sampling_params, priority)
+        request = self._new_request(self._check_prompt(prompt, sampling_params, priority))
         self._add([request])
         return request.request_id
 
@@ -270,10 +204,11 @@ class LLMEngine:
                 raise RuntimeError("the scheduler has nothing to run but requests are unfinished; this is a bug")
             return batch
 
-    def step(self) -> list[RequestOutput]:
-        """Run one scheduled step; returns the outputs so far of the requests that got a token in it."""
+    def step(self, delta: bool = False) -> list[RequestOutput]:
+        """Run one scheduled step; returns the outputs of the requests that got a token in it: everything so far,
+        or with `delta` only what is new since their last delta (as `stream` yields it)."""
         with self._lock:
-            return [request.output() for request in self._step()[1]]
+            return [request.output(delta) for request in self._step()[1]]
 
     def is_finished(self) -> bool:
         return self.scheduler.is_finished()
@@ -306,40 +241,8 @@ class LLMEngine:
             raise RuntimeError(f"request {failed.request_id} was aborted because a step failed while another caller "
                                f"ran it: {failed.error!r}") from failed.error
 
-    def generate(self, prompts: Prompt | list[Prompt], sampling_params: Params = None, use_tqdm: bool = True,
-                 priority: int | list[int] | None = None) -> list[RequestOutput]:
-        """Complete every prompt; one `RequestOutput` per prompt, in prompt order. A prompt is text, vLLM's
-        `{"prompt": text}` / `{"prompt_token_ids": ids}`, or a list of token ids; one prompt alone needs no list.
-        `sampling_params` (default `SamplingParams()`) and `priority` are one value for all prompts or one per
-        prompt."""
-        return self._generate(self._new_requests(prompts, sampling_params, priority), use_tqdm)
-
-    def chat(self, messages: Conversation | list[Conversation], sampling_params: Params = None,
-             use_tqdm: bool = True, priority: int | list[int] | None = None,
-             add_generation_prompt: bool = True) -> list[RequestOutput]:
-        """Reply to one conversation (a list of `{"role", "content"}` messages) or to a list of them, through the
-        model's chat template, as vLLM's `LLM.chat`; one `RequestOutput` per conversation."""
-        single = isinstance(messages, (list, tuple)) and bool(messages) and isinstance(messages[0], dict)
-        prompts = [self._chat_text(c, add_generation_prompt) for c in ([messages] if single else messages)]
-        return self._generate(self._new_requests(prompts, sampling_params, priority, add_special_tokens=False),
-                              use_tqdm)
-
-    def chat_prompt(self, conversation: Conversation, add_generation_prompt: bool = True) -> list[int]:
-        """The token ids `chat` sends for `conversation`, e.g. to `stream` a reply."""
-        return self.tokenizer.encode(self._chat_text(conversation, add_generation_prompt), add_special_tokens=False)
-
-    def _chat_text(self, conversation: Conversation, add_generation_prompt: bool) -> str:
-        if self.tokenizer is None or not self.tokenizer.chat_template:
-            raise ValueError(f"{self.config.model!r} has no chat template (a base model?); use generate() with the "
-                             "prompt text instead")
-        if not (isinstance(conversation, (list, tuple)) and conversation and all(
-                isinstance(m, dict) and {"role", "content"} <= m.keys() for m in conversation)):
-            raise ValueError("messages must be a conversation (a non-empty list of {'role': ..., 'content': ...} "
-                             f"dicts) or a list of conversations, got {conversation!r}")
-        return self.tokenizer.apply_chat_template(list(conversation), tokenize=False,
-                                                  add_generation_prompt=add_generation_prompt)
-
-    def _generate(self, requests: list[Request], use_tqdm: bool) -> list[RequestOutput]:
+    def _generate(self, checked: list[CheckedPrompt], use_tqdm: bool) -> list[RequestOutput]:
+        requests = [self._new_request(c) for c in checked]
         self._add(requests)
         try:
             with tqdm(total=len(requests), desc="Generating", dynamic_ncols=True, disable=not use_tqdm) as pbar:
@@ -370,7 +273,7 @@ class LLMEngine:
         completion add up to its `generate` text. Request ids are consecutive, in prompt order. The news reach this
         stream whoever runs the steps (another stream, `generate`, another thread). Leaving the loop early aborts
         the requests still running."""
-        requests = self._new_requests(prompts, sampling_params, priority)
+        requests = [self._new_request(c) for c in self._check_prompts(prompts, sampling_params, priority)]
         self._add(requests)
         try:
             while True:

@@ -1,0 +1,138 @@
+"""What users pass in, checked before any work starts, the same way whoever runs it: one engine (`LLMEngine`) or
+data-parallel replicas (`DataParallelLLM`)."""
+from dataclasses import dataclass, replace
+
+from transformers import PreTrainedTokenizerBase
+
+from nanovllm.config import Config
+from nanovllm.outputs import RequestOutput
+from nanovllm.sampling_params import SamplingParams
+
+Prompt = str | list[int] | dict
+"""Text; vLLM's `{"prompt": text}` or `{"prompt_token_ids": ids}`; or (nanovllm's shorthand) a list of token ids."""
+Conversation = list[dict[str, str]]
+Params = SamplingParams | list[SamplingParams] | None
+
+
+@dataclass
+class CheckedPrompt:
+    """A prompt ready to run: its text (if it came as text), token ids, sampling params (a copy, with `max_tokens`
+    filled in) and priority."""
+
+    text: str | None
+    token_ids: list[int]
+    params: SamplingParams
+    priority: int
+
+
+class PromptFrontend:
+    """`generate` and `chat` over checked prompts; a subclass has `config`, `tokenizer` and `max_model_len`, and runs
+    the checked prompts in `_generate`."""
+
+    config: Config
+    tokenizer: PreTrainedTokenizerBase | None
+    max_model_len: int
+
+    def _generate(self, checked: list[CheckedPrompt], use_tqdm: bool) -> list[RequestOutput]:
+        raise NotImplementedError
+
+    def get_tokenizer(self) -> PreTrainedTokenizerBase | None:
+        """The model's tokenizer (None for a model directory without tokenizer files)."""
+        return self.tokenizer
+
+    def generate(self, prompts: Prompt | list[Prompt], sampling_params: Params = None, use_tqdm: bool = True,
+                 priority: int | list[int] | None = None) -> list[RequestOutput]:
+        """Complete every prompt; one `RequestOutput` per prompt, in prompt order. A prompt is text, vLLM's
+        `{"prompt": text}` / `{"prompt_token_ids": ids}`, or a list of token ids; one prompt alone needs no list.
+        `sampling_params` (default `SamplingParams()`) and `priority` are one value for all prompts or one per
+        prompt."""
+        return self._generate(self._check_prompts(prompts, sampling_params, priority), use_tqdm)
+
+    def chat(self, messages: Conversation | list[Conversation], sampling_params: Params = None,
+             use_tqdm: bool = True, priority: int | list[int] | None = None,
+             add_generation_prompt: bool = True) -> list[RequestOutput]:
+        """Reply to one conversation (a list of `{"role", "content"}` messages) or to a list of them, through the
+        model's chat template, as vLLM's `LLM.chat`; one `RequestOutput` per conversation."""
+        single = isinstance(messages, (list, tuple)) and bool(messages) and isinstance(messages[0], dict)
+        prompts = [self._chat_text(c, add_generation_prompt) for c in ([messages] if single else messages)]
+        return self._generate(self._check_prompts(prompts, sampling_params, priority, add_special_tokens=False),
+                              use_tqdm)
+
+    def chat_prompt(self, conversation: Conversation, add_generation_prompt: bool = True) -> list[int]:
+        """The token ids `chat` sends for `conversation`, e.g. to `stream` a reply."""
+        return self.tokenizer.encode(self._chat_text(conversation, add_generation_prompt), add_special_tokens=False)
+
+    def _chat_text(self, conversation: Conversation, add_generation_prompt: bool) -> str:
+        if self.tokenizer is None or not self.tokenizer.chat_template:
+            raise ValueError(f"{self.config.model!r} has no chat template (a base model?); use generate() with the "
+                             "prompt text instead")
+        if not (isinstance(conversation, (list, tuple)) and conversation and all(
+                isinstance(m, dict) and {"role", "content"} <= m.keys() for m in conversation)):
+            raise ValueError("messages must be a conversation (a non-empty list of {'role': ..., 'content': ...} "
+                             f"dicts) or a list of conversations, got {conversation!r}")
+        return self.tokenizer.apply_chat_template(list(conversation), tokenize=False,
+                                                  add_generation_prompt=add_generation_prompt)
+
+    def _check_prompts(self, prompts: Prompt | list[Prompt], sampling_params: Params, priority: int | list[int] | None,
+                       add_special_tokens: bool = True) -> list[CheckedPrompt]:
+        if isinstance(prompts, (str, dict)):
+            prompts = [prompts]
+        if not isinstance(prompts, (list, tuple)):
+            raise ValueError(f"prompts must be a prompt or a list of prompts (strings, {{'prompt': ...}} or "
+                             f"{{'prompt_token_ids': ...}} dicts, or token-id lists), got {type(prompts).__name__}")
+        sampling_params = self._per_prompt("sampling params", sampling_params, len(prompts))
+        priority = self._per_prompt("priorities", 0 if priority is None else priority, len(prompts))
+        return [self._check_prompt(p, sp, pr, i, add_special_tokens)
+                for i, (p, sp, pr) in enumerate(zip(prompts, sampling_params, priority))]
+
+    def _check_prompt(self, prompt: Prompt, params: SamplingParams | None, priority: int, index: int = 0,
+                      add_special_tokens: bool = True) -> CheckedPrompt:
+        text, token_ids = self._to_token_ids(prompt, index, add_special_tokens)
+        params = SamplingParams() if params is None else params
+        if not isinstance(params, SamplingParams):
+            raise ValueError(f"sampling params must be SamplingParams, got {type(params).__name__}")
+        params.check_vocab(self.config.hf_config.vocab_size, self.config.max_logprobs)
+        if isinstance(priority, bool) or not isinstance(priority, int):
+            raise ValueError(f"priority must be an int (lower runs first), got {priority!r}")
+        if params.bad_words and self.tokenizer is None:
+            raise ValueError(f"bad_words need a tokenizer and {self.config.model!r} has none")
+        params = replace(params, max_tokens=params.max_tokens or max(self.max_model_len - len(token_ids), 1))
+        return CheckedPrompt(text, token_ids, params, priority)
+
+    def _to_token_ids(self, prompt: Prompt, index: int, add_special_tokens: bool = True) -> tuple[str | None, list[int]]:
+        """The prompt's text (if any) and validated token ids, so a bad prompt is rejected before any work starts."""
+        text = None
+        if isinstance(prompt, dict):
+            unknown = sorted(set(prompt) - {"prompt", "prompt_token_ids"})
+            if unknown or not prompt:
+                raise ValueError(f"prompt {index}: nanovllm takes {{'prompt': text}} or {{'prompt_token_ids': ids}}, "
+                                 f"got keys {sorted(prompt)} (multimodal data and other inputs are not supported)")
+            text = prompt.get("prompt")
+            prompt = prompt["prompt_token_ids"] if "prompt_token_ids" in prompt else text
+        if isinstance(prompt, str):
+            if self.tokenizer is None:
+                raise ValueError(f"prompt {index} is text but {self.config.model!r} has no tokenizer; pass token ids")
+            text, token_ids = prompt, self.tokenizer.encode(prompt, add_special_tokens=add_special_tokens)
+        elif isinstance(prompt, (list, tuple)) and all(isinstance(t, int) and not isinstance(t, bool) for t in prompt):
+            token_ids = list(prompt)
+        else:
+            raise ValueError(f"prompt {index} must be a string, {{'prompt': text}}, {{'prompt_token_ids': ids}} or a "
+                             f"list of token ids (ints), got {type(prompt).__name__}")
+        if not token_ids:
+            raise ValueError(f"prompt {index} is empty; every prompt needs at least one token")
+        if len(token_ids) > self.max_model_len:
+            raise ValueError(f"prompt {index} has {len(token_ids)} tokens, more than max_model_len={self.max_model_len}")
+        vocab_size = self.config.hf_config.vocab_size
+        bad = [t for t in token_ids if not 0 <= t < vocab_size]
+        if bad:
+            raise ValueError(f"prompt {index} has token id {bad[0]} outside the vocabulary [0, {vocab_size})")
+        return text, token_ids
+
+    @staticmethod
+    def _per_prompt(name: str, value, num_prompts: int) -> list:
+        if not isinstance(value, (list, tuple)):
+            return [value] * num_prompts
+        if len(value) != num_prompts:
+            raise ValueError(f"got {num_prompts} prompts but {len(value)} {name}; pass one value or one per prompt")
+        return list(value)
+
