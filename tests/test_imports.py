@@ -15,7 +15,8 @@ FLOORS = [
     ("engine settings", ["nanovllm.config"]),
     ("running a model", ["nanovllm.execution"]),
     ("the engine", ["nanovllm.engine"]),
-    ("entry points", ["nanovllm", "nanovllm.llm", "nanovllm.smollm2", "nanovllm.cli", "nanovllm.__main__",
+    ("entry points", ["nanovllm", "nanovllm.llm", "nanovllm.data_parallel", "nanovllm.ray", "nanovllm.smollm2",
+                      "nanovllm.cli", "nanovllm.__main__",
                       "nanovllm.benchmarks"]),
 ]
 

