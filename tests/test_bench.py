@@ -109,3 +109,11 @@ def test_bench_rejects_attention_backends_it_cannot_run(tiny_config, capsys, fla
     with pytest.raises(SystemExit) as error:
         bench.main(["--config", tiny_config, "--device", "cpu", *flags])
     assert error.value.code != 0 and message in f"{error.value.code} {capsys.readouterr().err}"
+
+
+def test_bench_with_two_data_parallel_replicas(tied_model):
+    flags = ["--model", tied_model, "--device", "cpu", "--num-seqs", "6", "--min-input-len", "4", "--max-input-len",
+             "8", "--min-output-len", "2", "--max-output-len", "4", "--scheduling", "chunked"]
+    single = bench.main(flags)["rows"][0]
+    (row,) = bench.main(flags + ["--data-parallel-size", "2"])["rows"]
+    assert row["engine"] == "nanovllm chunked, 2 replicas" and row["tokens"] == single["tokens"]

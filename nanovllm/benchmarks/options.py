@@ -57,6 +57,9 @@ def parse_args(argv: list[str] | None, prog: str | None = None) -> argparse.Name
     p.add_argument("--hf-batch-size", type=int, default=32,
                    help="requests per transformers generate call (padded, each group runs to its longest request)")
     p.add_argument("--threads", type=int, help="torch CPU threads (default: torch's choice)")
+    p.add_argument("--data-parallel-size", type=int, default=1,
+                   help="engine replicas in worker processes (LLM(data_parallel_size=N)); each takes its share of "
+                        "the GPUs or CPU cores (default 1)")
     p.add_argument("--enforce-eager", action="store_true", help="no CUDA graphs / compilation")
     p.add_argument("--kvcache-block-size", type=int, help="engine KV block size (default: the engine's)")
     p.add_argument("--max-num-batched-tokens", type=int, help="engine token budget per step (CUDA 16384, CPU 512)")
@@ -87,7 +90,7 @@ def parse_args(argv: list[str] | None, prog: str | None = None) -> argparse.Name
     if unknown:
         p.error(f"--attention-backend: unknown {', '.join(unknown)}; choose from {', '.join(ATTENTION_BACKENDS)}, all")
     for name in ("num_seqs", "min_input_len", "max_input_len", "min_output_len", "max_output_len",
-                 "hf_batch_size", "threads", "kvcache_block_size", "max_num_batched_tokens", "micro_batch",
+                 "hf_batch_size", "threads", "data_parallel_size", "kvcache_block_size", "max_num_batched_tokens", "micro_batch",
                  "micro_max_context"):
         value = getattr(args, name)
         if value is not None and value < 1:

@@ -212,11 +212,19 @@ def serve(llm: LLM, requests: Requests, params: list[SamplingParams]) -> tuple[l
     return ttft, itl, tokens
 
 
+def kv_block_bytes(config: Config) -> int:
+    """Bytes of one KV block over all layers and heads (of all tensor-parallel ranks)."""
+    cfg = config.hf_config
+    return (2 * cfg.num_hidden_layers * config.kvcache_block_size * cfg.num_key_value_heads * head_dim(cfg)
+            * config.torch_dtype.itemsize)
+
+
 def run_engine(model_dir: str, load_format: str, requests: Requests, args: argparse.Namespace, memory: PeakMemory,
                sampling: str, **settings) -> Served:
     """Time nanovllm on the requests. `memory` watches the timed run, so its peak is the serving footprint
     (weights, KV cache, activations), not the transient of reading the checkpoint."""
     settings.update(device=args.device, dtype=args.dtype, enforce_eager=args.enforce_eager, load_format=load_format,
+                    data_parallel_size=args.data_parallel_size,
                     seed=args.seed, max_model_len=args.max_input_len + args.max_output_len,
                     max_num_batched_tokens=args.max_num_batched_tokens)
     if args.kvcache_block_size:
@@ -232,13 +240,14 @@ def run_engine(model_dir: str, load_format: str, requests: Requests, args: argpa
             start = time.perf_counter()
             ttft, itl, tokens = serve(llm, requests, params)
             seconds = time.perf_counter() - start
-        runner = llm.model_runner
-        weights = sum(p.numel() * p.element_size() for p in runner.model.parameters())
+        stats = llm.stats()
+        replicas = args.data_parallel_size
         facts = {"device": llm.config.device, "dtype": str(llm.config.torch_dtype).removeprefix("torch."),
-                 "attention": llm.config.attention_backend,
-                 "weights_gib": weights / 2**30,
-                 "kv_cache_gib": runner.kv_cache.numel() * runner.kv_cache.element_size() / 2**30,
-                 "max_num_batched_tokens": llm.config.max_num_batched_tokens, **llm.stats()}
+                 "attention": llm.config.attention_backend, "data_parallel_size": replicas,
+                 "weights_gib": replicas * count_parameters(model_dir) * llm.config.torch_dtype.itemsize / 2**30,
+                 "kv_cache_gib": stats["num_blocks"] * kv_block_bytes(llm.config) / 2**30,
+                 "max_num_batched_tokens": llm.config.max_num_batched_tokens,
+                 **{key: value for key, value in stats.items() if key != "replicas"}}
     if tokens != sum(requests.max_tokens):
         raise RuntimeError(f"nanovllm produced {tokens} tokens, the requests asked for {sum(requests.max_tokens)}")
     return Served(seconds, tokens, ttft, itl, facts)
@@ -372,7 +381,8 @@ def run(args: argparse.Namespace) -> dict:
         dtype = getattr(torch, facts["dtype"])
         peak = matmul_peak(facts["device"], dtype)
         model_flops = lambda out_tokens: 2 * num_params * (requests.prompt_tokens + out_tokens)
-        rows = [Row(f"nanovllm {mode}" + ("" if sampling == "plain" else f", {sampling} sampling"),
+        dp = f", {args.data_parallel_size} replicas" if args.data_parallel_size > 1 else ""
+        rows = [Row(f"nanovllm {mode}{dp}" + ("" if sampling == "plain" else f", {sampling} sampling"),
                     run.facts["attention"], model_name, run.facts["device"], run.facts["dtype"],
                     len(requests.prompts), run.tokens, run.seconds, run.tokens / run.seconds, None,
                     model_flops(run.tokens) / run.seconds / peak, mem.gib, percentiles(run.ttft), percentiles(run.itl))
