@@ -210,7 +210,7 @@ class DataParallelLLM(PromptFrontend):
             if not replica.alive:
                 continue
             try:
-                while replica.conn.poll():
+                if replica.conn.poll():  # one message: one engine step, at most a token per request (as `step` says)
                     self._receive(replica, replica.conn.recv(), updated)
             except (EOFError, OSError):
                 self._lost(replica, None)
