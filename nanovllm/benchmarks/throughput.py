@@ -5,6 +5,7 @@ The workload, the flags and what is measured: `nanovllm.benchmarks.options`.
 import argparse
 import gc
 import json
+import multiprocessing
 import os
 import random
 import shutil
@@ -102,8 +103,15 @@ def matmul_peak(device: str, dtype: torch.dtype, seconds: float = 1.0) -> float:
 
 
 def _rss_bytes() -> int:
-    with open("/proc/self/statm") as f:
-        return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+    """Resident memory of this process and its children (data-parallel replicas, tensor-parallel workers)."""
+    total = 0
+    for pid in ["self", *(p.pid for p in multiprocessing.active_children())]:
+        try:
+            with open(f"/proc/{pid}/statm") as f:
+                total += int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+        except OSError:  # it exited meanwhile
+            pass
+    return total
 
 
 class PeakMemory:
