@@ -22,7 +22,6 @@ _TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "vocab.json", "to
 logger = logging.getLogger("nanovllm")
 
 
-
 def load_tokenizer(model: str) -> PreTrainedTokenizerBase | None:
     """The model directory's tokenizer, or None when it ships none (token-id prompts still work)."""
     if not any(os.path.isfile(os.path.join(model, name)) for name in _TOKENIZER_FILES):
@@ -272,10 +271,7 @@ class LLMEngine(PromptFrontend):
                     if not news and self._step_for(requests) is None:
                         break
                 yield from news
-        except GeneratorExit:
-            self.abort_request([request.request_id for request in requests])
-            raise
-        except BaseException:
+        except BaseException:  # leaving the loop early (GeneratorExit) included
             self.abort_request([request.request_id for request in requests])
             raise
         self._raise_if_failed(requests)
