@@ -3,6 +3,7 @@ import torch
 import torch.nn.functional as F
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
+from nanovllm.backends.cpu_kernels import paged_decode
 from nanovllm.utils.context import Context
 
 _CUDA_KERNELS = [SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH]
@@ -95,22 +96,46 @@ class TorchBackend:
     @staticmethod
     def attend(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, ctx: Context,
                scale: float) -> torch.Tensor:
-        """One sequence at a time; on CUDA a pure decode step is one batched masked SDPA instead."""
-        if ctx.is_decode and q.device.type == "cuda":
+        """One sequence at a time, except single-query sequences (decodes): on CUDA a pure decode step is one batched
+        masked SDPA; on CPU every single-query sequence of a step goes through one compiled-kernel call
+        (`cpu_kernels.paged_decode`; where it cannot be built, SDPA over its K/V in place, one call each)."""
+        cpu = q.device.type == "cpu"
+        if ctx.is_decode and not cpu:
             return _decode_batched(q, k_cache, v_cache, ctx, scale)
+        if ctx.is_decode and (o := paged_decode(q, k_cache, v_cache, ctx.block_tables, ctx.context_lens,
+                                                scale)) is not None:
+            return o
         o = torch.zeros_like(q)
         cu_q, lengths = ctx.cu_seqlens_q.tolist(), ctx.context_lens.tolist()
-        tables = ctx.block_tables.tolist() if q.device.type == "cpu" else ctx.block_tables
+        tables = ctx.block_tables.tolist() if cpu else ctx.block_tables
+        decoded = cpu and _decode_single_rows(q, k_cache, v_cache, ctx, cu_q, scale, o)
         for i, length in enumerate(lengths):
             rows = slice(cu_q[i], cu_q[i + 1])
-            if not length:  # rows padding a batch attend to nothing
+            single = cu_q[i + 1] - cu_q[i] == 1
+            if not length or decoded and single:  # rows padding a batch attend to nothing
                 continue
-            if cu_q[i + 1] - cu_q[i] == 1 and q.device.type == "cpu":
+            if single and cpu:
                 o[rows] = _decode_in_place(q[cu_q[i]], k_cache, v_cache, tables[i], length, scale)
             else:
                 table = torch.as_tensor(tables[i], device=q.device)
                 o[rows] = _attend(q[rows], _gather(k_cache, table, length), _gather(v_cache, table, length), scale)
         return o
+
+
+def _decode_single_rows(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, ctx: Context, cu_q: list[int],
+                        scale: float, o: torch.Tensor) -> bool:
+    """The single-query sequences of a CPU step (decodes in a mixed step) in one compiled-kernel call, into `o`;
+    False (nothing done) without the kernel."""
+    single = [i for i in range(len(cu_q) - 1) if cu_q[i + 1] - cu_q[i] == 1]
+    if not single:
+        return True
+    index = torch.tensor(single)
+    rows = torch.tensor([cu_q[i] for i in single])
+    out = paged_decode(q[rows], k_cache, v_cache, ctx.block_tables[index], ctx.context_lens[index], scale)
+    if out is None:
+        return False
+    o[rows] = out
+    return True
 
 
 def _decode_batched(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, ctx: Context,

@@ -11,6 +11,7 @@ only config.json). Start-up (weights, compilation, KV cache) and one short warm-
 """
 import argparse
 import json
+import os
 import time
 
 
@@ -22,7 +23,9 @@ def main() -> None:
     parser.add_argument("--dummy", action="store_true")
     parser.add_argument("--max-model-len", type=int, default=2048)
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--kv-cache-gib", default="4", help="vLLM's CPU KV cache (nanovllm's default budget too)")
     args = parser.parse_args()
+    os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", args.kv_cache_gib)
     import vllm
     from vllm import LLM, SamplingParams
     from vllm.inputs import TokensPrompt

@@ -1,0 +1,90 @@
+"""The compiled CPU decode-attention kernel: against a float64 reference, bitwise the same whatever the batch, and
+an engine that falls back cleanly without it."""
+import shutil
+
+import pytest
+import torch
+
+import nanovllm.backends.cpu_kernels as cpu_kernels_module
+from checkpoints import hf_greedy
+from nanovllm import LLM, SamplingParams
+from nanovllm.backends.cpu_kernels import cpu_kernels, paged_decode
+
+needs_compiler = pytest.mark.skipif(shutil.which("g++") is None and shutil.which("c++") is None,
+                                    reason="no C++ compiler: the kernel cannot be built here (the engine falls back)")
+
+
+def make_case(lengths: list[int], block_size: int, heads: int, kv_heads: int, head_dim: int, dtype: torch.dtype,
+              seed: int = 0):
+    generator = torch.Generator().manual_seed(seed)
+    blocks_per_row = [-(-n // block_size) for n in lengths]
+    num_blocks = sum(blocks_per_row) + 3
+    order = torch.randperm(num_blocks, generator=generator).tolist()  # scattered, not adjacent
+    tables, used = [], 0
+    width = max(blocks_per_row)
+    for n in blocks_per_row:
+        tables.append(order[used:used + n] + [-1] * (width - n))
+        used += n
+    shape = (num_blocks, block_size, kv_heads, head_dim)
+    k_cache = torch.randn(shape, generator=generator).to(dtype)
+    v_cache = torch.randn(shape, generator=generator).to(dtype)
+    q = torch.randn(len(lengths), heads, head_dim, generator=generator).to(dtype)
+    return q, k_cache, v_cache, torch.tensor(tables, dtype=torch.int32), torch.tensor(lengths, dtype=torch.int32)
+
+
+def reference(q, k_cache, v_cache, tables, lengths, scale) -> torch.Tensor:
+    """float64, one row at a time: the cached keys gathered through the table, softmax, weighted values."""
+    out = torch.zeros(q.shape, dtype=torch.float64)
+    group = q.size(1) // k_cache.size(2)
+    for i, n in enumerate(lengths.tolist()):
+        k = k_cache[tables[i, :-(-n // k_cache.size(1))].long()].flatten(0, 1)[:n].double()
+        v = v_cache[tables[i, :-(-n // k_cache.size(1))].long()].flatten(0, 1)[:n].double()
+        k, v = k.repeat_interleave(group, 1), v.repeat_interleave(group, 1)  # [n, heads, dim]
+        scores = torch.einsum("hd,nhd->hn", q[i].double(), k) * scale
+        out[i] = torch.einsum("hn,nhd->hd", scores.softmax(-1), v)
+    return out
+
+
+@needs_compiler
+@pytest.mark.parametrize("block_size", [16, 256])
+@pytest.mark.parametrize("heads, kv_heads, head_dim", [(4, 2, 64), (3, 3, 16), (8, 1, 32)])
+@pytest.mark.parametrize("dtype, atol", [(torch.float32, 1e-5), (torch.bfloat16, 3e-2)])
+def test_decode_against_a_float64_reference(block_size, heads, kv_heads, head_dim, dtype, atol):
+    lengths = [1, 7, 16, 17, 300, 513]
+    q, k_cache, v_cache, tables, lens = make_case(lengths, block_size, heads, kv_heads, head_dim, dtype)
+    out = paged_decode(q, k_cache, v_cache, tables, lens, 0.125)
+    assert out.dtype == dtype and out.shape == q.shape
+    torch.testing.assert_close(out.double(), reference(q, k_cache, v_cache, tables, lens, 0.125), atol=atol, rtol=0)
+
+
+@needs_compiler
+def test_a_row_is_bitwise_the_same_whatever_its_batch_and_thread_count():
+    q, k_cache, v_cache, tables, lens = make_case([5, 260, 33, 1, 700], 16, 4, 2, 64, torch.float32, seed=1)
+    together = paged_decode(q, k_cache, v_cache, tables, lens, 0.1)
+    threads = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)
+        for i in range(len(lens)):
+            alone = paged_decode(q[i:i + 1], k_cache, v_cache, tables[i:i + 1], lens[i:i + 1], 0.1)
+            assert torch.equal(alone[0], together[i])
+    finally:
+        torch.set_num_threads(threads)
+    flipped = paged_decode(q.flip(0), k_cache, v_cache, tables.flip(0), lens.flip(0), 0.1)
+    assert torch.equal(flipped.flip(0), together)
+    padded = paged_decode(torch.cat([q, q[:1]]), k_cache, v_cache, torch.cat([tables, tables[:1]]),
+                          torch.cat([lens, torch.tensor([0], dtype=torch.int32)]), 0.1)
+    assert torch.equal(padded[:-1], together) and not padded[-1].any(), "a padding row attends to nothing"
+
+
+def test_without_the_kernel_the_engine_falls_back_and_stays_exact(tied_model, monkeypatch):
+    prompts = [[1, 2, 3, 4, 5], list(range(20, 60))]
+    params = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
+    expected = hf_greedy(tied_model, prompts, 8)
+    monkeypatch.setattr(cpu_kernels_module, "cpu_kernels", lambda: None)
+    with LLM(tied_model, device="cpu", kvcache_block_size=16, max_model_len=128) as llm:
+        assert [o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)] == expected
+
+
+@needs_compiler
+def test_the_kernel_builds_here():
+    assert cpu_kernels() is not None
