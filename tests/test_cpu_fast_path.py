@@ -58,3 +58,19 @@ def test_mixed_batch_of_prefill_chunk_decode_and_padding():
         torch.testing.assert_close(out[rows], naive_attention(q[rows], k, v, 0.3))
     assert q_lens == (cu_seqlens_q[1:] - cu_seqlens_q[:-1]).tolist()
     assert torch.equal(out[12], torch.zeros(4, 8))
+
+
+def test_bfloat16_weights_are_prepacked_where_the_cpu_runs_bfloat16_natively(tied_model, monkeypatch):
+    from nanovllm import SamplingParams
+    from nanovllm.execution import model_runner
+
+    prompts = [[1, 2, 3, 4, 5], list(range(20, 60))]
+    params = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
+    with LLM(tied_model, device="cpu", dtype="bfloat16") as llm:
+        native = torch.ops.mkldnn._is_mkldnn_bf16_supported()
+        assert all(layer.mlp.down_proj.weight.is_mkldnn == native for layer in llm.model_runner.model.model.layers)
+        packed = [o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
+    monkeypatch.setattr(model_runner, "can_prepack", lambda dtype: False)
+    with LLM(tied_model, device="cpu", dtype="bfloat16") as llm:
+        assert not llm.model_runner.model.model.layers[0].mlp.down_proj.weight.is_mkldnn
+        assert [o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)] == packed

@@ -270,7 +270,10 @@ def run_vllm(python: str, model_dir: str, load_format: str, requests: Requests, 
                               text=True)
     if done.returncode:
         raise RuntimeError(f"vLLM failed (exit code {done.returncode}):\n{done.stderr[-3000:]}")
-    result = json.loads(done.stdout.strip().splitlines()[-1])
+    lines = [line for line in done.stdout.splitlines() if line.startswith('{"engine"')]  # vLLM prints too
+    if not lines:
+        raise RuntimeError(f"vLLM printed no result:\n{done.stdout[-2000:]}\n{done.stderr[-2000:]}")
+    result = json.loads(lines[-1])
     if result["tokens"] != sum(requests.max_tokens):
         raise RuntimeError(f"vLLM produced {result['tokens']} tokens, the requests asked for {sum(requests.max_tokens)}")
     return result["seconds"], result["tokens"], result["engine"]
