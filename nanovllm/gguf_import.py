@@ -18,15 +18,9 @@ import xxhash
 from transformers import AutoConfig, PretrainedConfig
 
 from nanovllm.models import model_class
+from nanovllm.utils.cache import cache_dir
 
 INSTALL_HINT = 'pip install "nanovllm[demo]" (or: pip install gguf accelerate)'
-
-
-def cache_dir() -> Path:
-    """Where converted models live: `$NANOVLLM_CACHE`, else `$XDG_CACHE_HOME/nanovllm`, else `~/.cache/nanovllm`."""
-    if os.environ.get("NANOVLLM_CACHE"):
-        return Path(os.environ["NANOVLLM_CACHE"]).expanduser()
-    return Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "nanovllm"
 
 
 def find_gguf(model: str) -> str | None:

@@ -1,6 +1,9 @@
 """The compiled CPU decode-attention kernel: against a float64 reference, bitwise the same whatever the batch, and
 an engine that falls back cleanly without it."""
+import logging
 import shutil
+import subprocess
+import sys
 
 import pytest
 import torch
@@ -8,7 +11,8 @@ import torch
 import nanovllm.backends.cpu_kernels as cpu_kernels_module
 from checkpoints import hf_greedy
 from nanovllm import LLM, SamplingParams
-from nanovllm.backends.cpu_kernels import cpu_kernels, paged_decode
+from nanovllm.backends.cpu_kernels import build_directory, cpu_kernels, paged_decode
+from nanovllm.utils.cache import exclusive
 
 needs_compiler = pytest.mark.skipif(shutil.which("g++") is None and shutil.which("c++") is None,
                                     reason="no C++ compiler: the kernel cannot be built here (the engine falls back)")
@@ -88,3 +92,25 @@ def test_without_the_kernel_the_engine_falls_back_and_stays_exact(tied_model, mo
 @needs_compiler
 def test_the_kernel_builds_here():
     assert cpu_kernels() is not None
+
+
+
+@needs_compiler
+def test_a_build_killed_midway_does_not_hang_the_next_start(tmp_path, monkeypatch):
+    """torch's own lock is a file, which a build killed midway leaves behind: every later start waited on it
+    forever."""
+    assert cpu_kernels() is not None
+    built = build_directory()
+    monkeypatch.setenv("NANOVLLM_CACHE", str(tmp_path))
+    shutil.copytree(built, build_directory())
+    (build_directory() / "lock").touch()
+    code = "from nanovllm.backends.cpu_kernels import cpu_kernels; assert cpu_kernels() is not None"
+    subprocess.run([sys.executable, "-c", code], check=True, timeout=300)
+
+
+def test_a_build_held_elsewhere_past_the_wait_falls_back(tmp_path, monkeypatch, caplog):
+    monkeypatch.setenv("NANOVLLM_CACHE", str(tmp_path))
+    monkeypatch.setattr(cpu_kernels_module, "BUILD_WAIT_S", 0.5)
+    with exclusive(build_directory() / "build.lock", 1), caplog.at_level(logging.WARNING, "nanovllm"):
+        assert cpu_kernels.__wrapped__() is None
+    assert "another process has held" in caplog.text and "torch's operators" in caplog.text

@@ -16,7 +16,8 @@ row in `BACKENDS` declaring what it serves: devices, compute capabilities, dtype
 sizes, whether its attend can be captured in a CUDA graph, the library it needs and how to install it.
 `unsupported` and `select_backend` read only those rows (a pure function of what the machine offers,
 see `Platform`), and `load_backend` imports the chosen class and pairs its kernel with a K/V writer,
-so `import nanovllm` works without flash-attn or triton. A CPU kernel is a row with
+so `import nanovllm` works without flash-attn or triton. A class may also provide `prepare(device)`, run
+when the backend is loaded (the torch backend builds its CPU kernels there, not inside the first step). A CPU kernel is a row with
 `devices=("cpu",)`, ahead of torch.
 """
 import functools
@@ -228,6 +229,8 @@ def load_backend(name: str, platform: Platform) -> Backend:
     spec = BACKENDS[name]
     module, _, cls = spec.path.partition(":")
     kernel = getattr(importlib.import_module(module), cls)
+    if (prepare := getattr(kernel, "prepare", None)) is not None:
+        prepare(platform.device)
     if spec.own_kv_writer:
         return Backend(name, kernel.attend, kernel.store_kvcache, spec.capturable)
     if platform.device == "cuda" and platform.installed("triton"):

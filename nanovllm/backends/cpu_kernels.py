@@ -1,16 +1,42 @@
-"""CPU kernels compiled at first use with `torch.utils.cpp_extension` (g++ and torch's headers; cached by torch per
-machine, so later starts load the built library): `paged_decode`, every single-query row of a step in one call.
+"""CPU kernels compiled with `torch.utils.cpp_extension` (g++ and torch's headers) the first time an engine starts on
+the CPU, into nanovllm's cache directory, per torch version and CPU (`-march=native` code runs only where it was
+built): `paged_decode`, every single-query row of a step in one call.
 
-Without a working compiler the engine falls back to torch's own operators and says so once (logger "nanovllm").
+Builds are serialized by an OS lock that dies with its holder: torch's own lock is a file that a build killed
+midway leaves behind, after which every later `load` waits for it forever. Without a working compiler, or when
+another process keeps building past `BUILD_WAIT_S`, the engine falls back to torch's operators and says so once
+(logger "nanovllm").
 """
 import functools
 import logging
+import platform
+import shutil
+import sys
 from pathlib import Path
 
 import torch
+import xxhash
+
+from nanovllm.utils.cache import cache_dir, exclusive
 
 logger = logging.getLogger("nanovllm")
+NAME = "nanovllm_cpu_kernels"
 SOURCE = Path(__file__).with_name("csrc") / "paged_decode.cpp"
+BUILD_WAIT_S = 600.0
+
+
+def build_directory() -> Path:
+    """Where this torch, Python and CPU keep the built kernels (torch rebuilds there when the source changes)."""
+    cpu = next((line for line in _cpuinfo().splitlines() if line.startswith("flags")), platform.processor())
+    key = xxhash.xxh64_hexdigest(f"{torch.__version__}|{sys.version}|{platform.machine()}|{cpu}".encode())
+    return cache_dir() / "kernels" / key
+
+
+def _cpuinfo() -> str:
+    try:
+        return Path("/proc/cpuinfo").read_text()
+    except OSError:
+        return ""
 
 
 @functools.cache
@@ -18,12 +44,19 @@ def cpu_kernels():
     """The compiled extension module, or None (logged once) when it cannot be built here."""
     from torch.utils.cpp_extension import load
 
+    directory = build_directory()
     try:
-        return load("nanovllm_cpu_kernels", [str(SOURCE)], extra_cflags=["-O3", "-march=native", "-fopenmp"],
-                    extra_ldflags=["-fopenmp"], verbose=False)
-    except Exception as e:  # no compiler, no headers, a failed build: the torch path still works
-        logger.warning("nanovllm: CPU kernels could not be built (%s); decode attention runs on torch's operators, "
-                       "one call per sequence (slower). Install g++ to get them.", str(e).splitlines()[0][:200])
+        with exclusive(directory / "build.lock", BUILD_WAIT_S):
+            (directory / "lock").unlink(missing_ok=True)  # torch's lock file, left by a build that was killed
+            if not (directory / f"{NAME}.so").exists():
+                print(f"nanovllm: building the CPU kernels into {directory} (once per torch version and CPU; about "
+                      "20 s) ...", file=sys.stderr)
+            return load(NAME, [str(SOURCE)], extra_cflags=["-O3", "-march=native", "-fopenmp"],
+                        extra_ldflags=["-fopenmp"], build_directory=str(directory), verbose=False)
+    except Exception as e:  # no compiler, no headers, a failed build, a build elsewhere that never ends
+        hint = "" if shutil.which("c++") or shutil.which("g++") else " Install g++ to get them."
+        logger.warning("nanovllm: CPU kernels could not be built in %s (%s); decode attention runs on torch's "
+                       "operators, one call per sequence (slower).%s", directory, str(e).splitlines()[0][:200], hint)
         return None
 
 

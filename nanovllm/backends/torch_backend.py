@@ -3,7 +3,7 @@ import torch
 import torch.nn.functional as F
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
-from nanovllm.backends.cpu_kernels import paged_decode
+from nanovllm.backends.cpu_kernels import cpu_kernels, paged_decode
 from nanovllm.utils.context import Context
 
 _CUDA_KERNELS = [SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH]
@@ -84,6 +84,11 @@ def _decode_in_place(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
 class TorchBackend:
     """Per-sequence SDPA; not capturable in a CUDA graph: the store's boolean mask syncs with the host, and decode
     gathers whole block tables."""
+
+    @staticmethod
+    def prepare(device: str) -> None:
+        if device == "cpu":
+            cpu_kernels()
 
     @staticmethod
     def store_kvcache(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
