@@ -324,8 +324,9 @@ class DataParallelLLM(PromptFrontend):
                 self._pump(1.0)
             per_replica = [{"replica": r.index, "alive": r.alive, "load": r.load, "num_requests": r.routed,
                             **(r.stats or {})} for r in self.replicas]
-            counters = [key for key in per_replica[0] if key.startswith("num_") and key != "num_requests"]
-            total = {key: sum(r.get(key, 0) for r in per_replica if r["alive"]) for key in counters}
+            alive = [r for r in per_replica if r["alive"]]
+            counters = dict.fromkeys(key for r in alive for key in r if key.startswith("num_") and key != "num_requests")
+            total = {key: sum(r.get(key, 0) for r in alive) for key in counters}
             return {**total, "replicas": per_replica}
 
     def exit(self) -> None:

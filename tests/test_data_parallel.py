@@ -74,7 +74,9 @@ def test_a_killed_replica_s_requests_are_retried_on_the_other(tied_model, expect
         assert victim.exitcode == -signal.SIGKILL
         with LLM(tied_model, **SETTINGS) as one:
             assert token_ids(outputs) == token_ids(one.generate(PROMPTS * 2, params, use_tqdm=False))
-        assert [r["alive"] for r in llm.stats()["replicas"]] == [False, True]
+        stats = llm.stats()
+        assert [r["alive"] for r in stats["replicas"]] == [False, True]
+        assert stats["num_free_blocks"] == stats["num_blocks"] == SETTINGS["num_kvcache_blocks"], "the live one's"
         assert token_ids(llm.generate(PROMPTS, GREEDY, use_tqdm=False)) == expected[0], "still usable"
     finally:
         llm.exit()
