@@ -1,23 +1,56 @@
 // Paged decode attention on the CPU: every single-query row of a step in one call, reading K/V in place
 // through the block tables. One work item per (row, KV head): the group's query heads against every cached key of
 // the row, scores in float32, a max-subtracted softmax, then the weighted sum of V. A row's result depends only on
-// its own query, its own cached K/V and this binary's fixed summation order: not on its batch, nor on threads.
+// its own query, its own cached K/V and this binary's fixed operation order: not on its batch, nor on threads.
+// Common head sizes are compiled with head_dim as a constant, which the compiler unrolls (about 2x faster).
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
 
 #include <cmath>
+#include <cstring>
 #include <limits>
 #include <vector>
 
-template <typename T>
+constexpr int64_t MAX_HEAD_DIM = 1024;
+
+static inline float to_float(float x) { return x; }
+static inline float to_float(c10::Half x) { return static_cast<float>(x); }
+static inline float to_float(c10::BFloat16 x) {  // a shift the compiler vectorizes (c10's conversion it does not)
+  const uint32_t bits = static_cast<uint32_t>(x.x) << 16;
+  float f;
+  std::memcpy(&f, &bits, sizeof f);
+  return f;
+}
+
+// exp(x) for x <= 0 (max-subtracted scores) as 2^n * p(r), r = x - n ln2 in [-ln2/2, ln2/2]: a polynomial the
+// compiler vectorizes (std::exp it calls once per element), relative error ~2e-7; clamped at -87 (exp: 1.6e-38).
+static inline float exp_nonpositive(float x) {
+  x = std::max(x, -87.f);
+  const float n = std::nearbyint(x * 1.44269504088896341f);
+  const float r = std::fma(n, -0.693145751953125f, std::fma(n, -1.428606765330187e-06f, x));
+  float p = 1.9875691500e-4f;
+  p = std::fma(p, r, 1.3981999507e-3f);
+  p = std::fma(p, r, 8.3334519073e-3f);
+  p = std::fma(p, r, 4.1665795894e-2f);
+  p = std::fma(p, r, 1.6666665459e-1f);
+  p = std::fma(p, r, 5.0000001201e-1f);
+  p = std::fma(p * r, r, r) + 1.f;
+  const int32_t bits = (static_cast<int32_t>(n) + 127) << 23;
+  float scale;
+  std::memcpy(&scale, &bits, sizeof scale);
+  return p * scale;
+}
+
+template <typename T, int64_t HEAD_DIM>
 static void decode_rows(const T* q, const T* k_cache, const T* v_cache, const int32_t* block_tables,
                         const int32_t* context_lens, T* out, int64_t rows, int64_t heads, int64_t kv_heads,
-                        int64_t head_dim, int64_t block_size, int64_t table_width, float scale) {
+                        int64_t runtime_head_dim, int64_t block_size, int64_t table_width, float scale) {
+  const int64_t head_dim = HEAD_DIM ? HEAD_DIM : runtime_head_dim;  // a constant lets the compiler unroll
   const int64_t group = heads / kv_heads;
   const int64_t token_stride = kv_heads * head_dim;   // next token in a block
   const int64_t block_stride = block_size * token_stride;
   at::parallel_for(0, rows * kv_heads, 1, [&](int64_t begin, int64_t end) {
-    std::vector<float> query(group * head_dim), scores, acc(group * head_dim);
+    std::vector<float> query(group * head_dim), scores, key(head_dim);
     for (int64_t item = begin; item < end; ++item) {
       const int64_t row = item / kv_heads, g = item % kv_heads;
       const int64_t length = context_lens[row];
@@ -25,37 +58,42 @@ static void decode_rows(const T* q, const T* k_cache, const T* v_cache, const in
       const int32_t* table = block_tables + row * table_width;
       for (int64_t h = 0; h < group; ++h)
         for (int64_t d = 0; d < head_dim; ++d)
-          query[h * head_dim + d] = static_cast<float>(q[(row * heads + g * group + h) * head_dim + d]) * scale;
-      scores.assign(group * length, 0.f);
-      for (int64_t t = 0; t < length; ++t) {
-        const T* k = k_cache + table[t / block_size] * block_stride + (t % block_size) * token_stride + g * head_dim;
-        for (int64_t h = 0; h < group; ++h) {
-          const float* qh = query.data() + h * head_dim;
-          float dot = 0.f;
+          query[h * head_dim + d] = to_float(q[(row * heads + g * group + h) * head_dim + d]) * scale;
+      scores.resize(group * length);
+      for (int64_t t0 = 0; t0 < length; t0 += block_size) {
+        const T* block = k_cache + table[t0 / block_size] * block_stride + g * head_dim;
+        for (int64_t t = t0; t < std::min(t0 + block_size, length); ++t) {
+          const T* k = block + (t - t0) * token_stride;
+#pragma omp simd
+          for (int64_t d = 0; d < head_dim; ++d) key[d] = to_float(k[d]);
+          for (int64_t h = 0; h < group; ++h) {
+            const float* qh = query.data() + h * head_dim;
+            float dot = 0.f;
 #pragma omp simd reduction(+ : dot)
-          for (int64_t d = 0; d < head_dim; ++d) dot += qh[d] * static_cast<float>(k[d]);
-          scores[h * length + t] = dot;
+            for (int64_t d = 0; d < head_dim; ++d) dot += qh[d] * key[d];
+            scores[h * length + t] = dot;
+          }
         }
       }
-      std::fill(acc.begin(), acc.end(), 0.f);
       for (int64_t h = 0; h < group; ++h) {
-        float* s = scores.data() + h * length;
+        float* p = scores.data() + h * length;
         float top = -std::numeric_limits<float>::infinity();
-        for (int64_t t = 0; t < length; ++t) top = std::max(top, s[t]);
-        float total = 0.f;
-        for (int64_t t = 0; t < length; ++t) {
-          s[t] = std::exp(s[t] - top);
-          total += s[t];
-        }
-        float* a = acc.data() + h * head_dim;
-        for (int64_t t = 0; t < length; ++t) {
-          const T* v = v_cache + table[t / block_size] * block_stride + (t % block_size) * token_stride + g * head_dim;
-          const float p = s[t];
+        for (int64_t t = 0; t < length; ++t) top = std::max(top, p[t]);
 #pragma omp simd
-          for (int64_t d = 0; d < head_dim; ++d) a[d] += p * static_cast<float>(v[d]);
+        for (int64_t t = 0; t < length; ++t) p[t] = exp_nonpositive(p[t] - top);
+        float total = 0.f;
+        for (int64_t t = 0; t < length; ++t) total += p[t];
+        float acc[HEAD_DIM ? HEAD_DIM : MAX_HEAD_DIM] = {};  // in registers when HEAD_DIM is a constant
+        for (int64_t t0 = 0; t0 < length; t0 += block_size) {
+          const T* block = v_cache + table[t0 / block_size] * block_stride + g * head_dim;
+          for (int64_t t = t0; t < std::min(t0 + block_size, length); ++t) {
+            const T* v = block + (t - t0) * token_stride;
+#pragma omp simd
+            for (int64_t d = 0; d < head_dim; ++d) acc[d] += p[t] * to_float(v[d]);
+          }
         }
         T* o = out + (row * heads + g * group + h) * head_dim;
-        for (int64_t d = 0; d < head_dim; ++d) o[d] = static_cast<T>(a[d] / total);
+        for (int64_t d = 0; d < head_dim; ++d) o[d] = static_cast<T>(acc[d] / total);
       }
     }
   });
@@ -66,15 +104,17 @@ torch::Tensor paged_decode(torch::Tensor q, torch::Tensor k_cache, torch::Tensor
   TORCH_CHECK(q.dim() == 3 && k_cache.dim() == 4 && v_cache.sizes() == k_cache.sizes(), "bad shapes");
   TORCH_CHECK(k_cache.is_contiguous() && v_cache.is_contiguous(), "the caches must be contiguous");
   TORCH_CHECK(q.scalar_type() == k_cache.scalar_type(), "q and the caches must share a dtype");
+  TORCH_CHECK(q.size(2) <= MAX_HEAD_DIM, "head_dim above ", MAX_HEAD_DIM);
   q = q.contiguous();
   block_tables = block_tables.to(torch::kInt32).contiguous();
   context_lens = context_lens.to(torch::kInt32).contiguous();
   auto out = torch::zeros_like(q);
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, q.scalar_type(), "paged_decode", [&] {
-    decode_rows<scalar_t>(q.data_ptr<scalar_t>(), k_cache.data_ptr<scalar_t>(), v_cache.data_ptr<scalar_t>(),
-                          block_tables.data_ptr<int32_t>(), context_lens.data_ptr<int32_t>(),
-                          out.data_ptr<scalar_t>(), q.size(0), q.size(1), k_cache.size(2), q.size(2),
-                          k_cache.size(1), block_tables.size(1), static_cast<float>(scale));
+    auto run = q.size(2) == 64 ? decode_rows<scalar_t, 64> : q.size(2) == 128 ? decode_rows<scalar_t, 128>
+                                                                                 : decode_rows<scalar_t, 0>;
+    run(q.data_ptr<scalar_t>(), k_cache.data_ptr<scalar_t>(), v_cache.data_ptr<scalar_t>(),
+        block_tables.data_ptr<int32_t>(), context_lens.data_ptr<int32_t>(), out.data_ptr<scalar_t>(), q.size(0),
+        q.size(1), k_cache.size(2), q.size(2), k_cache.size(1), block_tables.size(1), static_cast<float>(scale));
   });
   return out;
 }
