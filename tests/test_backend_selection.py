@@ -201,9 +201,9 @@ def test_engine_setting_is_checked_resolved_and_logged(tied_model, caplog):
 
     with pytest.raises(ValueError, match="attention_backend='flash-attn-4' cannot run here: flash-attn-4 needs a "
                                          "CUDA GPU"):
-        LLM(tied_model, device="cpu", attention_backend="flash-attn-4")
+        LLM(tied_model, device="cpu", dtype="float32", attention_backend="flash-attn-4")
     with caplog.at_level(logging.INFO, logger="nanovllm"):
-        with LLM(tied_model, device="cpu", kvcache_block_size=16, max_model_len=64) as llm:
+        with LLM(tied_model, device="cpu", dtype="float32", kvcache_block_size=16, max_model_len=64) as llm:
             assert llm.config.attention_backend == "torch"
             assert llm.model_runner.backend == load_backend("torch", cpu())
     assert [r.getMessage() for r in caplog.records if r.name == "nanovllm"] == ["attention backend: torch"]
@@ -214,7 +214,7 @@ def test_import_and_cpu_engine_work_without_flash_attn_and_triton(tied_model):
         "import sys; sys.modules['flash_attn'] = None; sys.modules['triton'] = None\n"
         "import nanovllm, nanovllm.backends.flash_backend, nanovllm.backends.flash4_backend\n"
         "from nanovllm import LLM, SamplingParams\n"
-        f"llm = LLM({tied_model!r}, device='cpu', kvcache_block_size=16, max_model_len=64)\n"
+        f"llm = LLM({tied_model!r}, device='cpu', dtype='float32', kvcache_block_size=16, max_model_len=64)\n"
         "out = llm.generate([[1, 2, 3]], SamplingParams(temperature=0, max_tokens=3, ignore_eos=True), use_tqdm=False)\n"
         "assert len(out[0]['token_ids']) == 3, out\n"
         "assert llm.model_runner.backend.name == 'torch' and llm.model_runner.graphs is None\n"
@@ -233,7 +233,7 @@ def test_cpu_engine_skips_warmup_graphs_and_compile(tied_model, monkeypatch):
 
     monkeypatch.setattr(model_runner, "gpu_kv_cache_bytes", no_warmup)
     monkeypatch.setattr(compile_mod, "_enabled", True)
-    with LLM(tied_model, device="cpu", kvcache_block_size=16, max_model_len=64) as llm:
+    with LLM(tied_model, device="cpu", dtype="float32", kvcache_block_size=16, max_model_len=64) as llm:
         runner = llm.model_runner
         assert runner.backend.name == "torch" and runner.graphs is None
         assert not compile_mod._enabled
@@ -273,7 +273,7 @@ def test_triton_backend_runs_the_engine_on_cpu_under_the_interpreter(tied_model)
     code = (
         "from nanovllm import LLM, SamplingParams\n"
         "greedy = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)\n"
-        f"with LLM({tied_model!r}, device='cpu', attention_backend='triton', kvcache_block_size=16, max_model_len=64) as llm:\n"
+        f"with LLM({tied_model!r}, device='cpu', dtype='float32', attention_backend='triton', kvcache_block_size=16, max_model_len=64) as llm:\n"
         "    assert llm.model_runner.backend.name == 'triton', llm.model_runner.backend\n"
         f"    runs = [[o['token_ids'] for o in llm.generate({prompts!r}, greedy, use_tqdm=False)] for _ in range(2)]\n"
         "    assert llm.stats()['num_cached_tokens'] > 0\n"

@@ -14,7 +14,7 @@ GREEDY = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
 
 @pytest.fixture(scope="module")
 def llm(tied_model):
-    with LLM(tied_model, device="cpu", kvcache_block_size=16, max_model_len=128) as engine:
+    with LLM(tied_model, device="cpu", dtype="float32", kvcache_block_size=16, max_model_len=128) as engine:
         yield engine
 
 
@@ -97,7 +97,7 @@ def test_error_mid_generate_frees_everything(llm, expected, monkeypatch):
 ])
 def test_bad_engine_settings(tied_model, kwargs, message):
     with pytest.raises(ValueError, match=message):
-        LLM(tied_model, **{"device": "cpu", **kwargs})
+        LLM(tied_model, **{"device": "cpu", "dtype": "float32", **kwargs})
 
 
 def test_missing_or_malformed_model_directory(tied_model, tmp_path):
@@ -149,7 +149,7 @@ def test_checkpoint_missing_weights(tied_model, tmp_path):
 
 
 def test_a_shut_down_engine_says_so(tied_model):
-    llm = LLM(tied_model, device="cpu", max_model_len=128)
+    llm = LLM(tied_model, device="cpu", dtype="float32", max_model_len=128)
     llm.exit()
     with pytest.raises(RuntimeError, match="has been shut down"):
         llm.generate([GOOD], GREEDY, use_tqdm=False)

@@ -27,7 +27,7 @@ def _copy_without(model: str, tmp_path, key: str) -> str:
 ])
 def test_config_keys_missing_from_config_json_are_named(tied_model, tmp_path, key, message):
     with pytest.raises(ValueError, match=message):
-        LLM(_copy_without(tied_model, tmp_path, key), device="cpu", max_model_len=128)
+        LLM(_copy_without(tied_model, tmp_path, key), device="cpu", dtype="float32", max_model_len=128)
 
 
 def test_a_tensor_of_the_wrong_shape_is_named_with_its_config_key(untied_model, tmp_path):
@@ -41,7 +41,7 @@ def test_a_tensor_of_the_wrong_shape_is_named_with_its_config_key(untied_model, 
     with pytest.raises(ValueError, match=rf"'{name}' in {file} has shape \(127, 64\), but the model config expects "
                                          r"\(128, 64\): dimension 0 is 127 but the config implies 128 "
                                          r"\(intermediate_size=128\)"):
-        LLM(str(path), device="cpu", max_model_len=128)
+        LLM(str(path), device="cpu", dtype="float32", max_model_len=128)
 
 
 @pytest.mark.parametrize("damage", ["truncate", "garble"])
@@ -51,4 +51,4 @@ def test_a_damaged_weight_file_is_named(tied_model, tmp_path, damage):
     data = file.read_bytes()
     file.write_bytes(data[:len(data) // 2] if damage == "truncate" else b"\x08\x00\x00\x00\x00\x00\x00\x00garbage!")
     with pytest.raises(ValueError, match=rf"{file} is not a readable safetensors file .*truncated or corrupt"):
-        LLM(str(path), device="cpu", max_model_len=128)
+        LLM(str(path), device="cpu", dtype="float32", max_model_len=128)

@@ -7,7 +7,7 @@ from checkpoints import hf_greedy
 from nanovllm import LLM, SamplingParams
 from test_engine_parity import GREEDY, MAX_TOKENS, PROMPT_LENGTHS, assert_all_blocks_free, random_prompts
 
-CPU = dict(device="cpu", max_model_len=1024)
+CPU = dict(device="cpu", dtype="float32", max_model_len=1024)
 
 
 @pytest.fixture(scope="module")
@@ -62,7 +62,7 @@ def test_preemption_mid_prefill_and_mid_decode_keeps_outputs_exact(tied_model, m
     expected = hf_greedy(tied_model, prompts, 48)
     params = SamplingParams(temperature=0, max_tokens=48, ignore_eos=True)
     with LLM(tied_model, kvcache_block_size=16, num_kvcache_blocks=16, max_model_len=256, max_num_batched_tokens=16,
-             device="cpu") as llm:
+             device="cpu", dtype="float32") as llm:
         scheduler, seen = llm.scheduler, set()
         preempt = scheduler.preempt
 

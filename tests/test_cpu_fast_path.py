@@ -5,11 +5,12 @@ import torch
 
 from nanovllm import LLM
 from nanovllm.backends.torch_backend import TorchBackend
+from nanovllm.layers.prepack import native_bfloat16
 from nanovllm.utils.context import Context
 
 
 def test_linear_weights_are_prepacked_on_cpu(tied_model):
-    with LLM(tied_model, device="cpu") as llm:
+    with LLM(tied_model, device="cpu", dtype="float32") as llm:
         model = llm.model_runner.model
         assert model.lm_head.weight.is_mkldnn
         assert not model.model.embed_tokens.weight.is_mkldnn
@@ -67,10 +68,25 @@ def test_bfloat16_weights_are_prepacked_where_the_cpu_runs_bfloat16_natively(tie
     prompts = [[1, 2, 3, 4, 5], list(range(20, 60))]
     params = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
     with LLM(tied_model, device="cpu", dtype="bfloat16") as llm:
-        native = torch.ops.mkldnn._is_mkldnn_bf16_supported()
+        native = native_bfloat16()
         assert all(layer.mlp.down_proj.weight.is_mkldnn == native for layer in llm.model_runner.model.model.layers)
         packed = [o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
     monkeypatch.setattr(model_runner, "can_prepack", lambda dtype: False)
     with LLM(tied_model, device="cpu", dtype="bfloat16") as llm:
         assert not llm.model_runner.model.model.layers[0].mlp.down_proj.weight.is_mkldnn
         assert [o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)] == packed
+
+
+def test_auto_dtype_on_cpu_is_bfloat16_only_where_the_cpu_computes_it_natively(tied_model, monkeypatch):
+    from transformers import AutoConfig
+
+    from nanovllm import config
+
+    with LLM(tied_model, device="cpu") as llm:
+        assert llm.model_runner.config.torch_dtype == (torch.bfloat16 if native_bfloat16() else torch.float32)
+    hf_config = AutoConfig.from_pretrained(tied_model)  # a float32 checkpoint
+    for native, expected in ((True, torch.bfloat16), (False, torch.float32)):
+        monkeypatch.setattr(config, "native_bfloat16", lambda: native)
+        assert config.resolve_dtype("auto", "cpu", hf_config) == expected
+        assert config.resolve_dtype("float32", "cpu", hf_config) == torch.float32
+    assert config.resolve_dtype("auto", "cuda", hf_config) == torch.bfloat16

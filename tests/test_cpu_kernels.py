@@ -85,7 +85,7 @@ def test_without_the_kernel_the_engine_falls_back_and_stays_exact(tied_model, mo
     params = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
     expected = hf_greedy(tied_model, prompts, 8)
     monkeypatch.setattr(cpu_kernels_module, "cpu_kernels", lambda: None)
-    with LLM(tied_model, device="cpu", kvcache_block_size=16, max_model_len=128) as llm:
+    with LLM(tied_model, device="cpu", dtype="float32", kvcache_block_size=16, max_model_len=128) as llm:
         assert [o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)] == expected
 
 

@@ -62,7 +62,7 @@ def test_set_context_views_the_buffers():
 def test_padded_decode_equals_unpadded_decode(tied_model):
     """What a graph replays (the batch padded to its bucket in the static buffers) gives the same hidden
     states for the real rows as the eager forward, and the padding rows write nothing to the KV cache."""
-    with LLM(tied_model, device="cpu", kvcache_block_size=4, max_model_len=64, max_num_seqs=8) as llm:
+    with LLM(tied_model, device="cpu", dtype="float32", kvcache_block_size=4, max_model_len=64, max_num_seqs=8) as llm:
         runner = llm.model_runner
         prompts = [[1, 2, 3, 4, 5], [9] * 11, [7, 8]]
         for prompt in prompts:

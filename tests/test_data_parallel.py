@@ -10,7 +10,7 @@ import pytest
 from nanovllm import LLM, SamplingParams
 from nanovllm.data_parallel import DataParallelLLM, ReplicaFailure
 
-SETTINGS = dict(device="cpu", kvcache_block_size=16, max_model_len=256, num_kvcache_blocks=64)
+SETTINGS = dict(device="cpu", dtype="float32", kvcache_block_size=16, max_model_len=256, num_kvcache_blocks=64)
 SHARED = list(range(100, 132))  # two whole blocks
 PROMPTS = [SHARED + [i, i + 1] for i in range(1, 5)] + [[7, 8, 9], list(range(20, 45)), [11, 12, 13, 14], [5] * 40]
 GREEDY = SamplingParams(temperature=0, max_tokens=10, ignore_eos=True)

@@ -48,7 +48,7 @@ def assert_all_blocks_free(llm: LLM) -> None:
 @pytest.mark.parametrize("model", MODELS)
 def test_greedy_matches_transformers(request, model, block_size, prompts, references):
     path = request.getfixturevalue(model)
-    with LLM(path, kvcache_block_size=block_size, max_model_len=1024, device="cpu") as llm:
+    with LLM(path, kvcache_block_size=block_size, max_model_len=1024, device="cpu", dtype="float32") as llm:
         outputs = llm.generate(prompts, GREEDY, use_tqdm=False)
         assert [o["token_ids"] for o in outputs] == references(path)
         assert all(o["text"] == llm.tokenizer.decode(o["token_ids"], skip_special_tokens=True) for o in outputs)
@@ -62,7 +62,7 @@ def test_prefix_cache_hits_and_keeps_tokens(request, model):
     tails = random_prompts([1, 5, 40, 90], seed=2)
     prompts = [shared + tail for tail in tails] + [shared[:48]]
     expected = hf_greedy(path, prompts, MAX_TOKENS)
-    with LLM(path, kvcache_block_size=16, max_model_len=1024, device="cpu") as llm:
+    with LLM(path, kvcache_block_size=16, max_model_len=1024, device="cpu", dtype="float32") as llm:
         first = llm.generate(prompts, GREEDY, use_tqdm=False)
         cached_after_first = llm.stats()["num_cached_tokens"]
         second = llm.generate(prompts, GREEDY, use_tqdm=False)
@@ -75,7 +75,7 @@ def test_prefix_cache_hits_and_keeps_tokens(request, model):
 def test_whole_prompt_cache_hit_still_computes_last_token(tied_model):
     prompt = random_prompts([64], seed=3)[0]  # exactly 4 blocks of 16
     expected = hf_greedy(tied_model, [prompt], MAX_TOKENS)
-    with LLM(tied_model, kvcache_block_size=16, max_model_len=1024, device="cpu") as llm:
+    with LLM(tied_model, kvcache_block_size=16, max_model_len=1024, device="cpu", dtype="float32") as llm:
         for _ in range(2):
             assert llm.generate([prompt], GREEDY, use_tqdm=False)[0]["token_ids"] == expected[0]
         assert llm.stats()["num_cached_tokens"] == 48
@@ -88,7 +88,7 @@ def test_preemption_keeps_outputs_exact(request, model):
     prompts = random_prompts([30, 50, 20, 45, 60, 10], seed=4)
     expected = hf_greedy(path, prompts, 48)
     params = SamplingParams(temperature=0, max_tokens=48, ignore_eos=True)
-    with LLM(path, kvcache_block_size=16, num_kvcache_blocks=16, max_model_len=256, device="cpu") as llm:
+    with LLM(path, kvcache_block_size=16, num_kvcache_blocks=16, max_model_len=256, device="cpu", dtype="float32") as llm:
         outputs = llm.generate(prompts, params, use_tqdm=False)
         assert llm.stats()["num_preemptions"] > 0
         assert [o["token_ids"] for o in outputs] == expected
@@ -99,7 +99,7 @@ def test_mixed_temperatures_in_one_batch(tied_model, prompts, references):
     """Sampled requests share the batch with greedy ones; the greedy ones stay exact."""
     params = [SamplingParams(temperature=0 if i % 2 == 0 else 0.8, max_tokens=MAX_TOKENS, ignore_eos=True)
               for i in range(len(prompts))]
-    with LLM(tied_model, max_model_len=1024, device="cpu") as llm:
+    with LLM(tied_model, max_model_len=1024, device="cpu", dtype="float32") as llm:
         outputs = llm.generate(prompts, params, use_tqdm=False)
     for i, out in enumerate(outputs):
         assert len(out["token_ids"]) == MAX_TOKENS
@@ -119,7 +119,7 @@ def test_stops_at_eos_and_at_max_model_len(tied_model, tmp_path):
     config = json.loads((path / "config.json").read_text())
     config["eos_token_id"] = greedy[stop_at]
     (path / "config.json").write_text(json.dumps(config))
-    with LLM(str(path), max_model_len=64, device="cpu") as llm:
+    with LLM(str(path), max_model_len=64, device="cpu", dtype="float32") as llm:
         out = llm.generate([prompt], SamplingParams(temperature=0, max_tokens=MAX_TOKENS), use_tqdm=False)[0]
         assert out["token_ids"] == greedy[:stop_at + 1]
         long_prompt = random_prompts([60], seed=6)[0]
@@ -130,7 +130,7 @@ def test_stops_at_eos_and_at_max_model_len(tied_model, tmp_path):
 
 
 def test_text_prompts_round_trip(tied_model):
-    with LLM(tied_model, max_model_len=1024, device="cpu") as llm:
+    with LLM(tied_model, max_model_len=1024, device="cpu", dtype="float32") as llm:
         token_ids = llm.tokenizer.encode("Hello, my name is")
         by_text = llm.generate(["Hello, my name is"], GREEDY, use_tqdm=False)[0]
         by_ids = llm.generate([token_ids], GREEDY, use_tqdm=False)[0]

@@ -73,12 +73,12 @@ def test_converted_directory_loads_in_transformers_with_tokenizer(llama_dir, con
 
 def test_gguf_file_runs_like_transformers_on_the_converted_directory(gguf_file, converted, cache, capsys):
     expected = hf_greedy(converted, PROMPTS, GREEDY.max_tokens)
-    with LLM(gguf_file, device="cpu", kvcache_block_size=16, max_model_len=256) as llm:
+    with LLM(gguf_file, device="cpu", dtype="float32", kvcache_block_size=16, max_model_len=256) as llm:
         assert [o["token_ids"] for o in llm.generate(PROMPTS, GREEDY, use_tqdm=False)] == expected
         assert llm.tokenizer.chat_template == CHAT_TEMPLATE
         cached_dir = llm.config.model
     assert os.path.dirname(cached_dir) == str(cache / "gguf") and "converting" in capsys.readouterr().err
-    with LLM(os.path.dirname(gguf_file), device="cpu", max_model_len=256) as llm:
+    with LLM(os.path.dirname(gguf_file), device="cpu", dtype="float32", max_model_len=256) as llm:
         assert llm.config.model == cached_dir
         assert [o["token_ids"] for o in llm.generate(PROMPTS, GREEDY, use_tqdm=False)] == expected
     assert "converting" not in capsys.readouterr().err

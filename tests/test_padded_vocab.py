@@ -18,7 +18,7 @@ def test_unknown_ids_sampled_or_prompted_decode_to_empty_text(padded_model):
     assert known < 512
     prompts = ["Hello, my name is", [5, 6, 7, known + 3, 8], [known, known + 1]]
     params = SamplingParams(temperature=1.0, max_tokens=48, seed=7, ignore_eos=True, logprobs=2)
-    with LLM(padded_model, device="cpu", max_model_len=128) as llm:
+    with LLM(padded_model, device="cpu", dtype="float32", max_model_len=128) as llm:
         outputs = llm.generate(prompts * 3, params, use_tqdm=False)
         streamed = {}
         for delta in llm.stream(prompts, params):

@@ -12,7 +12,7 @@ from nanovllm.ray import LLMProcessor, build_processor  # noqa: E402
 
 pytestmark = pytest.mark.ray
 
-ENGINE = dict(device="cpu", max_model_len=128, kvcache_block_size=16)
+ENGINE = dict(device="cpu", dtype="float32", max_model_len=128, kvcache_block_size=16)
 PARAMS = {"temperature": 0, "max_tokens": 6, "ignore_eos": True}
 ROWS = [{"prompt": "Hello, my name is"}, {"prompt": [5, 6, 7, 8]},
         {"prompt": "The quick brown fox", "sampling_params": {"max_tokens": 3}},

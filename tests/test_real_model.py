@@ -29,7 +29,7 @@ def smollm2() -> str:
 
 def test_greedy_matches_transformers_on_smollm2(smollm2):
     params = SamplingParams(temperature=0, max_tokens=32)
-    with LLM(smollm2, device="cpu", kvcache_block_size=16, max_model_len=512) as llm:
+    with LLM(smollm2, device="cpu", dtype="float32", kvcache_block_size=16, max_model_len=512) as llm:
         prompts = [llm.chat_prompt([{"role": "user", "content": m}]) for m in MESSAGES]
         outputs = [o["token_ids"] for o in llm.generate(prompts, params, use_tqdm=False)]
         eos = llm.tokenizer.eos_token_id

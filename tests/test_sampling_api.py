@@ -12,7 +12,7 @@ from nanovllm import LLM, RequestOutput, SamplingParams
 from test_engine_parity import assert_all_blocks_free, random_prompts
 
 MAX_TOKENS = 24
-CPU = dict(device="cpu", max_model_len=512, kvcache_block_size=16)
+CPU = dict(device="cpu", dtype="float32", max_model_len=512, kvcache_block_size=16)
 
 
 @pytest.fixture(scope="module")

@@ -15,7 +15,7 @@ from nanovllm import LLM, SamplingParams
 from nanovllm.execution.workers import WorkerFailure
 
 # Tiny blocks and a 16-block cache: four 28-token sequences need 28 blocks, so decoding preempts.
-SMALL_CACHE = dict(device="cpu", kvcache_block_size=4, num_kvcache_blocks=16, max_model_len=64, max_num_batched_tokens=64)
+SMALL_CACHE = dict(device="cpu", dtype="float32", kvcache_block_size=4, num_kvcache_blocks=16, max_model_len=64, max_num_batched_tokens=64)
 SHARED = list(range(1, 9))
 PROMPTS = [SHARED + [10, 11, 12, 13], SHARED + [20, 21, 22], list(range(30, 42)), SHARED + [10, 11, 12, 13, 14]]
 GREEDY = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True)
@@ -58,7 +58,7 @@ def _disturb_mid_generate(llm: LLM, action) -> tuple[BaseException, float]:
                                            (4, r"num_key_value_heads \(2\).*valid sizes for this model: \[1, 2\]")])
 def test_invalid_sizes_rejected_before_workers_start(tied_model, size, message):
     with pytest.raises(ValueError, match=f"tensor_parallel_size.*{message}"):
-        LLM(tied_model, device="cpu", tensor_parallel_size=size)
+        LLM(tied_model, device="cpu", dtype="float32", tensor_parallel_size=size)
     _assert_nothing_left()
 
 

@@ -16,7 +16,7 @@ GREEDY = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
 
 @pytest.fixture(scope="module")
 def llm(tied_model):
-    with LLM(tied_model, device="cpu", kvcache_block_size=16, max_model_len=256, max_num_batched_tokens=64) as engine:
+    with LLM(tied_model, device="cpu", dtype="float32", kvcache_block_size=16, max_model_len=256, max_num_batched_tokens=64) as engine:
         yield engine
 
 
@@ -76,7 +76,7 @@ def test_abort_takes_one_id_or_a_list(llm):
 
 
 def test_logprobs_order_whole_vocabulary_and_detokenize_off(tied_model):
-    with LLM(tied_model, device="cpu", max_model_len=128, max_logprobs=-1) as engine:
+    with LLM(tied_model, device="cpu", dtype="float32", max_model_len=128, max_logprobs=-1) as engine:
         params = SamplingParams(temperature=1.0, seed=3, max_tokens=6, logprobs=3)
         for step in engine.generate(PROMPTS[:2], params, use_tqdm=False)[1].outputs[0].logprobs:
             first, *rest = step.values()
@@ -89,7 +89,7 @@ def test_logprobs_order_whole_vocabulary_and_detokenize_off(tied_model):
                               use_tqdm=False)[0].outputs[0]
         assert raw.token_ids == whole.token_ids and raw.text == ""
         assert all(lp.decoded_token is None for step in raw.logprobs for lp in step.values())
-    with LLM(tied_model, device="cpu", max_model_len=128) as engine, \
+    with LLM(tied_model, device="cpu", dtype="float32", max_model_len=128) as engine, \
             pytest.raises(ValueError, match="more than the engine's max_logprobs=20"):
         engine.generate(PROMPTS[:1], SamplingParams(logprobs=-1), use_tqdm=False)
 
@@ -190,14 +190,14 @@ def test_llm_without_a_model_says_what_to_pass():
 
 
 def test_max_model_len_defaults_to_the_models_within_the_kv_cache(tied_model, caplog):
-    with LLM(tied_model, device="cpu") as engine:
+    with LLM(tied_model, device="cpu", dtype="float32") as engine:
         assert engine.max_model_len == 1024  # the checkpoint's max_position_embeddings
     with caplog.at_level(logging.INFO, logger="nanovllm"), \
-            LLM(tied_model, device="cpu", kvcache_block_size=16, num_kvcache_blocks=40) as engine:
+            LLM(tied_model, device="cpu", dtype="float32", kvcache_block_size=16, num_kvcache_blocks=40) as engine:
         assert engine.max_model_len == 640
     assert "max_model_len lowered from the model's 1024 to 640" in caplog.text
     with pytest.raises(ValueError, match="the KV cache holds 40 blocks"):
-        LLM(tied_model, device="cpu", kvcache_block_size=16, num_kvcache_blocks=40, max_model_len=1024)
+        LLM(tied_model, device="cpu", dtype="float32", kvcache_block_size=16, num_kvcache_blocks=40, max_model_len=1024)
 
 
 def test_prompt_logprobs_equal_transformers_across_prefill_chunks(tied_model, llm):

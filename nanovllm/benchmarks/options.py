@@ -46,7 +46,8 @@ def parse_args(argv: list[str] | None, prog: str | None = None) -> argparse.Name
     p.add_argument("--model", help="Hugging Face model directory or .gguf file; default: random weights from --config")
     p.add_argument("--config", default=str(DEFAULT_CONFIG), help="config.json used without --model")
     p.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda"])
-    p.add_argument("--dtype", default="auto", help="default: the model's on CUDA, float32 on CPU")
+    p.add_argument("--dtype", default="auto",
+                   help="default: the engine's auto (bfloat16 on CUDA and on CPUs with native bfloat16, else float32)")
     p.add_argument("--num-seqs", type=int, help="number of requests (CUDA 256, CPU 32)")
     p.add_argument("--min-input-len", type=int, help="shortest prompt (CUDA 100, CPU 64)")
     p.add_argument("--max-input-len", type=int, help="longest prompt (CUDA 1024, CPU 256)")

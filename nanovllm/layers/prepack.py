@@ -19,11 +19,16 @@ from nanovllm.layers.embed_head import ParallelLMHead
 from nanovllm.layers.linear import LinearBase
 
 
+def native_bfloat16() -> bool:
+    """Whether this CPU computes bfloat16 natively (AVX512-BF16 or AMX), as oneDNN reports it."""
+    return torch.backends.mkldnn.is_available() and torch.ops.mkldnn._is_mkldnn_bf16_supported()
+
+
 def can_prepack(dtype: torch.dtype) -> bool:
     """Whether oneDNN takes linear weights of `dtype` on this CPU: float32 always, bfloat16 where it is native."""
     if not torch.backends.mkldnn.is_available():
         return False
-    return dtype == torch.float32 or dtype == torch.bfloat16 and torch.ops.mkldnn._is_mkldnn_bf16_supported()
+    return dtype == torch.float32 or dtype == torch.bfloat16 and native_bfloat16()
 
 
 @torch.no_grad()
