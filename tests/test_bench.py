@@ -159,3 +159,29 @@ def test_repeats_are_interleaved_and_the_median_reported(tiny_config):
 def test_host_overhead_times_the_steps_outside_the_model():
     result = bench.main(["--host-overhead", "--host-batch", "8"])
     assert result["batch"] == 8 and result["generate_ms"] > 0 and result["step_ms"] > 0 and result["model_ms"] > 0
+
+
+def test_compete_runs_every_row_again_beside_a_busy_process_and_reports_what_it_keeps(tiny_config, capsys,
+                                                                                     monkeypatch):
+    from nanovllm.benchmarks import compete, throughput
+
+    busy_during = []
+    real = throughput.competing_process
+
+    def watched():
+        busy_during.append(len(busy_during))
+        return real()
+
+    monkeypatch.setattr(throughput, "competing_process", watched)
+    result = bench.main(["--config", tiny_config, "--device", "cpu", "--num-seqs", "2", "--min-input-len", "3",
+                         "--max-input-len", "6", "--min-output-len", "2", "--max-output-len", "3",
+                         "--scheduling", "chunked,prefill-first", "--compete"])
+    engines = [r["engine"] for r in result["rows"]]
+    assert engines == ["nanovllm chunked", "nanovllm prefill-first", "nanovllm chunked, busy machine",
+                       "nanovllm prefill-first, busy machine"]
+    assert busy_during == [0], "one competitor, for the busy rows only"
+    quiet, busy = result["rows"][0], result["rows"][2]
+    assert busy["ratio"] == 1.0 and quiet["ratio"] == 1.0, "ratios within one condition"
+    printed = capsys.readouterr().out
+    assert f"nanovllm chunked {busy['tokens_per_s'] / quiet['tokens_per_s']:.0%}" in printed
+    assert "kept on a busy machine" in printed and "torch.randn" in compete.LOOP

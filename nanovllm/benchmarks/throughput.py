@@ -15,7 +15,7 @@ import sys
 import tempfile
 import threading
 import time
-from contextlib import contextmanager
+from contextlib import contextmanager, nullcontext
 from dataclasses import asdict, dataclass
 from itertools import product
 from pathlib import Path
@@ -25,6 +25,7 @@ from tqdm.auto import tqdm
 
 from nanovllm import LLM, SamplingParams
 from nanovllm.benchmarks.attention import format_micro, run_micro
+from nanovllm.benchmarks.compete import competing_process
 from nanovllm.benchmarks.flops import mfu, run_flops
 from nanovllm.benchmarks.options import SAMPLING, SCHEDULING, parse_args, resolve_workload
 from nanovllm.backends import ATTENTION_BACKENDS, Platform, select_backend, unsupported
@@ -32,6 +33,9 @@ from nanovllm.config import Config, resolve_device, resolve_dtype
 from nanovllm.gguf_import import resolve_model
 from nanovllm.models.hf_config import head_dim
 from nanovllm.benchmarks.report import markdown_table
+
+BUSY = ", busy machine"  # a row measured with `competing_process` running
+
 
 @dataclass
 class Requests:
@@ -406,6 +410,16 @@ def main(argv: list[str] | None = None, prog: str | None = None) -> dict:
     return run(parse_args(argv, prog))
 
 
+def run_baseline(args: argparse.Namespace, device: str, dtype: torch.dtype, model_dir: str, load_format: str,
+                 requests: Requests, vllm_python: str | None) -> Measured:
+    probe, mem = matmul_peak(device, dtype, seconds=0.5), PeakMemory(device)
+    if args.baseline == "hf":
+        seconds, tokens, engine = run_hf(model_dir, requests, device, dtype, args, mem)
+        return Measured(seconds, tokens, probe, mem.gib, engine=("transformers", engine))
+    seconds, tokens, engine = run_vllm(vllm_python, model_dir, load_format, requests, args, dtype)
+    return Measured(seconds, tokens, probe, None, engine=(engine, "vllm"))
+
+
 def run(args: argparse.Namespace) -> dict:
     """Run the benchmark `options.parse_args` describes; print the report and return the results."""
     if args.threads:
@@ -449,49 +463,52 @@ def run(args: argparse.Namespace) -> dict:
                                    args.kvcache_block_size or Config.kvcache_block_size)
         dtype = resolve_dtype(args.dtype, device, cfg)
         vllm_python = find_vllm_python(args.vllm_python, device) if args.baseline == "vllm" else None
-        keys = list(product(names, args.scheduling, args.sampling))
+        conditions = (False, True) if args.compete else (False,)  # busy: a competing process runs
+        keys = list(product(names, args.scheduling, args.sampling, conditions))
         runs: dict[tuple, list[Measured]] = {key: [] for key in keys}
-        baseline_runs: list[Measured] = []
+        baseline_runs: dict[bool, list[Measured]] = {busy: [] for busy in conditions}
         for _ in range(args.repeat):  # interleaved: every nanovllm row, then the baseline, again
-            for name, mode, sampling in keys:
-                probe, mem = matmul_peak(device, dtype, seconds=0.5), PeakMemory(device)
-                served = run_engine(model_dir, load_format, requests, args, mem, sampling, attention_backend=name,
-                                    enable_chunked_prefill=SCHEDULING[mode])
-                runs[name, mode, sampling].append(Measured(served.seconds, served.tokens, probe, mem.gib, served))
-                gc.collect()
-            if args.baseline != "none":
-                probe, mem = matmul_peak(device, dtype, seconds=0.5), PeakMemory(device)
-                if args.baseline == "hf":
-                    seconds, tokens, engine = run_hf(model_dir, requests, device, dtype, args, mem)
-                    baseline_runs.append(Measured(seconds, tokens, probe, mem.gib, engine=("transformers", engine)))
-                else:
-                    seconds, tokens, engine = run_vllm(vllm_python, model_dir, load_format, requests, args, dtype)
-                    baseline_runs.append(Measured(seconds, tokens, probe, None, engine=(engine, "vllm")))
+            for busy in conditions:
+                with competing_process() if busy else nullcontext():
+                    for name, mode, sampling in product(names, args.scheduling, args.sampling):
+                        probe, mem = matmul_peak(device, dtype, seconds=0.5), PeakMemory(device)
+                        served = run_engine(model_dir, load_format, requests, args, mem, sampling,
+                                            attention_backend=name, enable_chunked_prefill=SCHEDULING[mode])
+                        runs[name, mode, sampling, busy].append(Measured(served.seconds, served.tokens, probe,
+                                                                         mem.gib, served))
+                        gc.collect()
+                    if args.baseline != "none":
+                        baseline_runs[busy].append(run_baseline(args, device, dtype, model_dir, load_format,
+                                                                requests, vllm_python))
         facts = runs[keys[0]][0].served.facts
         dtype_name = facts["dtype"]
         prompt_lens = [len(p) for p in requests.prompts]
         dp = f", {args.data_parallel_size} replicas" if args.data_parallel_size > 1 else ""
         rows, probe_low = [], []
-        for (_, mode, sampling), measured in runs.items():
-            m = median(measured)
-            served = m.served
-            flops = run_flops(cfg, prompt_lens, requests.max_tokens, served.facts["num_cached_tokens"])
-            row_mfu, low = mfu(flops, m.seconds, m.probe)
-            rows.append(Row(f"nanovllm {mode}{dp}" + ("" if sampling == "plain" else f", {sampling} sampling"),
-                            served.facts["attention"], model_name, served.facts["device"], dtype_name,
-                            len(requests.prompts), m.tokens, m.seconds, m.tokens / m.seconds, None, row_mfu,
-                            m.peak_mem_gib, percentiles(served.ttft), percentiles(served.itl)))
-            probe_low += [rows[-1].engine] if low else []
-        if baseline_runs:
-            m = median(baseline_runs)
-            row_mfu, low = mfu(run_flops(cfg, prompt_lens, requests.max_tokens), m.seconds, m.probe)
-            rows.append(Row(m.engine[0], m.engine[1], model_name, device, dtype_name, len(requests.prompts), m.tokens,
-                            m.seconds, m.tokens / m.seconds, None, row_mfu, m.peak_mem_gib))
-            probe_low += [rows[-1].engine] if low else []
-        baseline = rows[-1] if baseline_runs else rows[0] if len(rows) > 1 else None
-        for row in rows if baseline else []:
-            row.ratio = row.tokens_per_s / baseline.tokens_per_s
-        probes = [m.probe for measured in [*runs.values(), baseline_runs] for m in measured]
+        for busy in conditions:
+            start = len(rows)
+            for (_, mode, sampling, _), measured in ((k, v) for k, v in runs.items() if k[3] == busy):
+                m = median(measured)
+                served = m.served
+                flops = run_flops(cfg, prompt_lens, requests.max_tokens, served.facts["num_cached_tokens"])
+                row_mfu, low = mfu(flops, m.seconds, m.probe)
+                label = f"nanovllm {mode}{dp}" + ("" if sampling == "plain" else f", {sampling} sampling")
+                rows.append(Row(label + BUSY * busy, served.facts["attention"], model_name, served.facts["device"],
+                                dtype_name, len(requests.prompts), m.tokens, m.seconds, m.tokens / m.seconds, None,
+                                row_mfu, m.peak_mem_gib, percentiles(served.ttft), percentiles(served.itl)))
+                probe_low += [rows[-1].engine] if low else []
+            if baseline_runs[busy]:
+                m = median(baseline_runs[busy])
+                row_mfu, low = mfu(run_flops(cfg, prompt_lens, requests.max_tokens), m.seconds, m.probe)
+                rows.append(Row(m.engine[0] + BUSY * busy, m.engine[1], model_name, device, dtype_name,
+                                len(requests.prompts), m.tokens, m.seconds, m.tokens / m.seconds, None, row_mfu,
+                                m.peak_mem_gib))
+                probe_low += [rows[-1].engine] if low else []
+            group = rows[start:]  # ratios within one condition: against its baseline, else its first row
+            baseline = group[-1] if baseline_runs[busy] else group[0] if len(group) > 1 else None
+            for row in group if baseline else []:
+                row.ratio = row.tokens_per_s / baseline.tokens_per_s
+        probes = [m.probe for measured in [*runs.values(), *baseline_runs.values()] for m in measured]
     finally:
         if tmp:
             shutil.rmtree(tmp, ignore_errors=True)
@@ -500,8 +517,8 @@ def run(args: argparse.Namespace) -> dict:
                      "output_len": [args.min_output_len, args.max_output_len], "prompt_tokens": requests.prompt_tokens,
                      "temperature": args.temperature, "seed": args.seed, "hf_batch_size": args.hf_batch_size,
                      "request_rate": args.request_rate},
-        "engines": {f"{measured[0].served.facts['attention']} {mode} {sampling}": measured[0].served.facts
-                    for (_, mode, sampling), measured in runs.items()},
+        "engines": {f"{measured[0].served.facts['attention']} {mode} {sampling}{BUSY * busy}":
+                    measured[0].served.facts for (_, mode, sampling, busy), measured in runs.items()},
         "parameters": num_params, "threads": torch.get_num_threads(),
         "matmul_probes_gflops": [p / 1e9 for p in probes], "mfu_probe_below_achieved": probe_low,
         "memory_bound_gib": facts["weights_gib"] + facts["kv_cache_gib"],
@@ -512,6 +529,11 @@ def run(args: argparse.Namespace) -> dict:
           f"{args.repeat} run(s) per row (median shown), nanovllm memory bound "
           f"{result['memory_bound_gib']:.2f} GiB (weights {facts['weights_gib']:.2f} + KV cache {facts['kv_cache_gib']:.2f})")
     print(format_report(rows))
+    if args.compete:
+        quiet = {row.engine: row.tokens_per_s for row in rows if not row.engine.endswith(BUSY)}
+        print("kept on a busy machine: " + ", ".join(f"{engine} {row.tokens_per_s / quiet[engine]:.0%}"
+                                                     for row in rows if (engine := row.engine.removesuffix(BUSY))
+                                                     in quiet and row.engine.endswith(BUSY)))
     if probe_low:
         print(f"MFU: the matmul probe read below the rate achieved by {', '.join(probe_low)}; that rate stands in "
               "for the peak there (100%)")
