@@ -10,6 +10,7 @@ from nanovllm.backends import Platform, importable, load_backend
 from nanovllm.config import Config
 from nanovllm.core.scheduler import ScheduledBatch
 from nanovllm.core.sequence import Sequence
+from nanovllm.execution.cpu_threads import ThreadGovernor
 from nanovllm.execution.cuda_graph import DecodeGraphs
 from nanovllm.execution.gpu_memory import gpu_kv_cache_bytes
 from nanovllm.execution.sampler import PromptRows, Sampler, SamplerOutput
@@ -86,6 +87,11 @@ class ModelRunner:
             if isinstance(module, Attention):
                 module.backend = self.backend
         self.capacity = self.allocate_kv_cache()
+        self.governor = None  # tensor-parallel ranks keep their threads: a rank on one thread would hold up the rest
+        if not on_gpu and config.tensor_parallel_size == 1 and torch.get_num_threads() > 1:
+            self.governor = ThreadGovernor(torch.get_num_threads())
+            for layer in self.model.model.layers:
+                layer.register_forward_pre_hook(lambda *_: self.governor.tick())
         self.graphs = None
         if on_gpu and not config.enforce_eager and self.backend.capturable:
             max_len = self.capacity.max_model_len
@@ -95,6 +101,8 @@ class ModelRunner:
     def exit(self) -> None:
         if self.workers is not None:
             self.workers.shutdown()
+        if self.governor is not None:
+            self.governor.restore()
         self.graphs = None
         self.kv_cache = None
         bind_kv_cache(self.model, None)
@@ -212,7 +220,8 @@ class ModelRunner:
         if self.rank == 0:
             self.sampler.release(batch.finished_seq_ids)
         input_ids, positions, prompt_rows = self.prepare(batch)
-        logits = self.call("run_model", input_ids, positions)
+        with self.governor.run() if self.governor is not None else nullcontext():
+            logits = self.call("run_model", input_ids, positions)
         reset_context()
         if self.rank != 0:
             return None
