@@ -1,6 +1,8 @@
 """A sequence's completion text as its tokens arrive, and its stop strings."""
 from dataclasses import dataclass
 
+from tokenizers import Tokenizer
+from tokenizers.decoders import DecodeStream
 from transformers import PreTrainedTokenizerBase
 
 from nanovllm.sampling_params import SamplingParams
@@ -17,33 +19,17 @@ class TextDelta:
     stop: str | None = None
 
 
-class IncrementalDetokenizer:
-    """Detokenizes one sequence's completion incrementally, as vLLM does: `tokens[prefix:read]` decode to text
-    already produced, and a new token's text is what `tokens[prefix:]` decode to beyond it. A few prompt tokens
-    come first, so the first completion token decodes in context (a leading space stays). Text ending in U+FFFD, a
-    multi-byte character whose bytes have not all arrived, waits for the next token.
+class PythonStream:
+    """`DecodeStream`'s contract for tokenizers without a Rust backend, as vLLM's Python path: `tokens[prefix:read]`
+    decode to text already produced, and a new token's text is what `tokens[prefix:]` decode to beyond it."""
 
-    Stop strings are searched in the new text and the characters before it that a match ending in it could
-    start in; the first match (earliest in the text, then first in `params.stop`) ends the sequence and cuts the
-    text before it (after it with `include_stop_str_in_output`). Text of the first `min_tokens` tokens cannot end
-    a match. The deltas never include text a later stop string could remove (a tail that begins one); the
-    concatenated deltas are `text`, the final completion text.
-    """
-
-    def __init__(self, tokenizer: PreTrainedTokenizerBase, prompt_token_ids: list[int], params: SamplingParams):
+    def __init__(self, tokenizer: PreTrainedTokenizerBase, context: list[int], skip_special_tokens: bool):
         self.tokenizer = tokenizer
-        self.skip_special_tokens = params.skip_special_tokens
-        self.stops = params.stop
-        self.include_stop = params.include_stop_str_in_output
-        self.min_tokens = params.min_tokens
-        self.tokens = self._to_tokens(prompt_token_ids[-PROMPT_CONTEXT:])
+        self.skip_special_tokens = skip_special_tokens
+        self.tokens = self._to_tokens(context)
         if self._decode(self.tokens).endswith(INCOMPLETE):
             self.tokens = []
         self.prefix_offset, self.read_offset = 0, len(self.tokens)
-        self.num_tokens = 0
-        self.text = ""
-        self.searched = 0
-        self.emitted = 0
 
     def _to_tokens(self, token_ids: list[int]) -> list[str]:
         """Ids the tokenizer does not know (a vocabulary padded past the tokenizer, as Qwen's) are empty text, as in
@@ -54,8 +40,16 @@ class IncrementalDetokenizer:
     def _decode(self, tokens: list[str]) -> str:
         return self.tokenizer.convert_tokens_to_string(tokens) if tokens else ""
 
+    def step(self, token_id: int) -> str | None:
+        """The new text, or None while it ends in an incomplete character."""
+        self.tokens += self._to_tokens([token_id])
+        return self._new_text(complete_only=True) or None
+
+    def flush(self) -> str:
+        """What is held back, an incomplete character as U+FFFD."""
+        return self._new_text(complete_only=False)
+
     def _new_text(self, complete_only: bool) -> str:
-        """The text of `tokens[read:]`; "" while it ends in an incomplete character, when `complete_only`."""
         done = self._decode(self.tokens[self.prefix_offset:self.read_offset])
         text = self._decode(self.tokens[self.prefix_offset:])
         if len(text) <= len(done) or (complete_only and text.endswith(INCOMPLETE)):
@@ -63,18 +57,64 @@ class IncrementalDetokenizer:
         self.prefix_offset, self.read_offset = self.read_offset, len(self.tokens)
         return text[len(done):]
 
+
+class NativeStream:
+    """The tokenizers library's `DecodeStream` (Rust, as vLLM V1 uses it), which returns None for ids it does not
+    know, skipped special tokens and incomplete characters; those ids are kept to release at the end."""
+
+    def __init__(self, backend: Tokenizer, context: list[int], skip_special_tokens: bool):
+        self.backend = backend
+        self.skip_special_tokens = skip_special_tokens
+        if backend.decode(context, skip_special_tokens=skip_special_tokens).endswith(INCOMPLETE):
+            context = []
+        self.stream = DecodeStream(ids=context, skip_special_tokens=skip_special_tokens)
+        self.held: list[int] = []
+
+    def step(self, token_id: int) -> str | None:
+        text = self.stream.step(self.backend, token_id)
+        self.held = [] if text is not None else self.held + [token_id]
+        return text
+
+    def flush(self) -> str:
+        return self.backend.decode(self.held, skip_special_tokens=self.skip_special_tokens) if self.held else ""
+
+
+class IncrementalDetokenizer:
+    """Detokenizes one sequence's completion incrementally through a `NativeStream` (or, for a tokenizer without a
+    Rust backend, a `PythonStream`). A few prompt tokens come first, so the first completion token decodes in
+    context (a leading space stays). Text ending in an incomplete multi-byte character waits for the next token.
+
+    Stop strings are searched in the new text and the characters before it that a match ending in it could
+    start in; the first match (earliest in the text, then first in `params.stop`) ends the sequence and cuts the
+    text before it (after it with `include_stop_str_in_output`). Text of the first `min_tokens` tokens cannot end
+    a match. The deltas never include text a later stop string could remove (a tail that begins one); the
+    concatenated deltas are `text`, the final completion text.
+    """
+
+    def __init__(self, tokenizer: PreTrainedTokenizerBase, prompt_token_ids: list[int], params: SamplingParams):
+        context = prompt_token_ids[-PROMPT_CONTEXT:]
+        backend = getattr(tokenizer, "backend_tokenizer", None)
+        self.stream = (NativeStream(backend, context, params.skip_special_tokens) if isinstance(backend, Tokenizer)
+                       else PythonStream(tokenizer, context, params.skip_special_tokens))
+        self.stops = params.stop
+        self.include_stop = params.include_stop_str_in_output
+        self.min_tokens = params.min_tokens
+        self.num_tokens = 0
+        self.text = ""
+        self.searched = 0
+        self.emitted = 0
+
     def update(self, token_ids: list[int], finished: bool = False) -> TextDelta:
         """Take the sequence's next token(s). `finished`: the engine ended the sequence with them (EOS, a stop
         token, max_tokens, abort), so everything held back is released, an incomplete character as U+FFFD. When the
         returned delta names a stop string, the sequence is finished; update it no further."""
         for token_id in token_ids:
-            self.tokens += self._to_tokens([token_id])
-            self.text += self._new_text(complete_only=True)
+            self.text += self.stream.step(token_id) or ""
             self.num_tokens += 1
             if self.num_tokens <= self.min_tokens:
                 self.searched = len(self.text)
         if finished:
-            self.text += self._new_text(complete_only=False)
+            self.text += self.stream.flush()
         stop = self._find_stop()
         end = len(self.text) if finished or stop else len(self.text) - self._stop_prefix_length()
         delta = self.text[self.emitted:end]
