@@ -6,17 +6,38 @@ from transformers import AutoTokenizer
 
 from checkpoints import make_tokenizer
 from nanovllm import SamplingParams
-from nanovllm.engine.detokenizer import IncrementalDetokenizer
+from nanovllm.engine.detokenizer import IncrementalDetokenizer, NativeStream, PythonStream
 
 SENTENCE = "The quick brown fox jumps over the lazy dog."
 PROMPT = "Hello, my name is"
 
 
-@pytest.fixture(scope="module")
-def tokenizer(tmp_path_factory):
+class WithoutRustBackend:
+    """The same tokenizer seen as one without a Rust backend (as a pure-Python tokenizer is): the Python stream."""
+
+    backend_tokenizer = None
+
+    def __init__(self, tokenizer):
+        self.tokenizer = tokenizer
+
+    def __getattr__(self, name):
+        return getattr(self.tokenizer, name)
+
+    def __len__(self) -> int:
+        return len(self.tokenizer)
+
+
+@pytest.fixture(scope="module", params=["native", "python"])
+def tokenizer(tmp_path_factory, request):
     path = str(tmp_path_factory.mktemp("bpe"))
     make_tokenizer(path, 384)
-    return AutoTokenizer.from_pretrained(path)
+    tokenizer = AutoTokenizer.from_pretrained(path)
+    return tokenizer if request.param == "native" else WithoutRustBackend(tokenizer)
+
+
+def test_the_stream_follows_the_tokenizer(tokenizer):
+    stream_class = PythonStream if isinstance(tokenizer, WithoutRustBackend) else NativeStream
+    assert isinstance(IncrementalDetokenizer(tokenizer, [1, 2], SamplingParams()).stream, stream_class)
 
 
 def stream(tokenizer, token_ids: list[int], params: SamplingParams, prompt: str | list[int] = PROMPT,
