@@ -90,3 +90,22 @@ def test_auto_dtype_on_cpu_is_bfloat16_only_where_the_cpu_computes_it_natively(t
         assert config.resolve_dtype("auto", "cpu", hf_config) == expected
         assert config.resolve_dtype("float32", "cpu", hf_config) == torch.float32
     assert config.resolve_dtype("auto", "cuda", hf_config) == torch.bfloat16
+
+
+def _rss_bytes() -> int:
+    with open("/proc/self/statm") as f:
+        return int(f.read().split()[1]) * 4096
+
+
+def test_the_cpu_kv_cache_takes_memory_only_where_it_is_written(tied_model):
+    from nanovllm import SamplingParams
+
+    before = _rss_bytes()
+    with LLM(tied_model, device="cpu", dtype="float32", cpu_kvcache_gib=2, max_num_seqs=4096) as llm:
+        cache = llm.model_runner.kv_cache
+        assert cache.numel() * cache.element_size() > 1.9 * 2**30
+        assert _rss_bytes() - before < 0.5 * 2**30, "reserved, not committed"
+        params = SamplingParams(temperature=0, max_tokens=4, ignore_eos=True)
+        assert len(llm.generate([[1, 2, 3]] * 8, params, use_tqdm=False)[0].outputs[0].token_ids) == 4
+        assert cache.flatten()[-1000:].eq(0).all(), "blocks never written read as zeros"
+        assert _rss_bytes() - before < 0.5 * 2**30

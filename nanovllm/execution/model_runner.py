@@ -23,7 +23,7 @@ from nanovllm.utils.compile import set_compile
 from nanovllm.utils.context import get_context, reset_context, set_context
 from nanovllm.models.loader import init_dummy_weights, load_model
 from nanovllm.utils.parallel import min_over_ranks
-from nanovllm.utils.tensors import to_device
+from nanovllm.utils.tensors import to_device, zeros
 
 logger = logging.getLogger("nanovllm")
 
@@ -152,7 +152,7 @@ class ModelRunner:
                 f"max_model_len={config.max_model_len} sequence needs {needed}. Give it more memory "
                 "(cpu_kvcache_gib / gpu_memory_utilization / num_kvcache_blocks) or lower max_model_len."
             )
-        self.kv_cache = torch.zeros(self.kv_cache_shape(num_blocks), dtype=config.torch_dtype, device=self.device)
+        self.kv_cache = zeros(self.kv_cache_shape(num_blocks), config.torch_dtype, self.device)
         bind_kv_cache(self.model, self.kv_cache)
         return KVCapacity(num_blocks, max_model_len)
 
