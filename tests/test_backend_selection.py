@@ -12,10 +12,11 @@ import torch
 import nanovllm.backends as backends
 from checkpoints import hf_greedy
 from nanovllm.backends import Platform, TorchBackend, importable, load_backend, select_backend, unsupported
+from nanovllm.backends.cpu_kernels import cpu_kernels
 from nanovllm.backends.flash4_backend import Flash4Backend
 from nanovllm.backends.flash_backend import FlashBackend
 from nanovllm.utils import compile as compile_mod
-from nanovllm.utils.compile import fused_op, set_compile
+from nanovllm.utils.compile import fused_op, set_fused_ops
 
 REPO_ROOT = os.path.dirname(os.path.abspath(os.path.dirname(__file__)))
 EVERYTHING = ("flash-attn", "flash-attn-4", "triton")
@@ -232,11 +233,12 @@ def test_cpu_engine_skips_warmup_graphs_and_compile(tied_model, monkeypatch):
         raise AssertionError("the GPU warm-up ran on CPU")
 
     monkeypatch.setattr(model_runner, "gpu_kv_cache_bytes", no_warmup)
-    monkeypatch.setattr(compile_mod, "_enabled", True)
+    monkeypatch.setattr(compile_mod, "_compiled", True)
     with LLM(tied_model, device="cpu", dtype="float32", kvcache_block_size=16, max_model_len=64) as llm:
         runner = llm.model_runner
         assert runner.backend.name == "torch" and runner.graphs is None
-        assert not compile_mod._enabled
+        assert not compile_mod._compiled
+        assert compile_mod._cpu_kernels is cpu_kernels(), "the small ops run as the compiled CPU kernels"
 
 
 def test_fused_op_compiles_lazily_once_and_only_when_enabled(monkeypatch):
@@ -249,16 +251,30 @@ def test_fused_op_compiles_lazily_once_and_only_when_enabled(monkeypatch):
     monkeypatch.setattr(torch, "compile", fake_compile)
     double = fused_op(lambda x: 2 * x)
     try:
-        set_compile(False)
+        set_fused_ops(compiled=False, cpu_kernels=None)
         assert double(3) == 6 and calls == []
-        set_compile(True)
+        set_fused_ops(compiled=True, cpu_kernels=None)
         assert double(3) == ("compiled", 6)
         assert double(4) == ("compiled", 8)
         assert calls == [{"dynamic": True}]
-        set_compile(False)
+        set_fused_ops(compiled=False, cpu_kernels=None)
         assert double(5) == 10
     finally:
-        set_compile(False)
+        set_fused_ops(compiled=False, cpu_kernels=None)
+
+
+def test_fused_op_runs_its_cpu_kernel_for_cpu_inputs_only_when_given():
+    kernels = types.SimpleNamespace(triple=lambda x: ("kernel", 3 * x))
+    triple = fused_op(lambda x: 3 * x, cpu_kernel="triple")
+    x = torch.ones(2)
+    try:
+        set_fused_ops(compiled=False, cpu_kernels=None)
+        assert torch.equal(triple(x), 3 * x)
+        set_fused_ops(compiled=False, cpu_kernels=kernels)
+        assert triple(x)[0] == "kernel" and torch.equal(triple(x)[1], 3 * x)
+        assert triple(torch.ones(2, device="meta")).device.type == "meta"  # not on the CPU: as written
+    finally:
+        set_fused_ops(compiled=False, cpu_kernels=None)
 
 
 def test_triton_backend_runs_the_engine_on_cpu_under_the_interpreter(tied_model):

@@ -1,5 +1,5 @@
-"""The compiled CPU decode-attention kernel: against a float64 reference, bitwise the same whatever the batch, and
-an engine that falls back cleanly without it."""
+"""The compiled CPU kernels: decode attention against a float64 reference, the fused small ops against the torch
+code they replace, rows bitwise the same whatever the batch, and an engine that falls back cleanly without them."""
 import logging
 import shutil
 import subprocess
@@ -12,6 +12,10 @@ import nanovllm.backends.cpu_kernels as cpu_kernels_module
 from checkpoints import hf_greedy
 from nanovllm import LLM, SamplingParams
 from nanovllm.backends.cpu_kernels import build_directory, cpu_kernels, paged_decode
+from nanovllm.layers.activation import silu_and_mul
+from nanovllm.layers.layernorm import add_rms_norm, rms_norm
+from nanovllm.layers.rotary_embedding import RotaryEmbedding, apply_rotary
+from nanovllm.utils import compile as compile_mod
 from nanovllm.utils.cache import exclusive
 
 needs_compiler = pytest.mark.skipif(shutil.which("g++") is None and shutil.which("c++") is None,
@@ -80,13 +84,26 @@ def test_a_row_is_bitwise_the_same_whatever_its_batch_and_thread_count():
     assert torch.equal(padded[:-1], together) and not padded[-1].any(), "a padding row attends to nothing"
 
 
-def test_without_the_kernel_the_engine_falls_back_and_stays_exact(tied_model, monkeypatch):
+def test_without_the_kernels_the_engine_falls_back_and_stays_exact(tied_model, monkeypatch, caplog):
+    """A failed build (no compiler, say): attention, the KV store and the small ops all run on torch's operators."""
+    import torch.utils.cpp_extension
+
+    def failed_build(*args, **kwargs):
+        raise RuntimeError("Error building extension: c++: not found")
+
     prompts = [[1, 2, 3, 4, 5], list(range(20, 60))]
     params = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
     expected = hf_greedy(tied_model, prompts, 8)
-    monkeypatch.setattr(cpu_kernels_module, "cpu_kernels", lambda: None)
-    with LLM(tied_model, device="cpu", dtype="float32", kvcache_block_size=16, max_model_len=128) as llm:
-        assert [o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)] == expected
+    monkeypatch.setattr(torch.utils.cpp_extension, "load", failed_build)
+    cpu_kernels.cache_clear()
+    try:
+        with caplog.at_level(logging.WARNING, "nanovllm"), LLM(tied_model, device="cpu", dtype="float32",
+                                                               kvcache_block_size=16, max_model_len=128) as llm:
+            assert compile_mod._cpu_kernels is None
+            assert [o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)] == expected
+        assert caplog.text.count("could not be built") == 1 and "c++: not found" in caplog.text
+    finally:
+        cpu_kernels.cache_clear()
 
 
 @needs_compiler
@@ -114,3 +131,61 @@ def test_a_build_held_elsewhere_past_the_wait_falls_back(tmp_path, monkeypatch, 
     with exclusive(build_directory() / "build.lock", 1), caplog.at_level(logging.WARNING, "nanovllm"):
         assert cpu_kernels.__wrapped__() is None
     assert "another process has held" in caplog.text and "torch's operators" in caplog.text
+
+
+def fused_cases(dtype: torch.dtype, tokens: int):
+    generator = torch.Generator().manual_seed(3)
+    qkv = torch.randn(tokens, (6 + 2 * 2) * 32, generator=generator).to(dtype)
+    q, k, v = qkv.split([6 * 32, 2 * 32, 2 * 32], dim=-1)  # strided views, as the decoder's split leaves them
+    return generator, q.view(tokens, 6, 32), k.view(tokens, 2, 32), v.view(tokens, 2, 32)
+
+
+@needs_compiler
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("tokens", [3, 600])  # one thread inline, and rows split over threads
+def test_fused_ops_compute_what_the_torch_code_computes(dtype, tokens):
+    kernels = cpu_kernels()
+    generator, q, k, v = fused_cases(dtype, tokens)
+    weight = (torch.rand(32, generator=generator) + 0.5).to(dtype)
+    close = dict(rtol=1e-6, atol=1e-6) if dtype == torch.float32 else dict(rtol=8e-3, atol=8e-3)  # bf16: one ulp
+    torch.testing.assert_close(kernels.rms_norm(q, weight, 1e-6), rms_norm.__wrapped__(q, weight, 1e-6), **close)
+    x, residual = q.flatten(1), k.repeat(1, 3, 1).flatten(1)
+    hidden = (torch.rand(x.size(1), generator=generator) + 0.5).to(dtype)
+    for got, want in zip(kernels.add_rms_norm(x, residual, hidden, 1e-5),
+                         add_rms_norm.__wrapped__(x, residual, hidden, 1e-5)):
+        torch.testing.assert_close(got, want, **close)
+    positions = torch.randint(0, 1000, (tokens,), generator=generator)
+    table = RotaryEmbedding(32, 1000, 10000.0).cos_sin_cache
+    for got, want in zip(kernels.apply_rotary(positions, q, k, table), apply_rotary.__wrapped__(positions, q, k, table)):
+        assert torch.equal(got, want), "the same roundings in the same order: bitwise equal"
+    gate_up = torch.randn(tokens, 2 * 96, generator=generator).mul(4).to(dtype)
+    torch.testing.assert_close(kernels.silu_and_mul(gate_up), silu_and_mul.__wrapped__(gate_up), **close)
+
+
+@needs_compiler
+def test_a_fused_row_is_bitwise_the_same_whatever_its_batch():
+    kernels = cpu_kernels()
+    _, q, k, _ = fused_cases(torch.float32, 600)
+    weight = torch.rand(32) + 0.5
+    together = kernels.rms_norm(q, weight, 1e-6)
+    gate_up = q.flatten(1)
+    mlp = kernels.silu_and_mul(gate_up)
+    for i in (0, 299, 599):
+        assert torch.equal(kernels.rms_norm(q[i:i + 1], weight, 1e-6), together[i:i + 1])
+        assert torch.equal(kernels.silu_and_mul(gate_up[i:i + 1]), mlp[i:i + 1])
+
+
+@needs_compiler
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_the_kv_store_writes_every_slot_and_skips_padding(dtype):
+    _, _, k, v = fused_cases(dtype, 40)
+    k_cache, v_cache = torch.zeros(5, 16, 2, 32, dtype=dtype), torch.zeros(5, 16, 2, 32, dtype=dtype)
+    slots = torch.randperm(80)[:40]
+    slots[::7] = -1
+    cpu_kernels().store_kvcache(k, v, k_cache, v_cache, slots)
+    valid = slots >= 0
+    assert torch.equal(k_cache.view(80, 2, 32)[slots[valid]], k[valid])
+    assert torch.equal(v_cache.view(80, 2, 32)[slots[valid]], v[valid])
+    untouched = torch.ones(80, dtype=torch.bool)
+    untouched[slots[valid]] = False
+    assert not k_cache.view(80, 2, 32)[untouched].any() and not v_cache.view(80, 2, 32)[untouched].any()

@@ -1,6 +1,8 @@
 """CPU kernels compiled with `torch.utils.cpp_extension` (g++ and torch's headers) the first time an engine starts on
-the CPU, into nanovllm's cache directory, per torch version and CPU (`-march=native` code runs only where it was
-built): `paged_decode`, every single-query row of a step in one call.
+the CPU, into nanovllm's cache directory, per torch version, CPU (`-march=native` code runs only where it was built)
+and source: `paged_decode`, every single-query row of a step in one call, and the decoder's small ops fused
+(`csrc/fused_ops.cpp`: RMSNorm with the residual add, rotary, SiLU-and-mul, the KV-cache store; the layers reach
+them through `utils.compile.fused_op`).
 
 Builds are serialized by an OS lock that dies with its holder: torch's own lock is a file that a build killed
 midway leaves behind, after which every later `load` waits for it forever. Without a working compiler, or when
@@ -21,14 +23,17 @@ from nanovllm.utils.cache import cache_dir, exclusive
 
 logger = logging.getLogger("nanovllm")
 NAME = "nanovllm_cpu_kernels"
-SOURCE = Path(__file__).with_name("csrc") / "paged_decode.cpp"
+CSRC = Path(__file__).with_name("csrc")
+SOURCES = [CSRC / "module.cpp", CSRC / "paged_decode.cpp", CSRC / "fused_ops.cpp"]
 BUILD_WAIT_S = 600.0
 
 
 def build_directory() -> Path:
-    """Where this torch, Python and CPU keep the built kernels (torch rebuilds there when the source changes)."""
+    """Where this torch, Python, CPU and source (headers included, which torch's rebuild check ignores) keep the
+    built kernels."""
     cpu = next((line for line in _cpuinfo().splitlines() if line.startswith("flags")), platform.processor())
-    key = xxhash.xxh64_hexdigest(f"{torch.__version__}|{sys.version}|{platform.machine()}|{cpu}".encode())
+    source = b"".join(path.read_bytes() for path in sorted(CSRC.iterdir()))
+    key = xxhash.xxh64_hexdigest(f"{torch.__version__}|{sys.version}|{platform.machine()}|{cpu}|".encode() + source)
     return cache_dir() / "kernels" / key
 
 
@@ -50,13 +55,13 @@ def cpu_kernels():
             (directory / "lock").unlink(missing_ok=True)  # torch's lock file, left by a build that was killed
             if not (directory / f"{NAME}.so").exists():
                 print(f"nanovllm: building the CPU kernels into {directory} (once per torch version and CPU; about "
-                      "20 s) ...", file=sys.stderr)
-            return load(NAME, [str(SOURCE)], extra_cflags=["-O3", "-march=native", "-fopenmp"],
+                      "30 s) ...", file=sys.stderr)
+            return load(NAME, [str(path) for path in SOURCES], extra_cflags=["-O3", "-march=native", "-fopenmp"],
                         extra_ldflags=["-fopenmp"], build_directory=str(directory), verbose=False)
     except Exception as e:  # no compiler, no headers, a failed build, a build elsewhere that never ends
         hint = "" if shutil.which("c++") or shutil.which("g++") else " Install g++ to get them."
-        logger.warning("nanovllm: CPU kernels could not be built in %s (%s); decode attention runs on torch's "
-                       "operators, one call per sequence (slower).%s", directory, str(e).splitlines()[0][:200], hint)
+        logger.warning("nanovllm: CPU kernels could not be built in %s (%s); attention and the small ops run on "
+                       "torch's operators (slower).%s", directory, str(e).splitlines()[0][:200], hint)
         return None
 
 

@@ -93,6 +93,8 @@ class TorchBackend:
     @staticmethod
     def store_kvcache(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                       slot_mapping: torch.Tensor) -> None:
+        if k.device.type == "cpu" and (kernels := cpu_kernels()) is not None:
+            return kernels.store_kvcache(k, v, k_cache, v_cache, slot_mapping)
         valid = slot_mapping >= 0
         slots = slot_mapping[valid]
         k_cache.view(-1, *k_cache.shape[2:]).index_copy_(0, slots, k[valid])

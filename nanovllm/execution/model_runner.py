@@ -7,6 +7,7 @@ from dataclasses import dataclass
 import torch
 
 from nanovllm.backends import Platform, importable, load_backend
+from nanovllm.backends.cpu_kernels import cpu_kernels
 from nanovllm.config import Config
 from nanovllm.core.scheduler import ScheduledBatch
 from nanovllm.core.sequence import Sequence
@@ -19,7 +20,7 @@ from nanovllm.layers.attention import Attention, bind_kv_cache
 from nanovllm.layers.prepack import can_prepack, prepack_linear_weights
 from nanovllm.models import build_model
 from nanovllm.models.hf_config import head_dim
-from nanovllm.utils.compile import set_compile
+from nanovllm.utils.compile import set_fused_ops
 from nanovllm.utils.context import get_context, reset_context, set_context
 from nanovllm.models.loader import init_dummy_weights, load_model
 from nanovllm.utils.parallel import min_over_ranks
@@ -72,7 +73,8 @@ class ModelRunner:
         self.device = torch.device("cuda", rank) if config.device == "cuda" else torch.device("cpu")
         on_gpu = self.device.type == "cuda"
         self.backend = load_backend(config.attention_backend, Platform.probe(self.device.type))
-        set_compile(on_gpu and not config.enforce_eager and importable("triton"))
+        set_fused_ops(compiled=on_gpu and not config.enforce_eager and importable("triton"),
+                      cpu_kernels=None if on_gpu else cpu_kernels())
         with default_dtype(config.torch_dtype), self.device:
             self.model = build_model(hf_config)
         if config.load_format == "dummy":

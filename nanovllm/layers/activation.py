@@ -5,7 +5,7 @@ from torch import nn
 from nanovllm.utils.compile import fused_op
 
 
-@fused_op
+@fused_op(cpu_kernel="silu_and_mul")
 def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
     gate, up = x.chunk(2, -1)
     return F.silu(gate) * up

@@ -17,8 +17,8 @@ def _add_rms_norm(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor,
     return _rms_norm(x, weight, eps), x
 
 
-rms_norm = fused_op(_rms_norm)
-add_rms_norm = fused_op(_add_rms_norm)
+rms_norm = fused_op(_rms_norm, cpu_kernel="rms_norm")
+add_rms_norm = fused_op(_add_rms_norm, cpu_kernel="add_rms_norm")
 
 
 class RMSNorm(nn.Module):

@@ -3,43 +3,14 @@
 // the row, scores in float32, a max-subtracted softmax, then the weighted sum of V. A row's result depends only on
 // its own query, its own cached K/V and this binary's fixed operation order: not on its batch, nor on threads.
 // Common head sizes are compiled with head_dim as a constant, which the compiler unrolls (about 2x faster).
-#include <torch/extension.h>
 #include <ATen/Parallel.h>
 
-#include <cmath>
-#include <cstring>
 #include <limits>
 #include <vector>
 
+#include "cpu_math.h"
+
 constexpr int64_t MAX_HEAD_DIM = 1024;
-
-static inline float to_float(float x) { return x; }
-static inline float to_float(c10::Half x) { return static_cast<float>(x); }
-static inline float to_float(c10::BFloat16 x) {  // a shift the compiler vectorizes (c10's conversion it does not)
-  const uint32_t bits = static_cast<uint32_t>(x.x) << 16;
-  float f;
-  std::memcpy(&f, &bits, sizeof f);
-  return f;
-}
-
-// exp(x) for x <= 0 (max-subtracted scores) as 2^n * p(r), r = x - n ln2 in [-ln2/2, ln2/2]: a polynomial the
-// compiler vectorizes (std::exp it calls once per element), relative error ~2e-7; clamped at -87 (exp: 1.6e-38).
-static inline float exp_nonpositive(float x) {
-  x = std::max(x, -87.f);
-  const float n = std::nearbyint(x * 1.44269504088896341f);
-  const float r = std::fma(n, -0.693145751953125f, std::fma(n, -1.428606765330187e-06f, x));
-  float p = 1.9875691500e-4f;
-  p = std::fma(p, r, 1.3981999507e-3f);
-  p = std::fma(p, r, 8.3334519073e-3f);
-  p = std::fma(p, r, 4.1665795894e-2f);
-  p = std::fma(p, r, 1.6666665459e-1f);
-  p = std::fma(p, r, 5.0000001201e-1f);
-  p = std::fma(p * r, r, r) + 1.f;
-  const int32_t bits = (static_cast<int32_t>(n) + 127) << 23;
-  float scale;
-  std::memcpy(&scale, &bits, sizeof scale);
-  return p * scale;
-}
 
 template <typename T, int64_t HEAD_DIM>
 static void decode_rows(const T* q, const T* k_cache, const T* v_cache, const int32_t* block_tables,
@@ -80,7 +51,7 @@ static void decode_rows(const T* q, const T* k_cache, const T* v_cache, const in
         float top = -std::numeric_limits<float>::infinity();
         for (int64_t t = 0; t < length; ++t) top = std::max(top, p[t]);
 #pragma omp simd
-        for (int64_t t = 0; t < length; ++t) p[t] = exp_nonpositive(p[t] - top);
+        for (int64_t t = 0; t < length; ++t) p[t] = exp_clamped(p[t] - top);
         float total = 0.f;
         for (int64_t t = 0; t < length; ++t) total += p[t];
         float acc[HEAD_DIM ? HEAD_DIM : MAX_HEAD_DIM] = {};  // in registers when HEAD_DIM is a constant
@@ -117,8 +88,4 @@ torch::Tensor paged_decode(torch::Tensor q, torch::Tensor k_cache, torch::Tensor
         q.size(1), k_cache.size(2), q.size(2), k_cache.size(1), block_tables.size(1), static_cast<float>(scale));
   });
   return out;
-}
-
-PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
-  m.def("paged_decode", &paged_decode, "Paged decode attention for single-query rows (CPU)");
 }

@@ -1,0 +1,186 @@
+// The decoder's small ops on the CPU, each one pass over its rows instead of several torch operators: RMSNorm (with
+// the residual add), rotary embedding, SiLU-and-mul, and the KV-cache store. Each computes what the eager torch
+// code in layers/ computes, rounding to the tensor's dtype where that code does. Decode-sized inputs run on the
+// calling thread (no parallel region); larger ones split their rows over torch's threads.
+#pragma GCC optimize("fp-contract=off")  // a * b - c * d rounded as torch rounds it, not fused into an FMA
+#include <ATen/Parallel.h>
+
+#include <vector>
+
+#include "cpu_math.h"
+
+namespace {
+
+constexpr int64_t PARALLEL_ELEMENTS = 1 << 15;  // below this a parallel region costs more than it saves
+
+int64_t grain(int64_t row_elements) { return std::max<int64_t>(1, PARALLEL_ELEMENTS / std::max<int64_t>(row_elements, 1)); }
+
+// Element offset of each row (every index but the last) of a tensor whose last dimension is contiguous.
+class Rows {
+ public:
+  explicit Rows(const torch::Tensor& x) : sizes_(x.sizes().vec()), strides_(x.strides().vec()) {
+    TORCH_CHECK(x.dim() >= 1 && x.stride(-1) == 1, "the last dimension must be contiguous");
+    sizes_.pop_back();
+    strides_.pop_back();
+  }
+  int64_t offset(int64_t row) const {
+    int64_t at = 0;
+    for (int64_t d = static_cast<int64_t>(sizes_.size()) - 1; d >= 0; --d) {
+      at += (row % sizes_[d]) * strides_[d];
+      row /= sizes_[d];
+    }
+    return at;
+  }
+
+ private:
+  std::vector<int64_t> sizes_, strides_;
+};
+
+template <typename T>
+void norm_row(const T* x, const T* weight, T* out, int64_t n, float eps) {
+  float squares = 0.f;
+#pragma omp simd reduction(+ : squares)
+  for (int64_t i = 0; i < n; ++i) squares += to_float(x[i]) * to_float(x[i]);
+  const float inverse = 1.f / std::sqrt(squares / n + eps);
+  for (int64_t i = 0; i < n; ++i) out[i] = static_cast<T>(to_float(weight[i]) * round_to<T>(to_float(x[i]) * inverse));
+}
+
+}  // namespace
+
+// weight * x / rms(x) over the last dimension (float32 inside), into a new contiguous tensor.
+torch::Tensor rms_norm(torch::Tensor x, torch::Tensor weight, double eps) {
+  auto out = torch::empty(x.sizes(), x.options());
+  const int64_t n = x.size(-1), rows = x.numel() / std::max<int64_t>(n, 1);
+  const Rows index(x);
+  AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, x.scalar_type(), "rms_norm", [&] {
+    const scalar_t* src = x.data_ptr<scalar_t>();
+    const scalar_t* w = weight.data_ptr<scalar_t>();
+    scalar_t* dst = out.data_ptr<scalar_t>();
+    at::parallel_for(0, rows, grain(n), [&](int64_t begin, int64_t end) {
+      for (int64_t r = begin; r < end; ++r) norm_row(src + index.offset(r), w, dst + r * n, n, static_cast<float>(eps));
+    });
+  });
+  return out;
+}
+
+// (rms_norm(x + residual), x + residual), the sum rounded to the dtype first, as torch's add does.
+std::tuple<torch::Tensor, torch::Tensor> add_rms_norm(torch::Tensor x, torch::Tensor residual, torch::Tensor weight,
+                                                      double eps) {
+  x = x.contiguous();
+  residual = residual.contiguous();
+  auto out = torch::empty_like(x), sum = torch::empty_like(x);
+  const int64_t n = x.size(-1), rows = x.numel() / std::max<int64_t>(n, 1);
+  AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, x.scalar_type(), "add_rms_norm", [&] {
+    const scalar_t *a = x.data_ptr<scalar_t>(), *b = residual.data_ptr<scalar_t>(), *w = weight.data_ptr<scalar_t>();
+    scalar_t *dst = out.data_ptr<scalar_t>(), *total = sum.data_ptr<scalar_t>();
+    at::parallel_for(0, rows, grain(n), [&](int64_t begin, int64_t end) {
+      for (int64_t r = begin; r < end; ++r) {
+        for (int64_t i = 0; i < n; ++i) total[r * n + i] = static_cast<scalar_t>(to_float(a[r * n + i]) + to_float(b[r * n + i]));
+        norm_row(total + r * n, w, dst + r * n, n, static_cast<float>(eps));
+      }
+    });
+  });
+  return {out, sum};
+}
+
+namespace {
+
+// Rotate-half rotary embedding of one `[tokens, heads, head_dim]` tensor into a new contiguous one. cos and sin
+// are rounded to the dtype first and every product and sum is rounded, as the eager code computes them.
+template <typename T>
+torch::Tensor rotate(const torch::Tensor& x, const int64_t* positions, const float* cos_sin) {
+  auto out = torch::empty(x.sizes(), x.options());
+  const int64_t heads = x.size(1), dim = x.size(2), half = dim / 2, rows = x.size(0) * heads;
+  const Rows index(x);
+  const T* src = x.data_ptr<T>();
+  T* dst = out.data_ptr<T>();
+  at::parallel_for(0, rows, grain(dim), [&](int64_t begin, int64_t end) {
+    for (int64_t r = begin; r < end; ++r) {
+      const T* in = src + index.offset(r);
+      T* o = dst + r * dim;
+      const float* cos = cos_sin + positions[r / heads] * dim;
+      const float* sin = cos + half;
+      for (int64_t i = 0; i < half; ++i) {
+        const float c = round_to<T>(cos[i]), s = round_to<T>(sin[i]);
+        const float x1 = to_float(in[i]), x2 = to_float(in[i + half]);
+        o[i] = static_cast<T>(round_to<T>(x1 * c) - round_to<T>(x2 * s));
+        o[i + half] = static_cast<T>(round_to<T>(x2 * c) + round_to<T>(x1 * s));
+      }
+    }
+  });
+  return out;
+}
+
+}  // namespace
+
+std::tuple<torch::Tensor, torch::Tensor> apply_rotary(torch::Tensor positions, torch::Tensor q, torch::Tensor k,
+                                                      torch::Tensor cos_sin_cache) {
+  TORCH_CHECK(q.dim() == 3 && k.dim() == 3 && cos_sin_cache.scalar_type() == at::kFloat, "bad rotary inputs");
+  positions = positions.to(torch::kInt64).contiguous();
+  cos_sin_cache = cos_sin_cache.contiguous();
+  torch::Tensor q_out, k_out;
+  AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, q.scalar_type(), "apply_rotary", [&] {
+    q_out = rotate<scalar_t>(q, positions.data_ptr<int64_t>(), cos_sin_cache.data_ptr<float>());
+    k_out = rotate<scalar_t>(k, positions.data_ptr<int64_t>(), cos_sin_cache.data_ptr<float>());
+  });
+  return {q_out, k_out};
+}
+
+namespace {
+
+template <typename T>
+void silu_mul_row(const T* gate, const T* up, T* out, int64_t n) {
+#pragma omp simd
+  for (int64_t i = 0; i < n; ++i) {
+    const float g = to_float(gate[i]);
+    out[i] = static_cast<T>(round_to<T>(g / (1.f + exp_clamped(-g))) * to_float(up[i]));
+  }
+}
+
+}  // namespace
+
+// silu(gate) * up for x laid out as [gate | up] along the last dimension; silu rounded to the dtype first.
+torch::Tensor silu_and_mul(torch::Tensor x) {
+  x = x.contiguous();
+  const int64_t width = x.size(-1), n = width / 2, rows = x.numel() / std::max<int64_t>(width, 1);
+  auto sizes = x.sizes().vec();
+  sizes.back() = n;
+  auto out = torch::empty(sizes, x.options());
+  AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, x.scalar_type(), "silu_and_mul", [&] {
+    const scalar_t* src = x.data_ptr<scalar_t>();
+    scalar_t* dst = out.data_ptr<scalar_t>();
+    at::parallel_for(0, rows, grain(width), [&](int64_t begin, int64_t end) {
+      for (int64_t r = begin; r < end; ++r) silu_mul_row(src + r * width, src + r * width + n, dst + r * n, n);
+    });
+  });
+  return out;
+}
+
+// Each token's K and V `[tokens, kv_heads, head_dim]` into its cache slot (`slot_mapping`, -1: not stored) of
+// caches `[blocks, block_size, kv_heads, head_dim]`.
+void store_kvcache(torch::Tensor k, torch::Tensor v, torch::Tensor k_cache, torch::Tensor v_cache,
+                   torch::Tensor slot_mapping) {
+  TORCH_CHECK(k_cache.is_contiguous() && v_cache.is_contiguous() && k.scalar_type() == k_cache.scalar_type(),
+              "the caches must be contiguous and share the keys' dtype");
+  const int64_t width = k_cache.size(2) * k_cache.size(3), tokens = k.size(0);
+  auto rows = [&](torch::Tensor x) {  // one token's heads adjacent, as in the cache
+    return x.stride(2) == 1 && x.stride(1) == x.size(2) ? x : x.contiguous();
+  };
+  k = rows(k);
+  v = rows(v);
+  slot_mapping = slot_mapping.to(torch::kInt64).contiguous();
+  const int64_t* slots = slot_mapping.data_ptr<int64_t>();
+  const int64_t bytes = width * k.element_size();
+  auto* k_src = static_cast<const char*>(k.data_ptr());
+  auto* v_src = static_cast<const char*>(v.data_ptr());
+  auto* k_dst = static_cast<char*>(k_cache.data_ptr());
+  auto* v_dst = static_cast<char*>(v_cache.data_ptr());
+  const int64_t k_stride = k.stride(0) * k.element_size(), v_stride = v.stride(0) * v.element_size();
+  at::parallel_for(0, tokens, grain(width), [&](int64_t begin, int64_t end) {
+    for (int64_t t = begin; t < end; ++t) {
+      if (slots[t] < 0) continue;
+      std::memcpy(k_dst + slots[t] * bytes, k_src + t * k_stride, bytes);
+      std::memcpy(v_dst + slots[t] * bytes, v_src + t * v_stride, bytes);
+    }
+  });
+}
