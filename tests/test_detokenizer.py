@@ -72,6 +72,24 @@ def test_deltas_concatenate_to_the_full_decode(tokenizer, skip_special_tokens):
         assert not any(delta.endswith("\ufffd") for delta in deltas[:-1])
 
 
+@pytest.mark.parametrize("skip_special_tokens", [True, False])
+def test_tokens_taken_many_at_a_time_give_the_same_text(tokenizer, skip_special_tokens):
+    """Without stop strings the engine detokenizes only when the text is read, many tokens per call (half
+    characters and unknown ids inside a chunk included): the text is that of one token at a time."""
+    rng = random.Random(1)
+    params = SamplingParams(skip_special_tokens=skip_special_tokens, min_tokens=2)
+    for _ in range(200):
+        token_ids = [rng.randrange(len(tokenizer) + 8) for _ in range(rng.randrange(1, 30))]  # + ids it lacks
+        prompt = [rng.randrange(len(tokenizer)) for _ in range(rng.randrange(1, 8))]
+        _, _, one_at_a_time = stream(tokenizer, token_ids, params, prompt)
+        detokenizer, text, taken = IncrementalDetokenizer(tokenizer, prompt, params), "", 0
+        while taken < len(token_ids):
+            chunk = token_ids[taken:taken + rng.randrange(1, 6)]
+            taken += len(chunk)
+            text += detokenizer.update(chunk, finished=taken == len(token_ids)).text
+        assert text == detokenizer.text == one_at_a_time.text
+
+
 def test_multibyte_characters_are_held_until_complete(tokenizer):
     text = "日本語 😀 ok"
     token_ids = tokenizer.encode(text)

@@ -90,7 +90,7 @@ class BlockManager:
         start = seq.num_computed_tokens + len(cached) * self.block_size
         end = start + num_new_tokens
         num_new_blocks = -(-end // self.block_size) - len(seq.block_table) - len(cached)
-        revived = sum(self.blocks[block_id].ref_count == 0 for block_id in cached)
+        revived = sum(self.blocks[block_id].ref_count == 0 for block_id in cached) if cached else 0
         if num_new_blocks + revived > self.num_free_blocks:
             return False
         for block_id in cached:

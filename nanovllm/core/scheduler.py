@@ -38,7 +38,7 @@ class ScheduledBatch:
         self.starts.append(seq.num_computed_tokens)
         self.num_tokens.append(num_tokens)
         seq.num_computed_tokens += num_tokens
-        self.samples.append(seq.num_computed_tokens == len(seq))
+        self.samples.append(seq.num_computed_tokens == len(seq.token_ids))
 
     def remove(self, seq: Sequence) -> int:
         """Take `seq` out again (it was preempted later in the same pass); returns its token count."""
@@ -149,12 +149,12 @@ class Scheduler:
 
     def _schedule_running(self, batch: ScheduledBatch, budget: int) -> tuple[int, bool]:
         preempted = False
-        for seq in sorted(self.running, key=lambda seq: len(seq) - seq.num_computed_tokens > 1):
+        for seq in sorted(self.running, key=lambda seq: len(seq.token_ids) - seq.num_computed_tokens > 1):
             if budget == 0:
                 break
             if seq.status != SequenceStatus.RUNNING:  # preempted earlier in this pass
                 continue
-            num_tokens = min(len(seq) - seq.num_computed_tokens, budget)
+            num_tokens = min(len(seq.token_ids) - seq.num_computed_tokens, budget)
             while not self.block_manager.allocate(seq, num_tokens):
                 victim = max(self.running, key=self.waiting.key)
                 self.preempt(victim)

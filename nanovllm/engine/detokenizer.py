@@ -40,9 +40,9 @@ class PythonStream:
     def _decode(self, tokens: list[str]) -> str:
         return self.tokenizer.convert_tokens_to_string(tokens) if tokens else ""
 
-    def step(self, token_id: int) -> str | None:
+    def step(self, token_ids: list[int]) -> str | None:
         """The new text, or None while it ends in an incomplete character."""
-        self.tokens += self._to_tokens([token_id])
+        self.tokens += self._to_tokens(token_ids)
         return self._new_text(complete_only=True) or None
 
     def flush(self) -> str:
@@ -70,9 +70,12 @@ class NativeStream:
         self.stream = DecodeStream(ids=context, skip_special_tokens=skip_special_tokens)
         self.held: list[int] = []
 
-    def step(self, token_id: int) -> str | None:
-        text = self.stream.step(self.backend, token_id)
-        self.held = [] if text is not None else self.held + [token_id]
+    def step(self, token_ids: list[int]) -> str | None:
+        text = self.stream.step(self.backend, token_ids)
+        if text is None:
+            self.held += token_ids
+        elif self.held:
+            self.held = []
         return text
 
     def flush(self) -> str:
@@ -108,13 +111,19 @@ class IncrementalDetokenizer:
         """Take the sequence's next token(s). `finished`: the engine ended the sequence with them (EOS, a stop
         token, max_tokens, abort), so everything held back is released, an incomplete character as U+FFFD. When the
         returned delta names a stop string, the sequence is finished; update it no further."""
-        for token_id in token_ids:
-            self.text += self.stream.step(token_id) or ""
-            self.num_tokens += 1
-            if self.num_tokens <= self.min_tokens:
-                self.searched = len(self.text)
+        self.num_tokens += len(token_ids)
+        if self.min_tokens and (within_min_tokens := min(len(token_ids),
+                                                         max(self.min_tokens - self.num_tokens + len(token_ids), 0))):
+            self.text += self.stream.step(token_ids[:within_min_tokens]) or ""  # its text cannot end a stop string
+            self.searched = len(self.text)
+            token_ids = token_ids[within_min_tokens:]
+        if token_ids:
+            self.text += self.stream.step(token_ids) or ""
         if finished:
             self.text += self.stream.flush()
+        if not self.stops:
+            delta, self.emitted = self.text[self.emitted:], len(self.text)
+            return TextDelta(delta)
         stop = self._find_stop()
         end = len(self.text) if finished or stop else len(self.text) - self._stop_prefix_length()
         delta = self.text[self.emitted:end]

@@ -3,6 +3,7 @@ import os
 import threading
 import time
 from collections.abc import Iterable, Iterator
+from contextlib import contextmanager
 from itertools import count
 
 from tqdm.auto import tqdm
@@ -56,6 +57,26 @@ class LLMEngine(PromptFrontend):
         self._requests: dict[str, Request] = {}
         self._completions: dict[int, tuple[Request, Completion]] = {}
         self._lock = threading.RLock()
+        self._waiting: set[int] = set()  # threads blocked on the lock
+
+    @contextmanager
+    def _turn(self) -> Iterator[None]:
+        """The engine's lock, and a note that this thread waits for it (set operations are atomic under the GIL),
+        so a caller looping over steps hands the lock over only when somebody waits (`_let_others_in`)."""
+        me = threading.get_ident()
+        self._waiting.add(me)
+        try:
+            with self._lock:
+                self._waiting.discard(me)
+                yield
+        finally:
+            self._waiting.discard(me)
+
+    def _let_others_in(self) -> None:
+        """Between two steps of a loop: if another thread waits for the lock, sleep for a moment so it can take it
+        (released, the lock would be taken back at once). `time.sleep(0)` costs ~70 us, so only then."""
+        if self._waiting:
+            time.sleep(0)
 
     def _eos_token_ids(self) -> set[int]:
         eos = getattr(self.config.hf_config, "eos_token_id", None)
@@ -65,7 +86,7 @@ class LLMEngine(PromptFrontend):
         return ids
 
     def exit(self) -> None:
-        with self._lock:
+        with self._turn():
             if getattr(self, "model_runner", None) is not None:
                 self.model_runner.exit()
                 self.model_runner = None
@@ -99,7 +120,7 @@ class LLMEngine(PromptFrontend):
 
     def _add(self, requests: list[Request]) -> None:
         """Queue `requests`, all or none."""
-        with self._lock:
+        with self._turn():
             added = []
             try:
                 for request in requests:
@@ -130,7 +151,7 @@ class LLMEngine(PromptFrontend):
         """Stop requests wherever their sequences are (waiting, running or preempted) and free their blocks at
         once; they finish with `finish_reason="abort"`. Unknown or finished requests are ignored."""
         ids = [request_id] if isinstance(request_id, str) else list(request_id)
-        with self._lock:
+        with self._turn():
             for request in [self._requests[i] for i in ids if i in self._requests]:
                 self._abort(request)
 
@@ -151,6 +172,7 @@ class LLMEngine(PromptFrontend):
             self._completions[seq_id][0].add_prompt_logprobs(first, logprobs)
         sampled = self.scheduler.postprocess(batch, output.token_ids)
         updated: dict[str, Request] = {}
+        ended: list[Request] = []
         now = time.time()
         for seq, logprobs in zip(sampled, output.logprobs or [None] * len(sampled)):
             request, completion = self._completions[seq.seq_id]
@@ -161,8 +183,11 @@ class LLMEngine(PromptFrontend):
                 logger.exception("request %s: processing its output failed; it is aborted, the others go on",
                                  request.request_id)
                 self.scheduler.abort(seq.seq_id)
+            if seq.is_finished:
+                ended.append(request)
         for request in updated.values():
             request.record_token(now)
+        for request in ended:
             if request.finished:
                 self._forget(request)
         return batch, list(updated.values())
@@ -181,7 +206,7 @@ class LLMEngine(PromptFrontend):
     def _step_for(self, requests: list[Request]) -> ScheduledBatch | None:
         """Under the lock, run one step if any of `requests` is unfinished (None when all are). A step that fails
         aborts every request (their state is no longer consistent), each marked with the error."""
-        with self._lock:
+        with self._turn():
             if all(request.finished for request in requests):
                 return None
             try:
@@ -196,7 +221,7 @@ class LLMEngine(PromptFrontend):
     def step(self, delta: bool = False) -> list[RequestOutput]:
         """Run one scheduled step; returns the outputs of the requests that got a token in it: everything so far,
         or with `delta` only what is new since their last delta (as `stream` yields it)."""
-        with self._lock:
+        with self._turn():
             return [request.output(delta) for request in self._step()[1]]
 
     def is_finished(self) -> bool:
@@ -241,13 +266,14 @@ class LLMEngine(PromptFrontend):
                     batch = self._step_for(requests)
                     if batch is None:
                         break
-                    elapsed = time.perf_counter() - start
-                    pbar.set_postfix(prefill=f"{batch.num_prefill_tokens / elapsed:.0f}tok/s",
-                                     decode=f"{batch.num_decode_tokens / elapsed:.0f}tok/s", refresh=False)
-                    finished = sum(request.finished for request in requests)
-                    pbar.update(finished - done)
-                    done = finished
-                    time.sleep(0)  # let a caller in another thread take the lock to add its requests or step
+                    if use_tqdm:
+                        elapsed = time.perf_counter() - start
+                        pbar.set_postfix(prefill=f"{batch.num_prefill_tokens / elapsed:.0f}tok/s",
+                                         decode=f"{batch.num_decode_tokens / elapsed:.0f}tok/s", refresh=False)
+                        finished = sum(request.finished for request in requests)
+                        pbar.update(finished - done)
+                        done = finished
+                    self._let_others_in()
         except BaseException:
             self.abort_request([request.request_id for request in requests])
             raise
@@ -266,7 +292,7 @@ class LLMEngine(PromptFrontend):
         self._add(requests)
         try:
             while True:
-                with self._lock:
+                with self._turn():
                     news = [request.output(delta=True) for request in requests if request.has_news]
                     if not news and self._step_for(requests) is None:
                         break

@@ -10,14 +10,20 @@ from nanovllm.sampling_params import SamplingParams
 
 
 class Completion:
-    """One sequence's output so far: text from its incremental detokenizer, and what was already reported."""
+    """One sequence's output so far: text from its incremental detokenizer, and what was already reported.
+
+    Without stop strings to watch, tokens reach the detokenizer only when somebody reads `text` (a stream's delta,
+    an output), many in one call: `generate` pays for detokenizing once per request, not once per token.
+    """
 
     def __init__(self, index: int, seq: Sequence, tokenizer: PreTrainedTokenizerBase | None):
         self.index = index
         self.seq = seq
         self.tokenizer = tokenizer if seq.params.detokenize else None
         self.detokenizer = IncrementalDetokenizer(tokenizer, seq.token_ids, seq.params) if self.tokenizer else None
-        self.text = ""
+        self._text = ""
+        self._undecoded: list[int] = []
+        self._ending_undecoded = False
         self.logprobs: list[dict[int, Logprob]] | None = [] if seq.params.logprobs is not None else None
         self.cumulative_logprob = 0.0
         self.reported_tokens = self.reported_text = 0
@@ -32,9 +38,22 @@ class Completion:
             self.logprobs.append(ranked_logprobs(token_id, logprobs, self.tokenizer))
         if self.detokenizer is None:
             return None
-        stop_token = ending is not None and ending[0] == "stop" and not seq.params.include_stop_str_in_output
-        delta = self.detokenizer.update([] if stop_token else [token_id], finished=ending is not None)
-        self.text += delta.text
+        if not (ending is not None and ending[0] == "stop" and not seq.params.include_stop_str_in_output):
+            self._undecoded.append(token_id)
+        self._ending_undecoded = ending is not None
+        return self._decode() if seq.params.stop else None
+
+    @property
+    def text(self) -> str:
+        if self._undecoded or self._ending_undecoded:
+            self._decode()
+        return self._text
+
+    def _decode(self) -> str | None:
+        """Detokenize the tokens taken since the last call; returns the stop string their text completed, if any."""
+        delta = self.detokenizer.update(self._undecoded, finished=self._ending_undecoded)
+        self._undecoded, self._ending_undecoded = [], False
+        self._text += delta.text
         return delta.stop
 
     @property
@@ -90,7 +109,7 @@ class Request:
 
     @property
     def finished(self) -> bool:
-        return all(c.seq.is_finished for c in self.completions)
+        return all([c.seq.is_finished for c in self.completions])
 
     @property
     def has_news(self) -> bool:
