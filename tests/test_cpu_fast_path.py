@@ -1,6 +1,7 @@
 """The CPU fast path: prepacked oneDNN weights, and the torch backend's one varlen attention contract.
 
 Its token-exactness against transformers is covered by test_engine_parity.py, which runs on this path."""
+import pytest
 import torch
 
 from nanovllm import LLM
@@ -59,6 +60,40 @@ def test_mixed_batch_of_prefill_chunk_decode_and_padding():
         torch.testing.assert_close(out[rows], naive_attention(q[rows], k, v, 0.3))
     assert q_lens == (cu_seqlens_q[1:] - cu_seqlens_q[:-1]).tolist()
     assert torch.equal(out[12], torch.zeros(4, 8))
+
+
+@pytest.mark.parametrize("block_size", [16, 256])
+@pytest.mark.parametrize("heads, kv_heads, head_dim", [(8, 2, 64), (6, 6, 32), (16, 8, 128)])
+@pytest.mark.parametrize("dtype, atol", [(torch.float32, 2e-5), (torch.bfloat16, 3e-2)])
+def test_every_kind_of_row_against_a_float64_reference(block_size, heads, kv_heads, head_dim, dtype, atol):
+    """The CPU attention of one step (a whole prompt, a chunk over a cached prefix, a one-token chunk, decodes, a
+    padding row) with its blocks scattered over the cache, against float64 attention written out."""
+    generator = torch.Generator().manual_seed(block_size + heads)
+    q_lens, context_lens = [40, 30, 1, 1, 1, 1], [40, 300, 17, 1, 520, 0]
+    widths = [-(-n // block_size) for n in context_lens]
+    order = torch.randperm(sum(widths) + 2, generator=generator).tolist()
+    tables, used = [], 0
+    for n in widths:
+        tables.append(order[used:used + n] + [-1] * (max(widths) - n))
+        used += n
+    shape = (len(order), block_size, kv_heads, head_dim)
+    k_cache, v_cache = (torch.randn(shape, generator=generator).to(dtype) for _ in range(2))
+    q = torch.randn(sum(q_lens), heads, head_dim, generator=generator).to(dtype)
+    cu_seqlens_q = torch.tensor([0, *q_lens]).cumsum(0)
+    block_tables = torch.tensor(tables)
+    ctx = Context(cu_seqlens_q=cu_seqlens_q, max_seqlen_q=max(q_lens), context_lens=torch.tensor(context_lens),
+                  block_tables=block_tables)
+    out = TorchBackend.attend(q, k_cache, v_cache, ctx, head_dim ** -0.5)
+    assert out.dtype == dtype
+    for i, length in enumerate(context_lens):
+        rows = slice(int(cu_seqlens_q[i]), int(cu_seqlens_q[i + 1]))
+        if not length:
+            assert not out[rows].any(), "a padding row attends to nothing"
+            continue
+        k = k_cache[block_tables[i, :widths[i]]].flatten(0, 1)[:length].double()
+        v = v_cache[block_tables[i, :widths[i]]].flatten(0, 1)[:length].double()
+        expected = naive_attention(q[rows].double(), k, v, head_dim ** -0.5)
+        torch.testing.assert_close(out[rows].double(), expected, atol=atol, rtol=0)
 
 
 def test_bfloat16_weights_are_prepacked_where_the_cpu_runs_bfloat16_natively(tied_model, monkeypatch):
