@@ -15,10 +15,24 @@ static inline float to_float(c10::BFloat16 x) {  // a shift the compiler vectori
   return f;
 }
 
-// Round to T (nearest even), as torch does when an op's float result is stored in a lower-precision tensor.
+// x stored as T, rounded to nearest even as torch rounds an op's float result; for bfloat16 in integer arithmetic the
+// compiler vectorizes (c10's conversion branches on NaN, which it does not).
+template <typename T>
+static inline T from_float(float x) {
+  return static_cast<T>(x);
+}
+template <>
+inline c10::BFloat16 from_float<c10::BFloat16>(float x) {
+  uint32_t bits;
+  std::memcpy(&bits, &x, sizeof bits);
+  const uint32_t rounded = (bits + 0x7FFFu + ((bits >> 16) & 1u)) >> 16;
+  const bool nan = (bits & 0x7FFFFFFFu) > 0x7F800000u;
+  return c10::BFloat16(static_cast<uint16_t>(nan ? 0x7FC0u : rounded), c10::BFloat16::from_bits());
+}
+
 template <typename T>
 static inline float round_to(float x) {
-  return to_float(static_cast<T>(x));
+  return to_float(from_float<T>(x));
 }
 
 // exp(x) as 2^n * p(r), r = x - n ln2 in [-ln2/2, ln2/2]: a polynomial the compiler vectorizes (std::exp it calls

@@ -42,7 +42,8 @@ void norm_row(const T* x, const T* weight, T* out, int64_t n, float eps) {
 #pragma omp simd reduction(+ : squares)
   for (int64_t i = 0; i < n; ++i) squares += to_float(x[i]) * to_float(x[i]);
   const float inverse = 1.f / std::sqrt(squares / n + eps);
-  for (int64_t i = 0; i < n; ++i) out[i] = static_cast<T>(to_float(weight[i]) * round_to<T>(to_float(x[i]) * inverse));
+#pragma omp simd
+  for (int64_t i = 0; i < n; ++i) out[i] = from_float<T>(to_float(weight[i]) * round_to<T>(to_float(x[i]) * inverse));
 }
 
 }  // namespace
@@ -75,7 +76,7 @@ std::tuple<torch::Tensor, torch::Tensor> add_rms_norm(torch::Tensor x, torch::Te
     scalar_t *dst = out.data_ptr<scalar_t>(), *total = sum.data_ptr<scalar_t>();
     at::parallel_for(0, rows, grain(n), [&](int64_t begin, int64_t end) {
       for (int64_t r = begin; r < end; ++r) {
-        for (int64_t i = 0; i < n; ++i) total[r * n + i] = static_cast<scalar_t>(to_float(a[r * n + i]) + to_float(b[r * n + i]));
+        for (int64_t i = 0; i < n; ++i) total[r * n + i] = from_float<scalar_t>(to_float(a[r * n + i]) + to_float(b[r * n + i]));
         norm_row(total + r * n, w, dst + r * n, n, static_cast<float>(eps));
       }
     });
@@ -100,11 +101,12 @@ torch::Tensor rotate(const torch::Tensor& x, const int64_t* positions, const flo
       T* o = dst + r * dim;
       const float* cos = cos_sin + positions[r / heads] * dim;
       const float* sin = cos + half;
+#pragma omp simd
       for (int64_t i = 0; i < half; ++i) {
         const float c = round_to<T>(cos[i]), s = round_to<T>(sin[i]);
         const float x1 = to_float(in[i]), x2 = to_float(in[i + half]);
-        o[i] = static_cast<T>(round_to<T>(x1 * c) - round_to<T>(x2 * s));
-        o[i + half] = static_cast<T>(round_to<T>(x2 * c) + round_to<T>(x1 * s));
+        o[i] = from_float<T>(round_to<T>(x1 * c) - round_to<T>(x2 * s));
+        o[i + half] = from_float<T>(round_to<T>(x2 * c) + round_to<T>(x1 * s));
       }
     }
   });
@@ -133,7 +135,7 @@ void silu_mul_row(const T* gate, const T* up, T* out, int64_t n) {
 #pragma omp simd
   for (int64_t i = 0; i < n; ++i) {
     const float g = to_float(gate[i]);
-    out[i] = static_cast<T>(round_to<T>(g / (1.f + exp_clamped(-g))) * to_float(up[i]));
+    out[i] = from_float<T>(round_to<T>(g / (1.f + exp_clamped(-g))) * to_float(up[i]));
   }
 }
 
