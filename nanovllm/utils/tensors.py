@@ -17,4 +17,5 @@ def zeros(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> t
     page up front). The map is released with the tensor."""
     if device.type != "cpu":
         return torch.zeros(shape, dtype=dtype, device=device)
-    return torch.frombuffer(mmap.mmap(-1, math.prod(shape) * dtype.itemsize), dtype=dtype).view(shape)
+    memory = mmap.mmap(-1, math.prod(shape) * dtype.itemsize, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+    return torch.frombuffer(memory, dtype=dtype).view(shape)
