@@ -111,10 +111,10 @@ class IncrementalDetokenizer:
         """Take the sequence's next token(s). `finished`: the engine ended the sequence with them (EOS, a stop
         token, max_tokens, abort), so everything held back is released, an incomplete character as U+FFFD. When the
         returned delta names a stop string, the sequence is finished; update it no further."""
+        within_min_tokens = min(len(token_ids), max(self.min_tokens - self.num_tokens, 0))
         self.num_tokens += len(token_ids)
-        if self.min_tokens and (within_min_tokens := min(len(token_ids),
-                                                         max(self.min_tokens - self.num_tokens + len(token_ids), 0))):
-            self.text += self.stream.step(token_ids[:within_min_tokens]) or ""  # its text cannot end a stop string
+        if within_min_tokens:  # their text cannot end a stop string
+            self.text += self.stream.step(token_ids[:within_min_tokens]) or ""
             self.searched = len(self.text)
             token_ids = token_ids[within_min_tokens:]
         if token_ids:

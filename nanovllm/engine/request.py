@@ -109,7 +109,7 @@ class Request:
 
     @property
     def finished(self) -> bool:
-        return all([c.seq.is_finished for c in self.completions])
+        return all(c.seq.is_finished for c in self.completions)
 
     @property
     def has_news(self) -> bool:

@@ -13,7 +13,9 @@ namespace {
 
 constexpr int64_t PARALLEL_ELEMENTS = 1 << 15;  // below this a parallel region costs more than it saves
 
-int64_t grain(int64_t row_elements) { return std::max<int64_t>(1, PARALLEL_ELEMENTS / std::max<int64_t>(row_elements, 1)); }
+int64_t grain(int64_t row_elements) {
+  return std::max<int64_t>(1, PARALLEL_ELEMENTS / std::max<int64_t>(row_elements, 1));
+}
 
 // Element offset of each row (every index but the last) of a tensor whose last dimension is contiguous.
 class Rows {
@@ -76,7 +78,8 @@ std::tuple<torch::Tensor, torch::Tensor> add_rms_norm(torch::Tensor x, torch::Te
     scalar_t *dst = out.data_ptr<scalar_t>(), *total = sum.data_ptr<scalar_t>();
     at::parallel_for(0, rows, grain(n), [&](int64_t begin, int64_t end) {
       for (int64_t r = begin; r < end; ++r) {
-        for (int64_t i = 0; i < n; ++i) total[r * n + i] = from_float<scalar_t>(to_float(a[r * n + i]) + to_float(b[r * n + i]));
+        for (int64_t i = 0; i < n; ++i)
+          total[r * n + i] = from_float<scalar_t>(to_float(a[r * n + i]) + to_float(b[r * n + i]));
         norm_row(total + r * n, w, dst + r * n, n, static_cast<float>(eps));
       }
     });
