@@ -8,7 +8,7 @@ import time
 import pytest
 
 from nanovllm import LLM, SamplingParams
-from nanovllm.data_parallel import DataParallelLLM, ReplicaFailure
+from nanovllm.parallel.data_parallel import DataParallelLLM, ReplicaFailure
 
 SETTINGS = dict(device="cpu", dtype="float32", kvcache_block_size=16, max_model_len=256, num_kvcache_blocks=64)
 SHARED = list(range(100, 132))  # two whole blocks
@@ -37,7 +37,7 @@ def dp(tied_model):
 
 
 def test_two_replicas_give_one_engines_tokens_and_keep_prefixes_together(dp, expected):
-    assert isinstance(dp, DataParallelLLM)
+    assert isinstance(dp.engine, DataParallelLLM)
     greedy, seeded = expected
     assert token_ids(dp.generate(PROMPTS, GREEDY, use_tqdm=False)) == greedy
     replicas = dp.stats()["replicas"]
@@ -56,7 +56,7 @@ def test_two_replicas_give_one_engines_tokens_and_keep_prefixes_together(dp, exp
 
 def test_a_killed_replica_s_requests_are_retried_on_the_other(tied_model, expected, monkeypatch):
     llm = LLM(tied_model, data_parallel_size=2, **SETTINGS)
-    processes = [r.process for r in llm.replicas]
+    processes = [r.child.process for r in llm.replicas]
     try:
         victim = processes[0]
         receive = DataParallelLLM._receive
@@ -85,14 +85,14 @@ def test_a_killed_replica_s_requests_are_retried_on_the_other(tied_model, expect
 
 def test_a_stream_that_read_from_a_dying_replica_says_so(tied_model):
     llm = LLM(tied_model, data_parallel_size=2, **SETTINGS)
-    processes = [r.process for r in llm.replicas]
+    processes = [r.child.process for r in llm.replicas]
     try:
         stream = llm.stream(PROMPTS, SamplingParams(temperature=0, max_tokens=200, ignore_eos=True))
         first = next(stream)
         replica = llm.replicas[llm._requests[first.request_id].replica]
-        os.kill(replica.process.pid, signal.SIGKILL)
-        with pytest.raises(ReplicaFailure, match=rf"data-parallel replica {replica.index} \(pid \d+, killed by "
-                                                 r"SIGKILL\) died, after a stream had read part of its output"):
+        os.kill(replica.child.pid, signal.SIGKILL)
+        with pytest.raises(ReplicaFailure, match=rf"data-parallel replica {replica.index} \(pid \d+\) was killed "
+                                                 r"by SIGKILL; a stream had read part of its output"):
             for _ in stream:
                 pass
     finally:

@@ -12,7 +12,7 @@ import torch.distributed as dist
 
 from checkpoints import hf_greedy
 from nanovllm import LLM, SamplingParams
-from nanovllm.execution.workers import WorkerFailure
+from nanovllm.parallel.tensor_parallel import WorkerFailure
 
 # Tiny blocks and a 16-block cache: four 28-token sequences need 28 blocks, so decoding preempts.
 SMALL_CACHE = dict(device="cpu", dtype="float32", kvcache_block_size=4, num_kvcache_blocks=16, max_model_len=64, max_num_batched_tokens=64)
@@ -110,7 +110,7 @@ def test_second_engine_dummy_weights_match_tp1_and_worker_error_surfaces(tied_mo
 def test_killed_worker_raises_on_rank0_in_bounded_time(tied_model):
     llm = LLM(tied_model, tensor_parallel_size=2, **SMALL_CACHE)
     try:
-        (worker,) = llm.model_runner.workers.processes
+        (worker,) = llm.model_runner.workers.workers
         error, elapsed = _disturb_mid_generate(llm, lambda: os.kill(worker.pid, signal.SIGKILL))
         assert isinstance(error, WorkerFailure)
         assert f"worker rank 1 (pid {worker.pid}) was killed by SIGKILL" in str(error)
@@ -137,7 +137,7 @@ def test_stopped_worker_is_reported_after_the_timeout_and_nothing_is_left(tied_m
     after `distributed_timeout_s`: rank 0 names the worker and its state, and the stopped process is killed."""
     llm = LLM(tied_model, tensor_parallel_size=2, distributed_timeout_s=2, **SMALL_CACHE)
     try:
-        (worker,) = llm.model_runner.workers.processes
+        (worker,) = llm.model_runner.workers.workers
         error, elapsed = _disturb_mid_generate(llm, lambda: os.kill(worker.pid, signal.SIGSTOP))
         assert isinstance(error, WorkerFailure), error
         assert "did not answer within distributed_timeout_s=2" in str(error)

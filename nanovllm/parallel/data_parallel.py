@@ -17,23 +17,24 @@ and is closed. A replica whose engine raised is not retried: its requests fail w
 import atexit
 import logging
 import os
-import signal
 import threading
 import traceback
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass, field, replace
-from multiprocessing import get_context
 from multiprocessing.connection import Connection, wait
 
-from nanovllm.core.block_manager import BlockManager
-from nanovllm.engine.frontend import CheckedPrompt, Params, Prompt, PromptFrontend, checked_config
+from tqdm.auto import tqdm
+
+from nanovllm.config import Config
+from nanovllm.engine.frontend import CheckedPrompt, Params, Prompt, PromptFrontend
 from nanovllm.engine.llm_engine import LLMEngine, load_tokenizer
 from nanovllm.outputs import CompletionOutput, RequestOutput
+from nanovllm.parallel.router import PrefixRouter
+from nanovllm.parallel.supervisor import Child, spawn, stop
 from nanovllm.sampling_params import SamplingParams
 
 logger = logging.getLogger("nanovllm")
 
-START_TIMEOUT_S = 600.0
 EXIT_TIMEOUT_S = 10.0
 
 
@@ -79,8 +80,7 @@ def merge(total: RequestOutput | None, delta: RequestOutput) -> RequestOutput:
 @dataclass
 class Replica:
     index: int
-    process: object
-    conn: Connection
+    child: Child
     alive: bool = True
     load: int = 0
     routed: int = 0
@@ -91,17 +91,17 @@ class DataParallelLLM(PromptFrontend):
     """N `LLMEngine` replicas in worker processes behind `generate`, `chat`, `stream`, `add_request`/`step`,
     `abort_request` and `stats` (see the module docstring)."""
 
-    def __init__(self, model: str, data_parallel_size: int, **settings):
-        self.config = checked_config(model, settings)
-        self.tokenizer = load_tokenizer(self.config.model)
+    def __init__(self, config: Config, data_parallel_size: int):
+        """`config` as `nanovllm.engine.setup.resolve_config` made it; each replica runs an engine of it."""
+        self.config = config
+        self.tokenizer = load_tokenizer(config.model)
         self._lock = threading.RLock()
         self._requests: dict[str, Routed] = {}
         self._next_id = 0
-        self._prefix_owner: dict[int, int] = {}
+        self._router = PrefixRouter(config.kvcache_block_size)
         self.replicas: list[Replica] = []
-        settings = dict(settings, device=self.config.device)
-        tp = self.config.tensor_parallel_size
-        if self.config.device == "cuda":
+        tp = config.tensor_parallel_size
+        if config.device == "cuda":
             import torch
 
             if data_parallel_size * tp > torch.cuda.device_count():
@@ -109,60 +109,41 @@ class DataParallelLLM(PromptFrontend):
                                  f"{data_parallel_size * tp} GPUs but {torch.cuda.device_count()} are visible")
         cores = sorted(os.sched_getaffinity(0))
         per = max(len(cores) // data_parallel_size, 1)
-        ctx = get_context("spawn")
         atexit.register(self.exit)
         try:
             for i in range(data_parallel_size):
-                devices = list(range(i * tp, (i + 1) * tp)) if self.config.device == "cuda" else None
+                devices = list(range(i * tp, (i + 1) * tp)) if config.device == "cuda" else None
                 share = cores[i * per:(i + 1) * per] or [cores[i % len(cores)]]
-                conn, child = ctx.Pipe()
-                process = ctx.Process(target=_replica_main, name=f"nanovllm-dp-replica{i}", daemon=False,
-                                      args=(self.config.model, settings, devices, share, child))
-                process.start()
-                child.close()
-                self.replicas.append(Replica(i, process, conn))
-            self.max_model_len = min(self._wait_ready(replica) for replica in self.replicas)
+                self.replicas.append(Replica(i, spawn(f"data-parallel replica {i}", _replica_main, config, devices,
+                                                      share)))
+            config.max_model_len = min(self._wait_ready(replica) for replica in self.replicas)
         except BaseException:
             self.exit()
             raise
 
     def _wait_ready(self, replica: Replica) -> int:
-        if not wait([replica.conn, replica.process.sentinel], START_TIMEOUT_S) or not replica.conn.poll():
-            replica.process.join(1.0)
-            raise ReplicaFailure(f"data-parallel replica {replica.index} did not start "
-                                 f"({self._describe(replica)})")
-        kind, payload = replica.conn.recv()
+        child = replica.child
+        if not wait([child.conn, child.process.sentinel], self.config.worker_start_timeout_s) or not child.conn.poll():
+            child.process.join(1.0)
+            raise ReplicaFailure(f"{child.describe()} and did not start within worker_start_timeout_s="
+                                 f"{self.config.worker_start_timeout_s:g}")
+        kind, payload = child.conn.recv()
         if kind != "ready":
             raise ReplicaFailure(f"data-parallel replica {replica.index} could not build its engine:\n{payload}")
         return payload
 
-    @staticmethod
-    def _describe(replica: Replica) -> str:
-        code = replica.process.exitcode
-        if code is None:
-            return f"pid {replica.process.pid}, still running"
-        how = f"killed by {signal.Signals(-code).name}" if code < 0 else f"exited with code {code}"
-        return f"pid {replica.process.pid}, {how}"
-
     # -- requests --
 
     def _route(self, routed: Routed) -> None:
-        live = [r for r in self.replicas if r.alive]
-        if not live:
+        loads = {r.index: r.load for r in self.replicas if r.alive}
+        if not loads:
             raise ReplicaFailure("no data-parallel replica is left; create a new LLM")
-        key = None
-        if len(routed.checked.token_ids) >= self.config.kvcache_block_size:
-            key = BlockManager.compute_hash(routed.checked.token_ids[:self.config.kvcache_block_size])
-        owner = self._prefix_owner.get(key)
-        replica = self.replicas[owner] if owner is not None and self.replicas[owner].alive else \
-            min(live, key=lambda r: (r.load, r.index))
-        if key is not None:
-            self._prefix_owner[key] = replica.index
+        replica = self.replicas[self._router.choose(routed.checked.token_ids, loads)]
         routed.replica = replica.index
         replica.load += routed.work
         replica.routed += 1
         c = routed.checked
-        replica.conn.send(("add", routed.request_id, c.token_ids, c.params, c.priority))
+        replica.child.conn.send(("add", routed.request_id, c.token_ids, c.params, c.priority))
 
     def _submit(self, checked: list[CheckedPrompt]) -> list[Routed]:
         if not self.replicas:
@@ -185,7 +166,7 @@ class DataParallelLLM(PromptFrontend):
             for routed in [self._requests[i] for i in ids if i in self._requests and not self._requests[i].finished]:
                 replica = self.replicas[routed.replica]
                 if replica.alive:
-                    replica.conn.send(("abort", [routed.request_id]))
+                    replica.child.conn.send(("abort", [routed.request_id]))
                 self._finish(routed, aborted(routed))
 
     def _finish(self, routed: Routed, last: RequestOutput) -> None:
@@ -205,16 +186,16 @@ class DataParallelLLM(PromptFrontend):
         if not live:
             raise ReplicaFailure("no data-parallel replica is left; create a new LLM")
         updated: dict[str, Routed] = {}
-        for ready in wait([r.conn for r in live] + [r.process.sentinel for r in live], timeout):
-            replica = next(r for r in live if ready in (r.conn, r.process.sentinel))
+        for ready in wait([r.child.conn for r in live] + [r.child.process.sentinel for r in live], timeout):
+            replica = next(r for r in live if ready in (r.child.conn, r.child.process.sentinel))
             if not replica.alive:
                 continue
             try:
-                if replica.conn.poll():  # one message: one engine step, at most a token per request (as `step` says)
-                    self._receive(replica, replica.conn.recv(), updated)
+                if replica.child.conn.poll():  # one message: one engine step, at most a token per request
+                    self._receive(replica, replica.child.conn.recv(), updated)
             except (EOFError, OSError):
                 self._lost(replica, None)
-            if replica.alive and replica.process.exitcode is not None:
+            if replica.alive and not replica.child.alive:
                 self._lost(replica, None)
         return list(updated.values())
 
@@ -240,21 +221,21 @@ class DataParallelLLM(PromptFrontend):
     def _lost(self, replica: Replica, report: str | None) -> None:
         """`replica` is gone: retry its unfinished requests elsewhere (or fail them, see the module docstring)."""
         replica.alive = False
-        replica.process.join(EXIT_TIMEOUT_S)
+        replica.child.process.join(EXIT_TIMEOUT_S)
         orphans = [r for r in self._requests.values() if r.replica == replica.index and not r.finished]
-        what = f"data-parallel replica {replica.index} ({self._describe(replica)})"
+        what = replica.child.describe()
         survivors = any(r.alive for r in self.replicas)
         for routed in orphans:
             if report is not None or routed.seen or not survivors:
-                reason = f"its engine raised:\n{report}" if report else "and no replica is left" if not survivors \
-                    else "after a stream had read part of its output"
-                routed.error = ReplicaFailure(f"request {routed.request_id} failed: {what} died, {reason}")
+                reason = f"its engine raised:\n{report}" if report else "no replica is left" if not survivors \
+                    else "a stream had read part of its output"
+                routed.error = ReplicaFailure(f"request {routed.request_id} failed: {what}; {reason}")
                 self._requests.pop(routed.request_id, None)
             else:
                 routed.output, routed.news = None, []
                 self._route(routed)
         retried = [r.request_id for r in orphans if r.error is None]
-        logger.warning("%s died; %s", what, f"requests {retried} retried on the others" if retried else
+        logger.warning("%s; %s", what, f"requests {retried} retried on the others" if retried else
                        "none of its requests could be retried")
 
     @staticmethod
@@ -268,9 +249,11 @@ class DataParallelLLM(PromptFrontend):
     def _generate(self, checked: list[CheckedPrompt], use_tqdm: bool) -> list[RequestOutput]:
         routed = self._submit(checked)
         try:
-            while not all(r.finished for r in routed):
-                with self._lock:
-                    self._pump(1.0)
+            with tqdm(total=len(routed), desc="Generating", dynamic_ncols=True, disable=not use_tqdm) as pbar:
+                while not all(r.finished for r in routed):
+                    with self._lock:
+                        self._pump(1.0)
+                    pbar.update(sum(r.finished for r in routed) - pbar.n)
         except BaseException:
             self.abort_request([r.request_id for r in routed])
             raise
@@ -319,7 +302,7 @@ class DataParallelLLM(PromptFrontend):
             live = [r for r in self.replicas if r.alive]
             for replica in live:
                 replica.stats = None
-                replica.conn.send(("stats", None))
+                replica.child.conn.send(("stats", None))
             while any(r.alive and r.stats is None for r in live):
                 self._pump(1.0)
             per_replica = [{"replica": r.index, "alive": r.alive, "load": r.load, "num_requests": r.routed,
@@ -333,17 +316,7 @@ class DataParallelLLM(PromptFrontend):
         """Stop every replica (orderly, then killed after a timeout); safe to call twice."""
         atexit.unregister(self.exit)
         replicas, self.replicas = self.replicas, []
-        for replica in replicas:
-            try:
-                replica.conn.send(("exit", None))
-            except OSError:
-                pass
-        for replica in replicas:
-            replica.process.join(EXIT_TIMEOUT_S)
-            if replica.process.exitcode is None:
-                replica.process.kill()
-                replica.process.join()
-            replica.conn.close()
+        stop([replica.child for replica in replicas], ("exit", None), EXIT_TIMEOUT_S)
 
     def __enter__(self):
         return self
@@ -360,9 +333,8 @@ def aborted(routed: Routed) -> RequestOutput:
                          [CompletionOutput(i, "", [], finish_reason="abort") for i in indices], True)
 
 
-def _replica_main(model: str, settings: dict, devices: list[int] | None, cores: list[int], conn: Connection) -> None:
+def _replica_main(config: Config, devices: list[int] | None, cores: list[int], conn: Connection) -> None:
     """A replica: build the engine on its devices or cores, then take requests and send back each step's news."""
-    signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C reaches the front, which stops the replicas
     if devices is not None:
         os.environ["CUDA_VISIBLE_DEVICES"] = ",".join(map(str, devices))
     else:
@@ -371,13 +343,13 @@ def _replica_main(model: str, settings: dict, devices: list[int] | None, cores: 
         os.sched_setaffinity(0, cores)
         torch.set_num_threads(len(cores))
     try:
-        engine = LLMEngine(model, **settings)
+        engine = LLMEngine(config)
     except BaseException:
         conn.send(("failed", traceback.format_exc()))
         return
     ids: dict[str, str] = {}  # the engine's request id -> the front's
     with engine:
-        conn.send(("ready", engine.max_model_len))
+        conn.send(("ready", config.max_model_len))
         while True:
             try:
                 if engine.is_finished() or conn.poll():

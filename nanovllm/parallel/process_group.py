@@ -3,6 +3,10 @@
 Layers shard themselves by `tp_rank_and_size()`, which reflects only a group joined through
 `join_tp_group`: a process group the user initialized for other purposes (under torchrun, say)
 never makes a single-process engine shard its layers.
+
+Two timeouts: the group is joined, and the engine started (model loading, KV-cache sizing, warm-up), under a long
+start timeout, since a worker may take seconds just to import torch on a busy machine; `finish_start` then meets
+every rank once more and sets the timeout a collective may wait for a peer that stopped answering.
 """
 from datetime import timedelta
 
@@ -12,10 +16,18 @@ import torch.distributed as dist
 _rank, _size = 0, 1
 
 
-def join_tp_group(backend: str, store: dist.Store, rank: int, world_size: int, timeout: timedelta) -> None:
+def join_tp_group(backend: str, store: dist.Store, rank: int, world_size: int, start_timeout: timedelta) -> None:
     global _rank, _size
-    dist.init_process_group(backend, store=store, rank=rank, world_size=world_size, timeout=timeout)
+    dist.init_process_group(backend, store=store, rank=rank, world_size=world_size, timeout=start_timeout)
     _rank, _size = rank, world_size
+
+
+def finish_start(collective_timeout: timedelta) -> None:
+    """Wait until every rank has started (under the start timeout), then bound later collectives by
+    `collective_timeout`."""
+    if _size > 1:
+        dist.barrier()
+        dist.group.WORLD.set_timeout(collective_timeout)
 
 
 def leave_tp_group() -> None:

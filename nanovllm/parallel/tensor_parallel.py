@@ -27,7 +27,9 @@ killed just exits. Either way rank 0's next collective fails (gloo reports the c
 connection at once; a dead worker is also noticed before each dispatch) and rank 0 raises a
 `WorkerFailure` naming the worker, its exit code and its traceback. A worker that is alive but
 stops answering (stopped by a signal, or stuck) makes the collective time out after the engine's
-`distributed_timeout_s`, and the `WorkerFailure` names it and its state. After a worker failure
+`distributed_timeout_s`, and the `WorkerFailure` names it and its state. Starting (spawn, rendezvous, model loading,
+KV-cache sizing) is bounded by `worker_start_timeout_s` instead: a worker importing torch on a busy machine is slow,
+not stuck. After a worker failure
 the group is shut down at once (no process is left behind); after any other failure inside a
 step the ranks are out of step, so the group refuses further calls; `shutdown` (from
 `LLM.exit()`, the context manager, or `atexit`) always destroys the process group, joins the
@@ -36,22 +38,21 @@ workers and kills any that do not exit in time.
 import atexit
 import os
 import pickle
-import signal
 import sys
 import traceback
 from contextlib import contextmanager
 from dataclasses import dataclass, fields, is_dataclass, replace
 from datetime import timedelta
-from multiprocessing import get_context
 from multiprocessing.connection import Connection, wait
 
 import torch
 import torch.distributed as dist
 
 from nanovllm.config import Config
-from nanovllm.utils.context import get_context as get_attention_context
-from nanovllm.utils.context import reset_context, set_context
-from nanovllm.utils.parallel import join_tp_group, leave_tp_group
+from nanovllm.backends.context import get_context as get_attention_context
+from nanovllm.backends.context import reset_context, set_context
+from nanovllm.parallel.process_group import finish_start, join_tp_group, leave_tp_group
+from nanovllm.parallel.supervisor import Child, is_stopped, spawn, stop
 
 JOIN_TIMEOUT_S = 10.0
 FAILURE_GRACE_S = 5.0
@@ -105,32 +106,17 @@ def _broadcast(slots: list[_TensorSlot], tensors: list[torch.Tensor] | None, dev
     return out
 
 
-def collective_timeout(config: Config) -> timedelta:
-    """Rendezvous and per-collective timeout: only reached when a live rank stops taking part."""
-    return timedelta(seconds=config.distributed_timeout_s)
-
-
 def init_process_group(config: Config, rank: int, store: dist.Store) -> None:
     """Join the tensor-parallel group: NCCL on CUDA (one device per rank), gloo on CPU."""
     if config.device == "cuda":
         torch.cuda.set_device(rank)
     backend = "nccl" if config.device == "cuda" else "gloo"
-    join_tp_group(backend, store, rank, config.tensor_parallel_size, collective_timeout(config))
+    join_tp_group(backend, store, rank, config.tensor_parallel_size, timedelta(seconds=config.worker_start_timeout_s))
 
 
-def _describe_exit(code: int) -> str:
-    if code < 0:
-        return f"was killed by {signal.Signals(-code).name}"
-    return f"exited with code {code}"
-
-
-def _is_stopped(pid: int) -> bool:
-    """Whether process `pid` is stopped by a signal (SIGSTOP, SIGTSTP; Linux's /proc, else unknown: False)."""
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            return f.read().rpartition(")")[2].split()[0] in ("T", "t")
-    except (OSError, IndexError):
-        return False
+def started(config: Config) -> None:
+    """This rank's engine is set up: once every rank is, collectives wait at most `distributed_timeout_s`."""
+    finish_start(timedelta(seconds=config.distributed_timeout_s))
 
 
 class WorkerGroup:
@@ -152,8 +138,7 @@ class WorkerGroup:
         self.closed = False
         self.broken = False
         self.reports: dict[int, str] = {}
-        self.processes = []
-        self.conns: list[Connection] = []
+        self.workers: list[Child] = []
         self.saved_num_threads = torch.get_num_threads()
         threads = self.saved_num_threads if config.device == "cuda" else max(1, self.saved_num_threads // world_size)
         torch.set_num_threads(threads)
@@ -163,19 +148,14 @@ class WorkerGroup:
             port = int(os.environ.get("MASTER_PORT", 0))  # 0: the OS picks a free port
             try:
                 store = dist.TCPStore(addr, port, world_size, is_master=True,
-                                     timeout=collective_timeout(config), wait_for_workers=False)
+                                      timeout=timedelta(seconds=config.worker_start_timeout_s),
+                                      wait_for_workers=False)
             except RuntimeError as e:
                 raise RuntimeError(f"could not listen on MASTER_ADDR:MASTER_PORT = {addr}:{port} for the "
                                    f"tensor-parallel rendezvous ({e}); unset MASTER_PORT to use a free port") from e
-            ctx = get_context("spawn")
             for rank in range(1, world_size):
-                conn, child_conn = ctx.Pipe()
-                process = ctx.Process(target=_worker_main, name=f"nanovllm-tp-rank{rank}",
-                                      args=(runner_cls, config, rank, addr, store.port, child_conn, threads))
-                process.start()
-                child_conn.close()
-                self.processes.append(process)
-                self.conns.append(conn)
+                self.workers.append(spawn(f"tensor-parallel worker rank {rank}", _worker_main,
+                                          runner_cls, config, rank, addr, store.port, threads))
             init_process_group(config, 0, store)
         except BaseException:
             self.shutdown()
@@ -187,7 +167,7 @@ class WorkerGroup:
         if self.broken:
             raise RuntimeError("the tensor-parallel ranks are out of step after an error during a step; "
                                "call exit() and create a new LLM")
-        if any(p.exitcode is not None for p in self.processes):
+        if not all(worker.alive for worker in self.workers):
             self.broken = True
             raise self._worker_failure()
 
@@ -201,8 +181,8 @@ class WorkerGroup:
             return _slot(tensor)
 
         message = pickle.dumps(_map_tensors((method, args, get_attention_context()), to_slot))
-        for conn in self.conns:
-            conn.send_bytes(message)
+        for worker in self.workers:
+            worker.conn.send_bytes(message)
         if tensors:
             _broadcast([_slot(t) for t in tensors], tensors, tensors[0].device)
 
@@ -222,40 +202,38 @@ class WorkerGroup:
             raise error from e
 
     def _explain(self, error: BaseException) -> BaseException:
-        if isinstance(error, WorkerFailure) or not isinstance(error, _COMM_ERRORS) or not self.processes:
+        if isinstance(error, WorkerFailure) or not isinstance(error, _COMM_ERRORS) or not self.workers:
             return error
-        exiting = wait([p.sentinel for p in self.processes], timeout=FAILURE_GRACE_S)
-        for process in self.processes:
-            if process.sentinel in exiting:
-                process.join()  # its sentinel closes just before it can be reaped
-        if any(p.exitcode is not None for p in self.processes):
+        exiting = wait([worker.process.sentinel for worker in self.workers], timeout=FAILURE_GRACE_S)
+        for worker in self.workers:
+            if worker.process.sentinel in exiting:
+                worker.process.join()  # its sentinel closes just before it can be reaped
+        if not all(worker.alive for worker in self.workers):
             return self._worker_failure()
-        if "timed out" in str(error).lower() or any(_is_stopped(p.pid) for p in self.processes):
+        if "timed out" in str(error).lower() or any(is_stopped(worker.pid) for worker in self.workers):
             return self._unresponsive_failure(error)
         return error
 
     def _unresponsive_failure(self, error: BaseException) -> "WorkerFailure":
         """Every worker is alive but a collective failed: name the ones that stopped answering."""
-        lines = [f"tensor-parallel worker rank {rank} (pid {process.pid}) "
-                 + ("is stopped by a signal (SIGSTOP/SIGTSTP)" if _is_stopped(process.pid) else "is running")
-                 for rank, process in enumerate(self.processes, start=1)]
         return WorkerFailure(f"a tensor-parallel collective failed with every worker alive ({error}); the workers "
-                             f"did not answer within distributed_timeout_s={self.timeout_s:g}:\n" + "\n".join(lines)
+                             f"did not answer within distributed_timeout_s={self.timeout_s:g}:\n"
+                             + "\n".join(worker.describe() for worker in self.workers)
                              + "\nThe workers were stopped; create a new LLM (raise distributed_timeout_s if a step "
                              "can legitimately take longer).")
 
     def _worker_failure(self) -> "WorkerFailure":
         lines = []
-        for rank, (process, conn) in enumerate(zip(self.processes, self.conns), start=1):
-            if process.exitcode is None:
+        for rank, worker in enumerate(self.workers, start=1):
+            if worker.alive:
                 continue
             try:
-                if rank not in self.reports and conn.poll(0):
-                    self.reports[rank] = conn.recv()
+                if rank not in self.reports and worker.conn.poll(0):
+                    self.reports[rank] = worker.conn.recv()
             except (OSError, EOFError):
                 pass
             report = f":\n{self.reports[rank]}" if rank in self.reports else ""
-            lines.append(f"tensor-parallel worker rank {rank} (pid {process.pid}) {_describe_exit(process.exitcode)}{report}")
+            lines.append(worker.describe() + report)
         return WorkerFailure("\n".join(lines) + "\nThe engine cannot continue: create a new LLM.")
 
     def shutdown(self) -> None:
@@ -268,38 +246,24 @@ class WorkerGroup:
             return
         self.closed = True
         atexit.unregister(self.shutdown)
-        exit_message = pickle.dumps(("exit", (), None))
-        for conn in self.conns:
-            try:
-                conn.send_bytes(exit_message)
-            except OSError:
-                pass
         leave_tp_group()
-        for process in self.processes:
-            if not self.broken:  # a broken group's workers may be stuck in a collective: do not wait for them
-                process.join(JOIN_TIMEOUT_S)
-            if process.exitcode is None:
-                process.kill()
-                process.join()
-        for conn in self.conns:
-            conn.close()
+        stop(self.workers, ("exit", (), None), JOIN_TIMEOUT_S, wait=not self.broken)
         torch.set_num_threads(self.saved_num_threads)
 
 
-def _worker_main(runner_cls: type, config: Config, rank: int, addr: str, port: int, conn: Connection,
-                 num_threads: int) -> None:
+def _worker_main(runner_cls: type, config: Config, rank: int, addr: str, port: int, num_threads: int,
+                 conn: Connection) -> None:
     """Entry point of the worker process for `rank`; `runner_cls(config, rank)` builds its model runner."""
-    signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C reaches rank 0, which shuts the workers down
     torch.set_num_threads(num_threads)
     runner = None
     try:
         store = dist.TCPStore(addr, port, config.tensor_parallel_size, is_master=False,
-                             timeout=collective_timeout(config))
+                              timeout=timedelta(seconds=config.worker_start_timeout_s))
         init_process_group(config, rank, store)
         runner = runner_cls(config, rank)
         while True:
             try:
-                method, args, context = pickle.loads(conn.recv_bytes())
+                method, args, context = conn.recv()
             except EOFError:
                 break  # rank 0's process is gone
             if method == "exit":

@@ -1,0 +1,82 @@
+"""Child processes of the engine, started, described and stopped one way: tensor-parallel workers and data-parallel
+replicas alike.
+
+A child is a `spawn`ed process (never `fork`: CUDA and OpenMP state do not survive a fork) with a pipe to its parent,
+and ignores Ctrl-C: SIGINT reaches the parent, which stops its children. Stopping is orderly first (an exit message
+and `timeout_s` to act on it), then a kill, so no child outlives the engine that started it.
+"""
+import signal
+from dataclasses import dataclass
+from multiprocessing import get_context
+from multiprocessing.connection import Connection
+from multiprocessing.process import BaseProcess
+from typing import Any, Callable
+
+
+@dataclass
+class Child:
+    """A child process and the parent's end of its pipe."""
+
+    name: str
+    process: BaseProcess
+    conn: Connection
+
+    @property
+    def pid(self) -> int:
+        return self.process.pid
+
+    @property
+    def alive(self) -> bool:
+        return self.process.exitcode is None
+
+    def describe(self) -> str:
+        """The child and its state, e.g. "tensor-parallel worker rank 1 (pid 42) was killed by SIGKILL"."""
+        code = self.process.exitcode
+        if code is None:
+            state = "is stopped by a signal (SIGSTOP/SIGTSTP)" if is_stopped(self.pid) else "is running"
+        elif code < 0:
+            state = f"was killed by {signal.Signals(-code).name}"
+        else:
+            state = f"exited with code {code}"
+        return f"{self.name} (pid {self.pid}) {state}"
+
+
+def spawn(name: str, target: Callable[..., None], *args: Any) -> Child:
+    """Start `target(*args, conn)` in a new process, `conn` being the child's end of the pipe."""
+    ctx = get_context("spawn")
+    conn, child_conn = ctx.Pipe()
+    process = ctx.Process(target=_child_main, name=f"nanovllm {name}", args=(target, *args, child_conn))
+    process.start()
+    child_conn.close()
+    return Child(name, process, conn)
+
+
+def _child_main(target: Callable[..., None], *args: Any) -> None:
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    target(*args)
+
+
+def stop(children: list[Child], exit_message: Any, timeout_s: float, wait: bool = True) -> None:
+    """Send each child `exit_message`, give them `timeout_s` to exit (none with `wait=False`: children that may be
+    stuck, say in a collective, are killed at once), kill the rest and close the pipes."""
+    for child in children:
+        try:
+            child.conn.send(exit_message)
+        except OSError:
+            pass
+    for child in children:
+        if wait:
+            child.process.join(timeout_s)
+        if child.process.exitcode is None:
+            child.process.kill()
+            child.process.join()
+        child.conn.close()
+
+
+def is_stopped(pid: int) -> bool:
+    """Whether process `pid` is stopped by a signal (SIGSTOP, SIGTSTP; Linux's /proc, else unknown: False)."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rpartition(")")[2].split()[0] in ("T", "t")
+    except (OSError, IndexError):
+        return False
