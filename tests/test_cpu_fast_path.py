@@ -7,7 +7,7 @@ import torch
 from nanovllm import LLM
 from nanovllm.backends.torch_backend import TorchBackend
 from nanovllm.layers.prepack import native_bfloat16
-from nanovllm.utils.context import Context
+from nanovllm.backends.context import Context
 
 
 def test_linear_weights_are_prepacked_on_cpu(tied_model):
@@ -115,7 +115,7 @@ def test_bfloat16_weights_are_prepacked_where_the_cpu_runs_bfloat16_natively(tie
 def test_auto_dtype_on_cpu_is_bfloat16_only_where_the_cpu_computes_it_natively(tied_model, monkeypatch):
     from transformers import AutoConfig
 
-    from nanovllm import config
+    from nanovllm.engine import setup as config
 
     with LLM(tied_model, device="cpu") as llm:
         assert llm.model_runner.config.torch_dtype == (torch.bfloat16 if native_bfloat16() else torch.float32)

@@ -3,10 +3,9 @@ import pytest
 import torch
 
 from nanovllm import LLM
-from nanovllm.execution.gpu_memory import (WARMUP_SAMPLING, kv_cache_budget, warmup, warmup_batch_size,
-                                           warmup_cache_blocks)
-from nanovllm.layers.attention import bind_kv_cache
-from nanovllm.utils.context import Context, get_context
+from nanovllm.execution.kv_cache import (WARMUP_SAMPLING, bind_kv_cache, kv_cache_budget, kv_cache_shape, warmup,
+                                         warmup_batch_size, warmup_cache_blocks)
+from nanovllm.backends.context import Context, get_context
 
 GiB = 2**30
 
@@ -37,7 +36,7 @@ def test_warmup_runs_over_one_shared_layer_of_cache(tied_model):
         config = runner.config
         blocks = warmup_cache_blocks(config)
         assert blocks == 2 * 4  # two max-length sequences of four 16-token blocks
-        shape = list(runner.kv_cache_shape(blocks))
+        shape = list(kv_cache_shape(config, blocks))
         num_layers, shape[1] = shape[1], 1
         scratch = torch.zeros(shape)
         runner.exit()

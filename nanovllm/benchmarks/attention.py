@@ -15,7 +15,7 @@ from transformers import PretrainedConfig
 
 from nanovllm.backends import Platform, load_backend
 from nanovllm.models.hf_config import head_dim
-from nanovllm.utils.context import Context
+from nanovllm.backends.context import Context
 from nanovllm.benchmarks.report import markdown_table
 
 

@@ -29,7 +29,9 @@ from nanovllm.benchmarks.compete import competing_process
 from nanovllm.benchmarks.flops import mfu, run_flops
 from nanovllm.benchmarks.options import SAMPLING, SCHEDULING, parse_args, resolve_workload
 from nanovllm.backends import ATTENTION_BACKENDS, Platform, select_backend, unsupported
-from nanovllm.config import Config, resolve_device, resolve_dtype
+from nanovllm.config import Config
+from nanovllm.engine.setup import resolve_device, resolve_dtype
+from nanovllm.execution.kv_cache import kv_block_bytes
 from nanovllm.gguf_import import resolve_model
 from nanovllm.models.hf_config import head_dim
 from nanovllm.benchmarks.report import markdown_table
@@ -283,13 +285,6 @@ def run_vllm(python: str, model_dir: str, load_format: str, requests: Requests, 
     return result["seconds"], result["tokens"], result["engine"]
 
 
-def kv_block_bytes(config: Config) -> int:
-    """Bytes of one KV block over all layers and heads (of all tensor-parallel ranks)."""
-    cfg = config.hf_config
-    return (2 * cfg.num_hidden_layers * config.kvcache_block_size * cfg.num_key_value_heads * head_dim(cfg)
-            * config.torch_dtype.itemsize)
-
-
 def run_engine(model_dir: str, load_format: str, requests: Requests, args: argparse.Namespace, memory: PeakMemory,
                sampling: str, **settings) -> Served:
     """Time nanovllm on the requests. `memory` watches the timed run, so its peak is the serving footprint
@@ -316,7 +311,8 @@ def run_engine(model_dir: str, load_format: str, requests: Requests, args: argpa
         facts = {"device": llm.config.device, "dtype": str(llm.config.torch_dtype).removeprefix("torch."),
                  "attention": llm.config.attention_backend, "data_parallel_size": replicas,
                  "weights_gib": replicas * count_parameters(model_dir) * llm.config.torch_dtype.itemsize / 2**30,
-                 "kv_cache_gib": stats["num_blocks"] * kv_block_bytes(llm.config) / 2**30,
+                 "kv_cache_gib": stats["num_blocks"] * kv_block_bytes(llm.config) * llm.config.tensor_parallel_size
+                 / 2**30,
                  "max_num_batched_tokens": llm.config.max_num_batched_tokens,
                  **{key: value for key, value in stats.items() if key != "replicas"}}
     if tokens != sum(requests.max_tokens):

@@ -7,15 +7,16 @@ from nanovllm.core.sequence import Sequence, SequenceStatus
 
 @dataclass(frozen=True)
 class SchedulerConfig:
-    """What the scheduler works with: its limits and policy ("fcfs" or "priority"), and the KV cache it hands
-    out, `num_kv_blocks` blocks of `block_size` tokens (as many as the model runner could allocate)."""
+    """What the scheduler works with (the engine's settings of the same names): its limits and policy ("fcfs" or
+    "priority"), and the KV cache it hands out, `num_kv_blocks` blocks of `block_size` tokens (as many as the model
+    runner could allocate)."""
 
     num_kv_blocks: int
     block_size: int
-    max_num_seqs: int = 512
-    max_num_batched_tokens: int = 16384
-    enable_chunked_prefill: bool = True
-    scheduling_policy: str = "fcfs"
+    max_num_seqs: int
+    max_num_batched_tokens: int
+    enable_chunked_prefill: bool
+    scheduling_policy: str
 
 
 @dataclass

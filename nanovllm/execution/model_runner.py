@@ -1,32 +1,25 @@
-import logging
-import math
 from collections.abc import Iterable
 from contextlib import contextmanager, nullcontext
-from dataclasses import dataclass
 
 import torch
 
 from nanovllm.backends import Platform, importable, load_backend
+from nanovllm.backends.context import get_context, reset_context, set_context
 from nanovllm.backends.cpu_kernels import cpu_kernels
 from nanovllm.config import Config
 from nanovllm.core.scheduler import ScheduledBatch
 from nanovllm.core.sequence import Sequence
 from nanovllm.execution.cpu_threads import ThreadGovernor
 from nanovllm.execution.cuda_graph import DecodeGraphs
-from nanovllm.execution.gpu_memory import gpu_kv_cache_bytes
+from nanovllm.execution.kv_cache import bind_kv_cache, create_kv_cache
 from nanovllm.execution.sampler import PromptRows, Sampler, SamplerOutput
-from nanovllm.execution.workers import WorkerGroup
-from nanovllm.layers.attention import Attention, bind_kv_cache
+from nanovllm.execution.tensors import to_device
+from nanovllm.layers.attention import Attention
+from nanovllm.layers.fused import set_fused_ops
 from nanovllm.layers.prepack import can_prepack, prepack_linear_weights
 from nanovllm.models import build_model
-from nanovllm.models.hf_config import head_dim
-from nanovllm.utils.compile import set_fused_ops
-from nanovllm.utils.context import get_context, reset_context, set_context
 from nanovllm.models.loader import init_dummy_weights, load_model
-from nanovllm.utils.parallel import min_over_ranks
-from nanovllm.utils.tensors import to_device, zeros
-
-logger = logging.getLogger("nanovllm")
+from nanovllm.parallel.tensor_parallel import WorkerGroup, started
 
 
 @contextmanager
@@ -37,19 +30,6 @@ def default_dtype(dtype: torch.dtype):
         yield
     finally:
         torch.set_default_dtype(previous)
-
-
-def blocks_per_sequence(config: Config) -> int:
-    return -(-config.max_model_len // config.kvcache_block_size)
-
-
-@dataclass(frozen=True)
-class KVCapacity:
-    """What the KV cache this rank allocated (the same on every rank) holds: `num_blocks` blocks, and the longest
-    sequence the engine may run, `max_model_len` (the configured one, or for the model's own default what fits)."""
-
-    num_blocks: int
-    max_model_len: int
 
 
 class ModelRunner:
@@ -63,6 +43,8 @@ class ModelRunner:
         self.workers = WorkerGroup(config, type(self)) if rank == 0 and config.tensor_parallel_size > 1 else None
         with self.workers.guard(shutdown=True) if self.workers else nullcontext():
             self.setup(config, rank, eos_token_ids)
+            if config.tensor_parallel_size > 1:
+                started(config)
 
     def setup(self, config: Config, rank: int, eos_token_ids: Iterable[int]) -> None:
         """`eos_token_ids` are what `min_tokens` keeps the sampler from drawing (only rank 0 samples)."""
@@ -88,7 +70,7 @@ class ModelRunner:
         for module in self.model.modules():
             if isinstance(module, Attention):
                 module.backend = self.backend
-        self.capacity = self.allocate_kv_cache()
+        self.kv_cache = create_kv_cache(self.model, self.sampler, config, self.device)
         self.governor = None  # tensor-parallel ranks keep their threads: a rank on one thread would hold up the rest
         if not on_gpu and config.tensor_parallel_size == 1 and torch.get_num_threads() > 1:
             self.governor = ThreadGovernor(torch.get_num_threads())
@@ -96,9 +78,8 @@ class ModelRunner:
                 layer.register_forward_pre_hook(lambda *_: self.governor.tick())
         self.graphs = None
         if on_gpu and not config.enforce_eager and self.backend.capturable:
-            max_len = self.capacity.max_model_len
-            self.graphs = DecodeGraphs(self.model, config.max_num_seqs, -(-max_len // self.block_size), max_len,
-                                       hf_config.hidden_size, config.torch_dtype, self.device)
+            self.graphs = DecodeGraphs(self.model, config.max_num_seqs, config.blocks_per_sequence,
+                                       config.max_model_len, hf_config.hidden_size, config.torch_dtype, self.device)
 
     def exit(self) -> None:
         if self.workers is not None:
@@ -116,47 +97,6 @@ class ModelRunner:
         with self.workers.guard():
             self.workers.dispatch(method, *args)
             return getattr(self, method)(*args)
-
-    def kv_cache_shape(self, num_blocks: int) -> tuple[int, ...]:
-        """(k/v, layer, block, token in block, this rank's KV heads, head dim)."""
-        cfg = self.config.hf_config
-        num_kv_heads = cfg.num_key_value_heads // self.config.tensor_parallel_size
-        return 2, cfg.num_hidden_layers, num_blocks, self.block_size, num_kv_heads, head_dim(cfg)
-
-    def kv_block_bytes(self) -> int:
-        return math.prod(self.kv_cache_shape(1)) * self.config.torch_dtype.itemsize
-
-    def auto_num_kv_blocks(self) -> int:
-        """Blocks that fit the configured memory budget, never more than the engine can ever use."""
-        if self.device.type == "cuda":
-            budget = gpu_kv_cache_bytes(self.model, self.sampler, self.config, self.device, self.kv_cache_shape)
-        else:
-            budget = int(self.config.cpu_kvcache_gib * 2**30)
-        usable = self.config.max_num_seqs * blocks_per_sequence(self.config)
-        return min(budget // self.kv_block_bytes(), usable)
-
-    def allocate_kv_cache(self) -> KVCapacity:
-        """Allocate the KV cache (as many blocks as `num_kvcache_blocks`, or the memory budget, allows: the same on
-        every tensor-parallel rank) and say what it holds. The model's own max_model_len is lowered to fit (and
-        logged); one given explicitly that does not fit is a ValueError."""
-        config = self.config
-        num_blocks = config.num_kvcache_blocks
-        if num_blocks == -1:
-            num_blocks = min_over_ranks(self.auto_num_kv_blocks(), self.device)
-        max_model_len, needed = config.max_model_len, blocks_per_sequence(config)
-        if num_blocks < needed and not config.max_model_len_given:
-            max_model_len = num_blocks * self.block_size
-            logger.info("max_model_len lowered from the model's %d to %d tokens, what the KV cache holds (give "
-                        "max_model_len, or more memory, to choose)", config.max_model_len, max_model_len)
-        elif num_blocks < needed:
-            raise ValueError(
-                f"the KV cache holds {num_blocks} blocks of {self.block_size} tokens, but one "
-                f"max_model_len={config.max_model_len} sequence needs {needed}. Give it more memory "
-                "(cpu_kvcache_gib / gpu_memory_utilization / num_kvcache_blocks) or lower max_model_len."
-            )
-        self.kv_cache = zeros(self.kv_cache_shape(num_blocks), config.torch_dtype, self.device)
-        bind_kv_cache(self.model, self.kv_cache)
-        return KVCapacity(num_blocks, max_model_len)
 
     def _tensor(self, data: list, dtype: torch.dtype) -> torch.Tensor:
         return to_device(data, dtype, self.device)

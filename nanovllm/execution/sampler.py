@@ -8,7 +8,7 @@ from nanovllm.execution.sampling_ops import (NEG_INF, apply_min_p, apply_penalti
                                              exponential_race, token_logprobs)
 from nanovllm.outputs import TokenLogprobs
 from nanovllm.sampling_params import SamplingParams
-from nanovllm.utils.tensors import to_device
+from nanovllm.execution.tensors import to_device
 
 
 @dataclass

