@@ -18,7 +18,7 @@ import xxhash
 from transformers import AutoConfig, PretrainedConfig
 
 from nanovllm.models import model_class
-from nanovllm.utils.cache import cache_dir
+from nanovllm.cache import cache_dir
 
 INSTALL_HINT = 'pip install "nanovllm[demo]" (or: pip install gguf accelerate)'
 

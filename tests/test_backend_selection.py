@@ -10,13 +10,15 @@ import pytest
 import torch
 
 import nanovllm.backends as backends
+from nanovllm.backends import registry
 from checkpoints import hf_greedy
-from nanovllm.backends import Platform, TorchBackend, importable, load_backend, select_backend, unsupported
+from nanovllm.backends import Platform, importable, load_backend, select_backend, unsupported
 from nanovllm.backends.cpu_kernels import cpu_kernels
 from nanovllm.backends.flash4_backend import Flash4Backend
 from nanovllm.backends.flash_backend import FlashBackend
-from nanovllm.utils import compile as compile_mod
-from nanovllm.utils.compile import fused_op, set_fused_ops
+from nanovllm.backends.torch_backend import TorchBackend
+from nanovllm.layers import fused as compile_mod
+from nanovllm.layers.fused import fused_op, set_fused_ops
 
 REPO_ROOT = os.path.dirname(os.path.abspath(os.path.dirname(__file__)))
 EVERYTHING = ("flash-attn", "flash-attn-4", "triton")
@@ -158,7 +160,7 @@ def test_a_backend_is_one_registry_row(monkeypatch):
     """Selection reads only the declarations: a new row (a CPU kernel, say) is chosen by "auto" where it serves."""
     cpu_kernel = backends.BackendSpec("cpu-kernel", "nanovllm.backends.torch_backend:TorchBackend", devices=("cpu",),
                                       dtypes=(torch.float32,), own_kv_writer=True)
-    monkeypatch.setattr(backends, "BACKENDS", {"cpu-kernel": cpu_kernel, **backends.BACKENDS})
+    monkeypatch.setattr(registry, "BACKENDS", {"cpu-kernel": cpu_kernel, **registry.BACKENDS})
     assert select(platform=cpu(), dtype=torch.float32) == ("cpu-kernel", {})
     assert select(platform=gpu(installed=()), dtype=torch.float32)[0] == "torch"
     assert load_backend("cpu-kernel", cpu()).attend is TorchBackend.attend
@@ -185,8 +187,8 @@ def test_flash_attn_4_namespace_package_is_not_flash_attn_2(monkeypatch):
     importable.cache_clear()
     try:
         assert importable("flash_attn")
-        assert not backends.library_installed("flash-attn")
-        assert backends.library_installed("flash-attn-4")
+        assert not registry.library_installed("flash-attn")
+        assert registry.library_installed("flash-attn-4")
     finally:
         importable.cache_clear()
 
@@ -226,13 +228,13 @@ def test_import_and_cpu_engine_work_without_flash_attn_and_triton(tied_model):
 
 
 def test_cpu_engine_skips_warmup_graphs_and_compile(tied_model, monkeypatch):
-    import nanovllm.execution.model_runner as model_runner
+    import nanovllm.execution.kv_cache as kv_cache
     from nanovllm import LLM
 
     def no_warmup(*args):
         raise AssertionError("the GPU warm-up ran on CPU")
 
-    monkeypatch.setattr(model_runner, "gpu_kv_cache_bytes", no_warmup)
+    monkeypatch.setattr(kv_cache, "_gpu_budget", no_warmup)
     monkeypatch.setattr(compile_mod, "_compiled", True)
     with LLM(tied_model, device="cpu", dtype="float32", kvcache_block_size=16, max_model_len=64) as llm:
         runner = llm.model_runner

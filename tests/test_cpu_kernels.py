@@ -15,8 +15,8 @@ from nanovllm.backends.cpu_kernels import build_directory, cpu_kernels, paged_de
 from nanovllm.layers.activation import silu_and_mul
 from nanovllm.layers.layernorm import add_rms_norm, rms_norm
 from nanovllm.layers.rotary_embedding import RotaryEmbedding, apply_rotary
-from nanovllm.utils import compile as compile_mod
-from nanovllm.utils.cache import exclusive
+from nanovllm.layers import fused as compile_mod
+from nanovllm.cache import exclusive
 
 needs_compiler = pytest.mark.skipif(shutil.which("g++") is None and shutil.which("c++") is None,
                                     reason="no C++ compiler: the kernel cannot be built here (the engine falls back)")

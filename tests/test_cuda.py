@@ -13,10 +13,10 @@ import torch
 
 from cuda_backends import BACKENDS, require_backend
 from nanovllm import LLM, SamplingParams
-from nanovllm.backends import TorchBackend
+from nanovllm.backends.torch_backend import TorchBackend
 from nanovllm.execution.cuda_graph import pick_batch_size
-from nanovllm.execution.model_runner import blocks_per_sequence
-from nanovllm.utils.context import Context, get_context, reset_context
+from nanovllm.execution.kv_cache import kv_block_bytes
+from nanovllm.backends.context import Context, get_context, reset_context
 
 pytestmark = pytest.mark.cuda
 
@@ -180,10 +180,10 @@ def test_kv_cache_is_sized_from_gpu_memory_utilization(gpu_model):
     headroom = 256 * 2**20
     utilization = (total - free + headroom) / total
     with LLM(gpu_model, dtype="bfloat16", gpu_memory_utilization=utilization) as llm:
-        config, num_blocks = llm.config, llm.model_runner.capacity.num_blocks
-        cap = config.max_num_seqs * blocks_per_sequence(config)
-        assert blocks_per_sequence(config) <= num_blocks < cap
-        assert num_blocks * llm.model_runner.kv_block_bytes() <= headroom
+        config, num_blocks = llm.config, llm.model_runner.kv_cache.num_blocks
+        cap = config.max_num_seqs * config.blocks_per_sequence
+        assert config.blocks_per_sequence <= num_blocks < cap
+        assert num_blocks * kv_block_bytes(config) <= headroom
         used = total - torch.cuda.mem_get_info()[1]
         assert used <= utilization * total + 256 * 2**20  # CUDA graphs' pool and library workspaces
 

@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from nanovllm.backends.flash4_backend import Flash4Backend
-from nanovllm.utils.context import Context
+from nanovllm.backends.context import Context
 from test_cpu_fast_path import naive_attention
 
 

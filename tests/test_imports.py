@@ -8,16 +8,15 @@ from pathlib import Path
 PACKAGE = Path(__file__).resolve().parent.parent / "nanovllm"
 
 FLOORS = [
-    ("bookkeeping, tensor-free", ["nanovllm.sampling_params", "nanovllm.outputs", "nanovllm.core"]),
-    ("utilities", ["nanovllm.utils"]),
+    ("bookkeeping, tensor-free", ["nanovllm.sampling_params", "nanovllm.outputs", "nanovllm.core", "nanovllm.config",
+                                  "nanovllm.cache", "nanovllm.parallel.supervisor"]),
+    ("the tensor-parallel group", ["nanovllm.parallel.process_group"]),
     ("kernels and layers", ["nanovllm.backends", "nanovllm.layers"]),
     ("models and their weights", ["nanovllm.models", "nanovllm.gguf_import"]),
-    ("engine settings", ["nanovllm.config"]),
-    ("running a model", ["nanovllm.execution"]),
+    ("running a model", ["nanovllm.execution", "nanovllm.parallel.tensor_parallel"]),
     ("the engine", ["nanovllm.engine"]),
-    ("entry points", ["nanovllm", "nanovllm.llm", "nanovllm.data_parallel", "nanovllm.ray", "nanovllm.smollm2",
-                      "nanovllm.cli", "nanovllm.__main__",
-                      "nanovllm.benchmarks"]),
+    ("entry points", ["nanovllm", "nanovllm.llm", "nanovllm.parallel", "nanovllm.ray", "nanovllm.smollm2",
+                      "nanovllm.cli", "nanovllm.__main__", "nanovllm.benchmarks"]),
 ]
 
 
@@ -67,6 +66,13 @@ def test_no_import_cycles():
     assert "nanovllm.execution.model_runner" in graph["nanovllm.engine.llm_engine"]
 
 
+def test_no_utils_and_the_parallel_pieces_in_one_room():
+    assert not (PACKAGE / "utils").exists()
+    spawning = sorted(name for name, path in ((module_name(p), p) for p in PACKAGE.rglob("*.py"))
+                      if "Process(" in path.read_text() or "get_context(\"spawn\")" in path.read_text())
+    assert spawning == ["nanovllm.parallel.supervisor"], spawning
+
+
 def test_every_import_goes_down_the_floors():
     upward = [f"{name} ({FLOORS[floor(name)][0]}) imports {imported} ({FLOORS[floor(imported)][0]})"
               for name, imports in sorted(import_graph().items()) for imported in sorted(imports)
@@ -74,10 +80,10 @@ def test_every_import_goes_down_the_floors():
     assert not upward, "imports that go up a floor:\n" + "\n".join(upward)
 
 
-def test_the_core_imports_neither_torch_nor_the_engine():
-    code = ("import sys, nanovllm.core.scheduler, nanovllm.core.stopping\n"
+def test_the_core_and_the_settings_import_neither_torch_nor_the_engine():
+    code = ("import sys, nanovllm.core.scheduler, nanovllm.core.stopping, nanovllm.config\n"
             "print(sorted(m for m in sys.modules if m.split('.')[0] in ('torch', 'transformers') "
-            "or m in ('nanovllm.config', 'nanovllm.engine', 'nanovllm.execution')))")
+            "or m in ('nanovllm.backends', 'nanovllm.engine', 'nanovllm.execution', 'nanovllm.models')))")
     result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
     assert result.returncode == 0, result.stderr
     assert result.stdout.strip() == "[]"

@@ -9,7 +9,7 @@ from torch.testing import assert_close
 
 from nanovllm.layers.embed_head import ParallelLMHead, VocabParallelEmbedding
 from nanovllm.layers.linear import ColumnParallelLinear, MergedColumnParallelLinear, QKVParallelLinear, RowParallelLinear
-from nanovllm.utils.parallel import join_tp_group, leave_tp_group, tp_rank_and_size
+from nanovllm.parallel.process_group import join_tp_group, leave_tp_group, tp_rank_and_size
 
 WORLD = 2
 

@@ -2,7 +2,7 @@
 the CPU, into nanovllm's cache directory, per torch version, CPU (`-march=native` code runs only where it was built)
 and source: `paged_decode`, every single-query row of a step in one call, and the decoder's small ops fused
 (`csrc/fused_ops.cpp`: RMSNorm with the residual add, rotary, SiLU-and-mul, the KV-cache store; the layers reach
-them through `utils.compile.fused_op`).
+them through `layers.fused.fused_op`).
 
 Builds are serialized by an OS lock that dies with its holder: torch's own lock is a file that a build killed
 midway leaves behind, after which every later `load` waits for it forever. Without a working compiler, or when
@@ -19,7 +19,7 @@ from pathlib import Path
 import torch
 import xxhash
 
-from nanovllm.utils.cache import cache_dir, exclusive
+from nanovllm.cache import cache_dir, exclusive
 
 logger = logging.getLogger("nanovllm")
 NAME = "nanovllm_cpu_kernels"

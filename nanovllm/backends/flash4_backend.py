@@ -6,7 +6,7 @@ so this module imports without it.
 """
 import torch
 
-from nanovllm.utils.context import Context
+from nanovllm.backends.context import Context
 
 
 class Flash4Backend:

@@ -1,7 +1,7 @@
 """flash-attn 2 backend (`pip install flash-attn`), imported on first use, so this module imports without it."""
 import torch
 
-from nanovllm.utils.context import Context
+from nanovllm.backends.context import Context
 
 
 class FlashBackend:

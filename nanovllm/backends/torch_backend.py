@@ -4,7 +4,7 @@ import torch.nn.functional as F
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from nanovllm.backends.cpu_kernels import cpu_kernels, paged_decode
-from nanovllm.utils.context import Context
+from nanovllm.backends.context import Context
 
 _CUDA_KERNELS = [SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH]
 

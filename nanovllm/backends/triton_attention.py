@@ -1,6 +1,6 @@
 """Triton paged attention for every step shape: prefills, prefill chunks over a cached prefix, decodes, and mixes.
 
-Layout (see `nanovllm.utils.context.Context`): queries `[tokens, heads, head_dim]` packed by
+Layout (see `nanovllm.backends.context.Context`): queries `[tokens, heads, head_dim]` packed by
 `cu_seqlens_q`; K/V always read from the paged caches `[blocks, page, kv_heads, head_dim]`
 through `block_tables` and `context_lens`; causal with bottom-right alignment, so the queries
 of a sequence with context length c and q rows sit at absolute positions c - q .. c - 1.
@@ -50,7 +50,7 @@ import torch
 import triton
 import triton.language as tl
 
-from nanovllm.utils.context import Context
+from nanovllm.backends.context import Context
 
 SEGMENT = 256  # keys per split-KV segment: fixed, so that segment boundaries never depend on the batch
 SPLIT_KV_MAX_PROGRAMS = 512  # decode batches with fewer (sequence, KV head) pairs split their keys

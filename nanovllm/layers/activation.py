@@ -2,7 +2,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from nanovllm.utils.compile import fused_op
+from nanovllm.layers.fused import fused_op
 
 
 @fused_op(cpu_kernel="silu_and_mul")

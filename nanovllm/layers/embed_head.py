@@ -5,7 +5,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from nanovllm.layers.linear import linear
-from nanovllm.utils.parallel import tp_rank_and_size
+from nanovllm.parallel.process_group import tp_rank_and_size
 
 
 class VocabParallelEmbedding(nn.Module):

@@ -1,7 +1,7 @@
 import torch
 from torch import nn
 
-from nanovllm.utils.compile import fused_op
+from nanovllm.layers.fused import fused_op
 
 
 def _rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:

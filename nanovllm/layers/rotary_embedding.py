@@ -4,7 +4,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from nanovllm.utils.compile import fused_op
+from nanovllm.layers.fused import fused_op
 
 
 @dataclass(frozen=True)

@@ -15,7 +15,7 @@ from nanovllm.layers.layernorm import RMSNorm
 from nanovllm.layers.linear import MergedColumnParallelLinear, QKVParallelLinear, RowParallelLinear
 from nanovllm.layers.rotary_embedding import RotaryEmbedding
 from nanovllm.models.hf_config import head_dim, rope_scaling, rope_theta
-from nanovllm.utils.parallel import tp_rank_and_size
+from nanovllm.parallel.process_group import tp_rank_and_size
 
 
 @dataclass(frozen=True)
