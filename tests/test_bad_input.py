@@ -91,6 +91,8 @@ def test_error_mid_generate_frees_everything(llm, expected, monkeypatch):
     ({"gpu_memory_utilization": 1.5}, "gpu_memory_utilization"),
     ({"max_num_seqs": 0}, "max_num_seqs must be"),
     ({"load_format": "pickle"}, "load_format"),
+    ({"worker_start_timeout_s": 0}, "worker_start_timeout_s must be positive"),
+    ({"distributed_timeout_s": -1}, "distributed_timeout_s must be positive"),
     ({"attention_backend": "flash"}, r"attention_backend must be one of \['auto', 'flash-attn', 'flash-attn-4', "
                                      r"'triton', 'torch'\], got 'flash'"),
     ({"no_such_setting": 1}, "unknown engine setting"),

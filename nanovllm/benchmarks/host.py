@@ -41,7 +41,8 @@ def host_overhead(batch: int = 256, steps: int = 64) -> dict[str, float]:
         _write_tiny_model(path)
         with LLM(path, device="cpu", load_format="dummy", max_num_seqs=batch, max_model_len=steps + 16,
                  max_num_batched_tokens=max(batch * 16, 2048), kvcache_block_size=16) as llm:
-            runner, model_seconds = llm.model_runner, []
+            engine = llm.engine
+            runner, model_seconds = engine.model_runner, []
             run = runner.run
 
             def timed_run(scheduled):
@@ -54,7 +55,7 @@ def host_overhead(batch: int = 256, steps: int = 64) -> dict[str, float]:
             runner.run = timed_run
             prompts = [[(i * 7 + j) % 500 + 1 for j in range(8)] for i in range(batch)]
             params = SamplingParams(temperature=0, max_tokens=steps, ignore_eos=True)
-            step = llm._step  # generate's own loop, timed step by step
+            step = engine._step  # generate's own loop, timed step by step
             step_seconds = []
 
             def timed_step():
@@ -64,9 +65,9 @@ def host_overhead(batch: int = 256, steps: int = 64) -> dict[str, float]:
                 finally:
                     step_seconds.append(time.perf_counter() - start)
 
-            llm._step = timed_step
+            engine._step = timed_step
             llm.generate(prompts, params, use_tqdm=False)
-            del llm._step
+            del engine._step
             generate_host = [s - m for s, m in zip(step_seconds, model_seconds)][2:]
             model_seconds.clear()
             for prompt in prompts:
