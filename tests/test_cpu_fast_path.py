@@ -137,7 +137,7 @@ def test_the_cpu_kv_cache_takes_memory_only_where_it_is_written(tied_model):
 
     before = _rss_bytes()
     with LLM(tied_model, device="cpu", dtype="float32", cpu_kvcache_gib=2, max_num_seqs=4096) as llm:
-        cache = llm.model_runner.kv_cache
+        cache = llm.model_runner.kv_cache.tensor
         assert cache.numel() * cache.element_size() > 1.9 * 2**30
         assert _rss_bytes() - before < 0.5 * 2**30, "reserved, not committed"
         params = SamplingParams(temperature=0, max_tokens=4, ignore_eos=True)

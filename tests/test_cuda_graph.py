@@ -76,7 +76,7 @@ def test_padded_decode_equals_unpadded_decode(tied_model):
         assert size == 4
         buffers = DecodeBuffers.allocate(sizes[-1], 16, 64, runner.config.hf_config.hidden_size, torch.float32,
                                          torch.device("cpu"))
-        before = runner.kv_cache.clone()
+        before = runner.kv_cache.tensor.clone()
         input_ids, positions, _ = runner.prepare(batch)
         ctx = get_context()
         with torch.inference_mode():
@@ -85,7 +85,7 @@ def test_padded_decode_equals_unpadded_decode(tied_model):
             buffers.load(input_ids, positions, ctx)
             buffers.forward(runner.model, size)
             padded = buffers.hidden_states[:len(seqs)].clone()
-            written = (runner.kv_cache != before).flatten(4).any(-1)  # [k/v, layer, block, offset]
+            written = (runner.kv_cache.tensor != before).flatten(4).any(-1)  # [k/v, layer, block, offset]
             expected = torch.zeros_like(written)
             for slot in ctx.slot_mapping.tolist():
                 expected[:, :, slot // 4, slot % 4] = True

@@ -3,8 +3,6 @@ import _thread
 import multiprocessing
 import os
 import signal
-import subprocess
-import sys
 import threading
 import time
 
@@ -14,6 +12,7 @@ import torch.distributed as dist
 
 from checkpoints import hf_greedy
 from nanovllm import LLM, SamplingParams
+from nanovllm.benchmarks.compete import competing_process
 from nanovllm.parallel.tensor_parallel import WorkerFailure
 
 # Tiny blocks and a 16-block cache: four 28-token sequences need 28 blocks, so decoding preempts.
@@ -25,16 +24,11 @@ BOUND_S = 30.0
 
 
 @pytest.fixture
-def busy_core():
-    """Another program taking a core for the whole test, in its own session as an unrelated job would be: on a
-    2-core machine each worker's `import torch` then takes seconds, which must not count against
-    `distributed_timeout_s`."""
-    spinner = subprocess.Popen([sys.executable, "-c", "while True: pass"], start_new_session=True)
-    try:
+def busy_machine():
+    """Another program busy for the whole test, in its own session as an unrelated job would be: on a 2-core machine
+    each worker's `import torch` then takes seconds, which must not count against `distributed_timeout_s`."""
+    with competing_process():
         yield
-    finally:
-        spinner.kill()
-        spinner.wait()
 
 
 def _token_ids(outputs: list[dict]) -> list[list[int]]:
@@ -147,7 +141,7 @@ def test_tp2_nccl_matches_transformers(tied_model, enforce_eager):
     _assert_nothing_left()
 
 
-def test_stopped_worker_is_reported_after_the_timeout_and_nothing_is_left(tied_model, busy_core):
+def test_stopped_worker_is_reported_after_the_timeout_and_nothing_is_left(tied_model, busy_machine):
     """A worker that stops answering (SIGSTOP, as a debugger or Ctrl-Z would) makes the step's collective time out
     after `distributed_timeout_s`: rank 0 names the worker and its state, and the stopped process is killed. The
     short timeout bounds collectives only: workers start and meet under `worker_start_timeout_s`, even with the

@@ -1,3 +1,3 @@
-"""Execution: turning scheduled sequences into tensors and running them (model runner, CUDA graphs,
-GPU memory sizing, tensor-parallel workers). Bookkeeping in `nanovllm.engine` never imports this
-package's internals; only `LLMEngine` holds a `ModelRunner`."""
+"""Execution: turning scheduled sequences into tensors and running them (model runner, KV cache sizing, CUDA graphs,
+sampling, CPU threads). Bookkeeping in `nanovllm.core` and `nanovllm.engine` never imports this package's internals;
+only `LLMEngine` holds a `ModelRunner`."""

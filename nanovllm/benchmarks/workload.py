@@ -1,0 +1,49 @@
+"""The benchmark's workload: the requests and the model they run on."""
+import argparse
+import random
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass
+class Requests:
+    prompts: list[list[int]]
+    max_tokens: list[int]
+    arrivals: list[float]
+
+    @property
+    def prompt_tokens(self) -> int:
+        return sum(map(len, self.prompts))
+
+
+def make_requests(args: argparse.Namespace, vocab_size: int) -> Requests:
+    """nano-vLLM's workload: token ids uniform in [0, 10000], lengths uniform in the given ranges."""
+    rng = random.Random(args.seed)
+    top = min(10000, vocab_size - 1)
+    prompts = [[rng.randint(0, top) for _ in range(rng.randint(args.min_input_len, args.max_input_len))]
+               for _ in range(args.num_seqs)]
+    max_tokens = [rng.randint(args.min_output_len, args.max_output_len) for _ in range(args.num_seqs)]
+    arrivals, t = [], 0.0
+    for _ in range(args.num_seqs):
+        arrivals.append(t)
+        t += rng.expovariate(args.request_rate) if args.request_rate != float("inf") else 0.0
+    return Requests(prompts, max_tokens, arrivals)
+
+
+def count_parameters(model_dir: str) -> int:
+    """Parameters of the model (tied embeddings counted once), without allocating them."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(model_dir))
+    return sum(p.numel() for p in model.parameters())
+
+
+def write_random_checkpoint(config_path: str, out_dir: str, seed: int) -> None:
+    """transformers' own random init of the config, saved as a float32 safetensors checkpoint."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    torch.manual_seed(seed)
+    model = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(config_path), dtype=torch.float32)
+    model.save_pretrained(out_dir, safe_serialization=True)
