@@ -54,6 +54,12 @@ def test_two_replicas_give_one_engines_tokens_and_keep_prefixes_together(dp, exp
     assert stats["num_free_blocks"] == stats["num_blocks"] == 2 * SETTINGS["num_kvcache_blocks"]
 
 
+def test_generate_shows_its_progress_as_one_engine_does(dp, expected, capsys):
+    assert token_ids(dp.generate(PROMPTS, GREEDY)) == expected[0]
+    progress = capsys.readouterr().err
+    assert "Generating" in progress and f"{len(PROMPTS)}/{len(PROMPTS)}" in progress
+
+
 def test_a_killed_replica_s_requests_are_retried_on_the_other(tied_model, expected, monkeypatch):
     llm = LLM(tied_model, data_parallel_size=2, **SETTINGS)
     processes = [r.child.process for r in llm.replicas]
