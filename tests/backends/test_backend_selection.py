@@ -5,6 +5,7 @@ import os
 import subprocess
 import sys
 import types
+from pathlib import Path
 
 import pytest
 import torch
@@ -20,7 +21,7 @@ from nanovllm.backends.torch_backend import TorchBackend
 from nanovllm.layers import fused as compile_mod
 from nanovllm.layers.fused import fused_op, set_fused_ops
 
-REPO_ROOT = os.path.dirname(os.path.abspath(os.path.dirname(__file__)))
+REPO_ROOT = str(Path(__file__).resolve().parents[2])
 EVERYTHING = ("flash-attn", "flash-attn-4", "triton")
 H100, A100, RTX4090, RTX5090, B200, T4, P100 = (9, 0), (8, 0), (8, 9), (12, 0), (10, 0), (7, 5), (6, 0)
 has_triton = importable("triton")

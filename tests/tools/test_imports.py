@@ -5,7 +5,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-PACKAGE = Path(__file__).resolve().parent.parent / "nanovllm"
+PACKAGE = Path(__file__).resolve().parents[2] / "nanovllm"
 
 FLOORS = [
     ("bookkeeping, tensor-free", ["nanovllm.sampling_params", "nanovllm.outputs", "nanovllm.core", "nanovllm.config",

@@ -2,7 +2,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-EXAMPLE = Path(__file__).resolve().parent.parent / "example.py"
+EXAMPLE = Path(__file__).resolve().parents[2] / "example.py"
 
 
 def run_example(*args: str) -> subprocess.CompletedProcess:
