@@ -65,7 +65,8 @@ class Config:
         if not 0.0 < self.gpu_memory_utilization <= 1.0:
             raise ValueError(f"gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization}")
         if not (self.num_kvcache_blocks == -1 or self.num_kvcache_blocks >= 1):
-            raise ValueError(f"num_kvcache_blocks must be -1 (auto) or a positive integer, got {self.num_kvcache_blocks}")
+            raise ValueError(f"num_kvcache_blocks must be -1 (auto) or a positive integer, "
+                             f"got {self.num_kvcache_blocks}")
         for name in ("cpu_kvcache_gib", "worker_start_timeout_s", "distributed_timeout_s"):
             if not getattr(self, name) > 0:
                 raise ValueError(f"{name} must be positive, got {getattr(self, name)}")

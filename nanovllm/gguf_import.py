@@ -17,8 +17,8 @@ import torch
 import xxhash
 from transformers import AutoConfig, PretrainedConfig
 
-from nanovllm.models import model_class
 from nanovllm.cache import cache_dir
+from nanovllm.models import model_class
 
 INSTALL_HINT = 'pip install "nanovllm[demo]" (or: pip install gguf accelerate)'
 
@@ -86,7 +86,8 @@ def convert_gguf(path: str, out_dir: str) -> None:
 
     _require_gguf_support()
     _reject_scaled_rope(path)
-    source = dict(pretrained_model_name_or_path=os.path.dirname(os.path.abspath(path)), gguf_file=os.path.basename(path))
+    source = dict(pretrained_model_name_or_path=os.path.dirname(os.path.abspath(path)),
+                  gguf_file=os.path.basename(path))
     tokenizer = AutoTokenizer.from_pretrained(**source)
     model = AutoModelForCausalLM.from_pretrained(**source, **_dequantized(), dtype=torch.float32)
     config = model.config

@@ -1,5 +1,4 @@
 import pytest
-
 from checkpoints import LLAMA3_ROPE, make_checkpoint
 
 

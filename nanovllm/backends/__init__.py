@@ -17,8 +17,8 @@ sizes, whether its attend can be captured in a CUDA graph, the library it needs 
 `unsupported` and `select_backend` (in `selection`) read only those rows (a pure function of what the machine offers,
 see `Platform`), and `load_backend` imports the chosen class and pairs its kernel with a K/V writer,
 so `import nanovllm` works without flash-attn or triton. A class may also provide `prepare(device)`, run
-when the backend is loaded (the torch backend builds its CPU kernels there, not inside the first step). A CPU kernel is a row with
-`devices=("cpu",)`, ahead of torch.
+when the backend is loaded (the torch backend builds its CPU kernels there, not inside the first step). A CPU
+kernel is a row with `devices=("cpu",)`, ahead of torch.
 """
 import importlib
 from collections.abc import Callable

@@ -3,8 +3,8 @@ import torch
 import torch.nn.functional as F
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
-from nanovllm.backends.cpu_kernels import cpu_kernels, paged_decode
 from nanovllm.backends.context import Context
+from nanovllm.backends.cpu_kernels import cpu_kernels, paged_decode
 
 _CUDA_KERNELS = [SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH]
 

@@ -9,14 +9,15 @@ backend's output is from the first row's, so a fast but wrong kernel shows.
 import random
 import time
 from dataclasses import dataclass
+from functools import partial
 
 import torch
 from transformers import PretrainedConfig
 
 from nanovllm.backends import Platform, load_backend
-from nanovllm.models.hf_config import head_dim
 from nanovllm.backends.context import Context
 from nanovllm.benchmarks.report import markdown_table
+from nanovllm.models.hf_config import head_dim
 
 
 @dataclass
@@ -79,7 +80,7 @@ def run_micro(cfg: PretrainedConfig, backends: list[str], batch: int, max_contex
         backend = load_backend(name, platform)
         with torch.inference_mode():
             out = backend.attend(q, k_cache, v_cache, ctx, scale).float()
-            seconds = time_call(lambda: backend.attend(q, k_cache, v_cache, ctx, scale), device, iterations)
+            seconds = time_call(partial(backend.attend, q, k_cache, v_cache, ctx, scale), device, iterations)
         first = (seconds, out) if first is None else first
         rows.append(MicroRow(name, batch, max_context, str(dtype).removeprefix("torch."), seconds * 1e6,
                              first[0] / seconds, float((out - first[1]).abs().max())))

@@ -63,7 +63,8 @@ def run_vllm(python: str, model_dir: str, load_format: str, requests: Requests, 
         raise RuntimeError(f"vLLM printed no result:\n{done.stdout[-2000:]}\n{done.stderr[-2000:]}")
     result = json.loads(lines[-1])
     if result["tokens"] != sum(requests.max_tokens):
-        raise RuntimeError(f"vLLM produced {result['tokens']} tokens, the requests asked for {sum(requests.max_tokens)}")
+        raise RuntimeError(f"vLLM produced {result['tokens']} tokens, the requests asked for "
+                           f"{sum(requests.max_tokens)}")
     return result["seconds"], result["tokens"], result["engine"]
 
 

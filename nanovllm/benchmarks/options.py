@@ -110,8 +110,8 @@ def parse_args(argv: list[str] | None, prog: str | None = None) -> argparse.Name
     if unknown:
         p.error(f"--attention-backend: unknown {', '.join(unknown)}; choose from {', '.join(ATTENTION_BACKENDS)}, all")
     for name in ("num_seqs", "min_input_len", "max_input_len", "min_output_len", "max_output_len",
-                 "hf_batch_size", "threads", "data_parallel_size", "repeat", "kvcache_block_size", "max_num_batched_tokens", "micro_batch", "host_batch",
-                 "micro_max_context"):
+                 "hf_batch_size", "threads", "data_parallel_size", "repeat", "kvcache_block_size",
+                 "max_num_batched_tokens", "micro_batch", "host_batch", "micro_max_context"):
         value = getattr(args, name)
         if value is not None and value < 1:
             p.error(f"--{name.replace('_', '-')} must be a positive integer, got {value}")

@@ -103,7 +103,8 @@ class PromptFrontend:
         params = replace(params, max_tokens=params.max_tokens or max(self.max_model_len - len(token_ids), 1))
         return CheckedPrompt(text, token_ids, params, priority)
 
-    def _to_token_ids(self, prompt: Prompt, index: int, add_special_tokens: bool = True) -> tuple[str | None, list[int]]:
+    def _to_token_ids(self, prompt: Prompt, index: int,
+                      add_special_tokens: bool = True) -> tuple[str | None, list[int]]:
         """The prompt's text (if any) and validated token ids, so a bad prompt is rejected before any work starts."""
         text = None
         if isinstance(prompt, dict):
@@ -125,8 +126,8 @@ class PromptFrontend:
         if not token_ids:
             raise ValueError(f"prompt {index} is empty; every prompt needs at least one token")
         if len(token_ids) > self.max_model_len:
-            raise ValueError(f"prompt {index} has {len(token_ids)} tokens, more than max_model_len={self.max_model_len}; "
-                             + self._too_long_hint())
+            raise ValueError(f"prompt {index} has {len(token_ids)} tokens, more than "
+                             f"max_model_len={self.max_model_len}; {self._too_long_hint()}")
         vocab_size = self.config.hf_config.vocab_size
         bad = [t for t in token_ids if not 0 <= t < vocab_size]
         if bad:

@@ -9,10 +9,10 @@ from itertools import count
 from tqdm.auto import tqdm
 from transformers import AutoTokenizer, PreTrainedTokenizerBase
 
+from nanovllm.config import Config
 from nanovllm.core.scheduler import ScheduledBatch, Scheduler, SchedulerConfig
 from nanovllm.core.sequence import Sequence
 from nanovllm.core.stopping import token_finish
-from nanovllm.config import Config
 from nanovllm.engine.frontend import CheckedPrompt, Params, Prompt, PromptFrontend
 from nanovllm.engine.request import Completion, Request
 from nanovllm.execution.model_runner import ModelRunner

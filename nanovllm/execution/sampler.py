@@ -4,11 +4,18 @@ from dataclasses import dataclass
 
 import torch
 
-from nanovllm.execution.sampling_ops import (NEG_INF, apply_min_p, apply_penalties, apply_top_k, apply_top_p,
-                                             exponential_race, token_logprobs)
+from nanovllm.execution.sampling_ops import (
+    NEG_INF,
+    apply_min_p,
+    apply_penalties,
+    apply_top_k,
+    apply_top_p,
+    exponential_race,
+    token_logprobs,
+)
+from nanovllm.execution.tensors import to_device
 from nanovllm.outputs import TokenLogprobs
 from nanovllm.sampling_params import SamplingParams
-from nanovllm.execution.tensors import to_device
 
 
 @dataclass
@@ -164,8 +171,8 @@ class Sampler:
         self.prompt_mask[entries] = False
         self.output_counts[entries] = 0
         self.prompt_mask[self._tensor(prompt_entries, torch.int64), self._tensor(prompt_ids, torch.int64)] = True
-        self.output_counts.index_put_((self._tensor(output_entries, torch.int64), self._tensor(output_ids, torch.int64)),
-                                      torch.ones(len(output_ids), dtype=torch.int32, device=self.device),
+        output_index = (self._tensor(output_entries, torch.int64), self._tensor(output_ids, torch.int64))
+        self.output_counts.index_put_(output_index, torch.ones(len(output_ids), dtype=torch.int32, device=self.device),
                                       accumulate=True)
 
     def _grow(self, needed: int) -> None:

@@ -36,4 +36,5 @@ def rope_scaling(cfg: PretrainedConfig) -> Llama3RopeScaling | None:
                                      original_max_position_embeddings=int(params["original_max_position_embeddings"]))
         except KeyError as e:
             raise ValueError(f"llama3 rope scaling in the model config lacks {e.args[0]!r}") from None
-    raise ValueError(f"unsupported rope scaling {kind!r} in the model config; nanovllm supports {list(SUPPORTED_ROPE_TYPES)}")
+    raise ValueError(f"unsupported rope scaling {kind!r} in the model config; nanovllm supports "
+                     f"{list(SUPPORTED_ROPE_TYPES)}")

@@ -4,7 +4,8 @@ from nanovllm.models.decoder import DecoderForCausalLM, DecoderOptions
 
 
 class LlamaForCausalLM(DecoderForCausalLM):
-    """Llama 2 and 3, SmolLM2, TinyLlama: optional `attention_bias` and `mlp_bias` (rope scaling is read for every family)."""
+    """Llama 2 and 3, SmolLM2, TinyLlama: optional `attention_bias` and `mlp_bias` (rope scaling is read for every
+    family)."""
 
     @classmethod
     def options(cls, config: PretrainedConfig) -> DecoderOptions:

@@ -308,7 +308,8 @@ class DataParallelLLM(PromptFrontend):
             per_replica = [{"replica": r.index, "alive": r.alive, "load": r.load, "num_requests": r.routed,
                             **(r.stats or {})} for r in self.replicas]
             alive = [r for r in per_replica if r["alive"]]
-            counters = dict.fromkeys(key for r in alive for key in r if key.startswith("num_") and key != "num_requests")
+            counters = dict.fromkeys(key for r in alive for key in r
+                                     if key.startswith("num_") and key != "num_requests")
             total = {key: sum(r.get(key, 0) for r in alive) for key in counters}
             return {**total, "replicas": per_replica}
 

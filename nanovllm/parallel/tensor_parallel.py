@@ -48,9 +48,9 @@ from multiprocessing.connection import Connection, wait
 import torch
 import torch.distributed as dist
 
-from nanovllm.config import Config
 from nanovllm.backends.context import get_context as get_attention_context
 from nanovllm.backends.context import reset_context, set_context
+from nanovllm.config import Config
 from nanovllm.parallel.process_group import finish_start, join_tp_group, leave_tp_group
 from nanovllm.parallel.supervisor import Child, is_stopped, spawn, stop
 
@@ -74,7 +74,8 @@ class _TensorSlot:
 
 
 def _map_tensors(obj, fn):
-    """`obj` with `fn` applied to every tensor or `_TensorSlot` inside it (through tuples, lists, dicts, dataclasses)."""
+    """`obj` with `fn` applied to every tensor or `_TensorSlot` inside it (through tuples, lists, dicts and
+    dataclasses)."""
     if isinstance(obj, (torch.Tensor, _TensorSlot)):
         return fn(obj)
     if isinstance(obj, (list, tuple)):
@@ -90,7 +91,8 @@ def _slot(tensor: torch.Tensor) -> _TensorSlot:
     return _TensorSlot(tuple(tensor.shape), tensor.dtype)
 
 
-def _broadcast(slots: list[_TensorSlot], tensors: list[torch.Tensor] | None, device: torch.device) -> list[torch.Tensor]:
+def _broadcast(slots: list[_TensorSlot], tensors: list[torch.Tensor] | None,
+               device: torch.device) -> list[torch.Tensor]:
     """Broadcast rank 0's `tensors` (None on workers) with one collective per dtype; every rank gets them all."""
     out: list[torch.Tensor | None] = [None] * len(slots)
     for dtype in dict.fromkeys(slot.dtype for slot in slots):
@@ -271,7 +273,7 @@ def _worker_main(runner_cls: type, config: Config, rank: int, addr: str, port: i
             slots: list[_TensorSlot] = []
             _map_tensors((args, context), slots.append)
             tensors = iter(_broadcast(slots, None, runner.device))
-            args, context = _map_tensors((args, context), lambda _: next(tensors))
+            args, context = _map_tensors((args, context), lambda _: next(tensors))  # noqa: B023 (used in this iteration)
             set_context(**{f.name: getattr(context, f.name) for f in fields(context)})
             runner.call(method, *args)
             reset_context()

@@ -9,11 +9,10 @@ from pathlib import Path
 
 import pytest
 import torch
+from checkpoints import hf_greedy
 
 import nanovllm.backends as backends
-from nanovllm.backends import registry
-from checkpoints import hf_greedy
-from nanovllm.backends import Platform, importable, load_backend, select_backend, unsupported
+from nanovllm.backends import Platform, importable, load_backend, registry, select_backend, unsupported
 from nanovllm.backends.cpu_kernels import cpu_kernels
 from nanovllm.backends.flash4_backend import Flash4Backend
 from nanovllm.backends.flash_backend import FlashBackend
@@ -219,7 +218,8 @@ def test_import_and_cpu_engine_work_without_flash_attn_and_triton(tied_model):
         "import nanovllm, nanovllm.backends.flash_backend, nanovllm.backends.flash4_backend\n"
         "from nanovllm import LLM, SamplingParams\n"
         f"llm = LLM({tied_model!r}, device='cpu', dtype='float32', kvcache_block_size=16, max_model_len=64)\n"
-        "out = llm.generate([[1, 2, 3]], SamplingParams(temperature=0, max_tokens=3, ignore_eos=True), use_tqdm=False)\n"
+        "params = SamplingParams(temperature=0, max_tokens=3, ignore_eos=True)\n"
+        "out = llm.generate([[1, 2, 3]], params, use_tqdm=False)\n"
         "assert len(out[0]['token_ids']) == 3, out\n"
         "assert llm.model_runner.backend.name == 'torch' and llm.model_runner.graphs is None\n"
     )
@@ -292,7 +292,8 @@ def test_triton_backend_runs_the_engine_on_cpu_under_the_interpreter(tied_model)
     code = (
         "from nanovllm import LLM, SamplingParams\n"
         "greedy = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)\n"
-        f"with LLM({tied_model!r}, device='cpu', dtype='float32', attention_backend='triton', kvcache_block_size=16, max_model_len=64) as llm:\n"
+        f"with LLM({tied_model!r}, device='cpu', dtype='float32', attention_backend='triton', "
+        "kvcache_block_size=16, max_model_len=64) as llm:\n"
         "    assert llm.model_runner.backend.name == 'triton', llm.model_runner.backend\n"
         f"    runs = [[o['token_ids'] for o in llm.generate({prompts!r}, greedy, use_tqdm=False)] for _ in range(2)]\n"
         "    assert llm.stats()['num_cached_tokens'] > 0\n"

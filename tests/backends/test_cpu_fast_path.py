@@ -5,9 +5,9 @@ import pytest
 import torch
 
 from nanovllm import LLM
+from nanovllm.backends.context import Context
 from nanovllm.backends.torch_backend import TorchBackend
 from nanovllm.layers.prepack import native_bfloat16
-from nanovllm.backends.context import Context
 
 
 def test_linear_weights_are_prepacked_on_cpu(tied_model):
@@ -121,7 +121,7 @@ def test_auto_dtype_on_cpu_is_bfloat16_only_where_the_cpu_computes_it_natively(t
         assert llm.model_runner.config.torch_dtype == (torch.bfloat16 if native_bfloat16() else torch.float32)
     hf_config = AutoConfig.from_pretrained(tied_model)  # a float32 checkpoint
     for native, expected in ((True, torch.bfloat16), (False, torch.float32)):
-        monkeypatch.setattr(config, "native_bfloat16", lambda: native)
+        monkeypatch.setattr(config, "native_bfloat16", lambda native=native: native)
         assert config.resolve_dtype("auto", "cpu", hf_config) == expected
         assert config.resolve_dtype("float32", "cpu", hf_config) == torch.float32
     assert config.resolve_dtype("auto", "cuda", hf_config) == torch.bfloat16

@@ -7,16 +7,16 @@ import sys
 
 import pytest
 import torch
+from checkpoints import hf_greedy
 
 import nanovllm.backends.cpu_kernels as cpu_kernels_module
-from checkpoints import hf_greedy
 from nanovllm import LLM, SamplingParams
 from nanovllm.backends.cpu_kernels import build_directory, cpu_kernels, paged_decode
+from nanovllm.cache import exclusive
+from nanovllm.layers import fused as compile_mod
 from nanovllm.layers.activation import silu_and_mul
 from nanovllm.layers.layernorm import add_rms_norm, rms_norm
 from nanovllm.layers.rotary_embedding import RotaryEmbedding, apply_rotary
-from nanovllm.layers import fused as compile_mod
-from nanovllm.cache import exclusive
 
 needs_compiler = pytest.mark.skipif(shutil.which("g++") is None and shutil.which("c++") is None,
                                     reason="no C++ compiler: the kernel cannot be built here (the engine falls back)")

@@ -10,13 +10,13 @@ import random
 
 import pytest
 import torch
-
 from cuda_backends import BACKENDS, require_backend
+
 from nanovllm import LLM, SamplingParams
+from nanovllm.backends.context import Context, get_context, reset_context
 from nanovllm.backends.torch_backend import TorchBackend
 from nanovllm.execution.cuda_graph import pick_batch_size
 from nanovllm.execution.kv_cache import kv_block_bytes
-from nanovllm.backends.context import Context, get_context, reset_context
 
 pytestmark = pytest.mark.cuda
 

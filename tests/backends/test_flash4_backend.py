@@ -7,10 +7,10 @@ import types
 
 import pytest
 import torch
-
-from nanovllm.backends.flash4_backend import Flash4Backend
-from nanovllm.backends.context import Context
 from test_cpu_fast_path import naive_attention
+
+from nanovllm.backends.context import Context
+from nanovllm.backends.flash4_backend import Flash4Backend
 
 
 def fake_varlen(q, k, v, cu_seqlens_q=None, cu_seqlens_k=None, max_seqlen_q=None, seqused_k=None, page_table=None,

@@ -16,7 +16,6 @@ import sys
 
 import pytest
 import torch
-
 from triton_attention_cases import CORRECTNESS, PAD, Batch, bitwise_cases, correctness_cases, error_ratio, make_batch
 
 pytest.importorskip("triton")

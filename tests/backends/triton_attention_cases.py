@@ -14,8 +14,8 @@ from dataclasses import dataclass
 
 import torch
 
-from nanovllm.backends.torch_backend import TorchBackend
 from nanovllm.backends.context import Context
+from nanovllm.backends.torch_backend import TorchBackend
 
 Seq = tuple[int, int, int]  # (q_len, context_len, seed); context 0 with q_len 1 is a padding row
 PAD: Seq = (1, 0, 0)

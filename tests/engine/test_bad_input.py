@@ -4,8 +4,8 @@ import os
 import shutil
 
 import pytest
-
 from checkpoints import hf_greedy
+
 from nanovllm import LLM, SamplingParams
 
 GOOD = [5, 6, 7, 8]
@@ -30,7 +30,8 @@ def expected(tied_model):
     ([[1, 384]], GREEDY, "token id 384 outside the vocabulary"),
     ([[-1, 2]], GREEDY, "token id -1 outside the vocabulary"),
     ([[1, 2.5]], GREEDY, r"must be a string, .* or a list of token ids \(ints\), got list"),
-    ([{"prompt_token_ids": GOOD, "multi_modal_data": {}}], GREEDY, r"got keys \['multi_modal_data', 'prompt_token_ids'\]"),
+    ([{"prompt_token_ids": GOOD, "multi_modal_data": {}}], GREEDY,
+     r"got keys \['multi_modal_data', 'prompt_token_ids'\]"),
     ([{}], GREEDY, r"nanovllm takes \{'prompt': text\} or \{'prompt_token_ids': ids\}"),
     ([{"prompt_token_ids": []}], GREEDY, "prompt 0 is empty"),
     ([GOOD, GOOD], [GREEDY], "got 2 prompts but 1 sampling params"),
@@ -78,7 +79,8 @@ def test_error_mid_generate_frees_everything(llm, expected, monkeypatch):
 
 
 @pytest.mark.parametrize("kwargs, message", [
-    ({"num_kvcache_blocks": 3, "kvcache_block_size": 16, "max_model_len": 128}, "one max_model_len=128 sequence needs 8"),
+    ({"num_kvcache_blocks": 3, "kvcache_block_size": 16, "max_model_len": 128},
+     "one max_model_len=128 sequence needs 8"),
     ({"cpu_kvcache_gib": 1e-6, "max_model_len": 128}, "sequence needs"),
     ({"max_num_batched_tokens": 64, "max_model_len": 128, "enable_chunked_prefill": False}, "max_num_batched_tokens"),
     ({"enable_chunked_prefill": "yes"}, "enable_chunked_prefill must be a bool"),
@@ -120,8 +122,8 @@ def test_missing_or_malformed_model_directory(tied_model, tmp_path):
     other = tmp_path / "other"
     other.mkdir()
     (other / "config.json").write_text(json.dumps({"model_type": "gpt2", "architectures": ["GPT2LMHeadModel"]}))
-    with pytest.raises(ValueError, match=r"architectures \['GPT2LMHeadModel'\]; nanovllm supports \['LlamaForCausalLM', "
-                                         r"'Qwen2ForCausalLM', 'Qwen3ForCausalLM'\]"):
+    with pytest.raises(ValueError, match=r"architectures \['GPT2LMHeadModel'\]; nanovllm supports "
+                                         r"\['LlamaForCausalLM', 'Qwen2ForCausalLM', 'Qwen3ForCausalLM'\]"):
         LLM(str(other))
 
 

@@ -2,10 +2,10 @@
 and mid-decode, priorities and aborts keep greedy output equal to transformers', token for token (float32)."""
 import pytest
 import torch
-
 from checkpoints import hf_greedy
-from nanovllm import LLM, SamplingParams
 from test_engine_parity import GREEDY, MAX_TOKENS, PROMPT_LENGTHS, assert_all_blocks_free, random_prompts
+
+from nanovllm import LLM, SamplingParams
 
 CPU = dict(device="cpu", dtype="float32", max_model_len=1024)
 
@@ -106,7 +106,8 @@ def test_abort_request_frees_its_blocks_and_the_rest_finish_exactly(tied_model, 
                     llm.abort_request(ids[3])  # running, mid-decode
                 final[out.request_id] = out.outputs[0]
         assert ids[9] not in final
-        assert final[ids[3]].token_ids == expected[3][:5] and llm.stats()["num_free_blocks"] == llm.stats()["num_blocks"]
+        assert final[ids[3]].token_ids == expected[3][:5]
+        assert llm.stats()["num_free_blocks"] == llm.stats()["num_blocks"]
         for i in (0, 1, 2, 4, 5, 6, 7, 8):
             assert (final[ids[i]].finish_reason, final[ids[i]].token_ids) == ("length", expected[i])
         llm.abort_request(ids[0])  # finished already: nothing happens

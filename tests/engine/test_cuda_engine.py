@@ -10,10 +10,10 @@ import random
 
 import pytest
 import torch
-from transformers import Qwen3ForCausalLM
-
 from checkpoints import hf_greedy
 from cuda_backends import BACKENDS, require_backend
+from transformers import Qwen3ForCausalLM
+
 from nanovllm import LLM, SamplingParams
 
 pytestmark = pytest.mark.cuda

@@ -2,9 +2,9 @@
 import random
 
 import pytest
+from checkpoints import make_tokenizer
 from transformers import AutoTokenizer
 
-from checkpoints import make_tokenizer
 from nanovllm import SamplingParams
 from nanovllm.engine.detokenizer import IncrementalDetokenizer, NativeStream, PythonStream
 
@@ -68,7 +68,8 @@ def test_deltas_concatenate_to_the_full_decode(tokenizer, skip_special_tokens):
         prompt = [rng.randrange(len(tokenizer)) for _ in range(rng.randrange(1, 8))]
         deltas, stop, detokenizer = stream(tokenizer, token_ids, params, prompt)
         assert stop is None
-        assert "".join(deltas) == detokenizer.text == tokenizer.decode(token_ids, skip_special_tokens=skip_special_tokens)
+        expected = tokenizer.decode(token_ids, skip_special_tokens=skip_special_tokens)
+        assert "".join(deltas) == detokenizer.text == expected
         assert not any(delta.endswith("\ufffd") for delta in deltas[:-1])
 
 

@@ -2,8 +2,8 @@
 import random
 
 import pytest
-
 from checkpoints import hf_greedy
+
 from nanovllm import LLM, SamplingParams
 
 MAX_TOKENS = 32
@@ -88,7 +88,8 @@ def test_preemption_keeps_outputs_exact(request, model):
     prompts = random_prompts([30, 50, 20, 45, 60, 10], seed=4)
     expected = hf_greedy(path, prompts, 48)
     params = SamplingParams(temperature=0, max_tokens=48, ignore_eos=True)
-    with LLM(path, kvcache_block_size=16, num_kvcache_blocks=16, max_model_len=256, device="cpu", dtype="float32") as llm:
+    with LLM(path, kvcache_block_size=16, num_kvcache_blocks=16, max_model_len=256, device="cpu",
+             dtype="float32") as llm:
         outputs = llm.generate(prompts, params, use_tqdm=False)
         assert llm.stats()["num_preemptions"] > 0
         assert [o["token_ids"] for o in outputs] == expected

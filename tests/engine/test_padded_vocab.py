@@ -1,9 +1,9 @@
 """A vocabulary padded past the tokenizer (as Qwen2/Qwen3 checkpoints have it): the ids the tokenizer does not know
 decode to empty text, in prompts and samples, and never take down a batch."""
 import pytest
+from checkpoints import make_checkpoint
 from transformers import AutoTokenizer
 
-from checkpoints import make_checkpoint
 from nanovllm import LLM, SamplingParams
 
 

@@ -5,11 +5,11 @@ import shutil
 
 import pytest
 import torch
+from checkpoints import hf_greedy
+from test_engine_parity import assert_all_blocks_free, random_prompts
 from transformers import AutoModelForCausalLM
 
-from checkpoints import hf_greedy
 from nanovllm import LLM, RequestOutput, SamplingParams
-from test_engine_parity import assert_all_blocks_free, random_prompts
 
 MAX_TOKENS = 24
 CPU = dict(device="cpu", dtype="float32", max_model_len=512, kvcache_block_size=16)
@@ -91,7 +91,8 @@ def test_logprobs_equal_log_softmax_of_transformers_logits(llm, tied_model, prom
 def test_stop_strings_across_tokens_and_stop_tokens(llm, prompts, greedy):
     tokenizer = llm.tokenizer
     pieces = [tokenizer.decode([t]) for t in greedy[1]]
-    k = next(i for i in range(3, MAX_TOKENS - 1) if pieces[i] and pieces[i + 1] and "\ufffd" not in pieces[i] + pieces[i + 1])
+    k = next(i for i in range(3, MAX_TOKENS - 1)
+             if pieces[i] and pieces[i + 1] and "\ufffd" not in pieces[i] + pieces[i + 1])
     full = tokenizer.decode(greedy[1])
     before = len(tokenizer.decode(greedy[1][:k + 1]))
     stop = full[before - 1:before + 1]  # the last character of token k and the first of token k + 1

@@ -4,9 +4,9 @@ import logging
 import threading
 
 import pytest
+from checkpoints import hf_greedy
 from transformers import AutoTokenizer
 
-from checkpoints import hf_greedy
 from nanovllm import LLM, SamplingParams
 from nanovllm.engine.request import Completion
 
@@ -16,7 +16,8 @@ GREEDY = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
 
 @pytest.fixture(scope="module")
 def llm(tied_model):
-    with LLM(tied_model, device="cpu", dtype="float32", kvcache_block_size=16, max_model_len=256, max_num_batched_tokens=64) as engine:
+    with LLM(tied_model, device="cpu", dtype="float32", kvcache_block_size=16, max_model_len=256,
+             max_num_batched_tokens=64) as engine:
         yield engine
 
 

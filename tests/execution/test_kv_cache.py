@@ -3,9 +3,16 @@ import pytest
 import torch
 
 from nanovllm import LLM
-from nanovllm.execution.kv_cache import (WARMUP_SAMPLING, bind_kv_cache, kv_cache_budget, kv_cache_shape, warmup,
-                                         warmup_batch_size, warmup_cache_blocks)
 from nanovllm.backends.context import Context, get_context
+from nanovllm.execution.kv_cache import (
+    WARMUP_SAMPLING,
+    bind_kv_cache,
+    kv_cache_budget,
+    kv_cache_shape,
+    warmup,
+    warmup_batch_size,
+    warmup_cache_blocks,
+)
 
 GiB = 2**30
 
@@ -30,8 +37,8 @@ def test_warmup_batch_is_the_largest_prefill_the_budget_allows(batched, max_len,
 
 
 def test_warmup_runs_over_one_shared_layer_of_cache(tied_model):
-    with LLM(tied_model, device="cpu", dtype="float32", kvcache_block_size=16, max_model_len=64, max_num_batched_tokens=160,
-             max_num_seqs=5) as llm:
+    with LLM(tied_model, device="cpu", dtype="float32", kvcache_block_size=16, max_model_len=64,
+             max_num_batched_tokens=160, max_num_seqs=5) as llm:
         runner = llm.model_runner
         config = runner.config
         blocks = warmup_cache_blocks(config)

@@ -4,8 +4,13 @@ from collections import Counter
 
 import pytest
 import torch
-from transformers.generation.logits_process import (MinPLogitsWarper, RepetitionPenaltyLogitsProcessor,
-                                                    TemperatureLogitsWarper, TopKLogitsWarper, TopPLogitsWarper)
+from transformers.generation.logits_process import (
+    MinPLogitsWarper,
+    RepetitionPenaltyLogitsProcessor,
+    TemperatureLogitsWarper,
+    TopKLogitsWarper,
+    TopPLogitsWarper,
+)
 
 from nanovllm import SamplingParams
 from nanovllm.execution.sampler import Sampler, SamplingRow
@@ -17,7 +22,8 @@ DEVICES = ["cpu", pytest.param("cuda", marks=pytest.mark.cuda)]
 
 def rows_for(params: list[SamplingParams], prompts: list[list[int]] | None = None, first_id: int = 0):
     prompts = prompts or [[1, 2, 3]] * len(params)
-    return [SamplingRow(first_id + i, p, list(prompt), len(prompt)) for i, (p, prompt) in enumerate(zip(params, prompts))]
+    return [SamplingRow(first_id + i, p, list(prompt), len(prompt))
+            for i, (p, prompt) in enumerate(zip(params, prompts))]
 
 
 def run_steps(sampler: Sampler, rows: list[SamplingRow], logits: list[torch.Tensor]) -> list[list[int]]:
@@ -177,7 +183,8 @@ def test_penalties_over_steps_equal_recomputing_them(device):
             continue
         slot, p = sampler.entries[row.seq_id], row.params
         prompt, output = row.token_ids[:row.num_prompt_tokens], row.token_ids[row.num_prompt_tokens:]
-        prompt_mask, output_counts = sampler.prompt_mask[slot:slot + 1].cpu(), sampler.output_counts[slot:slot + 1].cpu()
+        prompt_mask = sampler.prompt_mask[slot:slot + 1].cpu()
+        output_counts = sampler.output_counts[slot:slot + 1].cpu()
         assert torch.equal(output_counts[0], torch.bincount(torch.tensor(output), minlength=vocab).int())
         assert prompt_mask[0].nonzero().flatten().tolist() == sorted(set(prompt))
         ours = apply_penalties(logits.unsqueeze(0), prompt_mask, output_counts, torch.tensor([p.repetition_penalty]),

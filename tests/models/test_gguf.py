@@ -4,8 +4,8 @@ import shutil
 
 import pytest
 import torch
-
 from checkpoints import GGUF_Q8_0_TENSORS, hf_greedy, make_checkpoint, make_gguf
+
 from nanovllm import LLM, SamplingParams
 from nanovllm.cli import main as cli
 from nanovllm.gguf_import import cached_conversion

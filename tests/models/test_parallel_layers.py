@@ -8,7 +8,12 @@ import torch.nn.functional as F
 from torch.testing import assert_close
 
 from nanovllm.layers.embed_head import ParallelLMHead, VocabParallelEmbedding
-from nanovllm.layers.linear import ColumnParallelLinear, MergedColumnParallelLinear, QKVParallelLinear, RowParallelLinear
+from nanovllm.layers.linear import (
+    ColumnParallelLinear,
+    MergedColumnParallelLinear,
+    QKVParallelLinear,
+    RowParallelLinear,
+)
 from nanovllm.parallel.process_group import join_tp_group, leave_tp_group, tp_rank_and_size
 
 WORLD = 2

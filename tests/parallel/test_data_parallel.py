@@ -2,7 +2,6 @@
 import multiprocessing
 import os
 import signal
-import threading
 import time
 
 import pytest

@@ -9,14 +9,15 @@ import time
 import pytest
 import torch
 import torch.distributed as dist
-
 from checkpoints import hf_greedy
+
 from nanovllm import LLM, SamplingParams
 from nanovllm.benchmarks.compete import competing_process
 from nanovllm.parallel.tensor_parallel import WorkerFailure
 
 # Tiny blocks and a 16-block cache: four 28-token sequences need 28 blocks, so decoding preempts.
-SMALL_CACHE = dict(device="cpu", dtype="float32", kvcache_block_size=4, num_kvcache_blocks=16, max_model_len=64, max_num_batched_tokens=64)
+SMALL_CACHE = dict(device="cpu", dtype="float32", kvcache_block_size=4, num_kvcache_blocks=16, max_model_len=64,
+                   max_num_batched_tokens=64)
 SHARED = list(range(1, 9))
 PROMPTS = [SHARED + [10, 11, 12, 13], SHARED + [20, 21, 22], list(range(30, 42)), SHARED + [10, 11, 12, 13, 14]]
 GREEDY = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True)

@@ -93,7 +93,8 @@ def test_bench_runs_the_workload_once_per_attention_backend(tiny_config, capsys)
 def test_attention_micro_benchmark_times_each_backend_that_runs(tiny_config, tmp_path, capsys):
     out = tmp_path / "micro.json"
     result = bench.main(["--config", tiny_config, "--device", "cpu", "--attention-micro", "--micro-batch", "4",
-                         "--micro-max-context", "40", "--kvcache-block-size", "16", "--dtype", "float32", "--json", str(out)])
+                         "--micro-max-context", "40", "--kvcache-block-size", "16", "--dtype", "float32",
+                         "--json", str(out)])
     (row,) = result["attention_micro"]
     assert row["backend"] == "torch" and row["batch"] == 4 and row["max_context"] == 40 and row["dtype"] == "float32"
     assert row["us_per_call"] > 0 and row["ratio"] == 1.0 and row["max_abs_diff"] == 0.0

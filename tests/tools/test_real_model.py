@@ -5,11 +5,11 @@ import ast
 import re
 
 import pytest
-
 from checkpoints import hf_greedy
+from test_example import run_example
+
 from nanovllm import LLM, SamplingParams
 from nanovllm.smollm2 import default_model, default_model_file
-from test_example import run_example
 
 pytest.importorskip("gguf")
 pytest.importorskip("accelerate")
