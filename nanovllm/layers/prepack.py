@@ -2,7 +2,7 @@
 
 MKL's sgemm re-packs the weight matrix on every call. At decode batch sizes (a few to a few
 dozen rows) that repacking costs more than the product itself, so prepacked projections run
-several times faster there, and large prefill batches no slower (README, Benchmark). This is
+several times faster there, and large prefill batches no slower (docs/design.md, layers/). This is
 the same transformation inductor's CPU `freezing` applies, without compiling the model.
 
 bfloat16 weights are packed too where oneDNN runs bfloat16 natively (AVX512-BF16, AMX): there the
