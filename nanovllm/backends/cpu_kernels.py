@@ -4,6 +4,10 @@ and source: `paged_decode`, every single-query row of a step in one call, and th
 (`csrc/fused_ops.cpp`: RMSNorm with the residual add, rotary, SiLU-and-mul, the KV-cache store; the layers reach
 them through `layers.fused.fused_op`).
 
+They are torch operators (`torch.ops.nanovllm.*`, registered by `csrc/module.cpp`) in a plain shared library, not a
+Python extension module: the sources include only ATen's headers, not `<torch/extension.h>` with pybind11 and the C++
+frontend, which made up most of a build that took minutes.
+
 Builds are serialized by an OS lock that dies with its holder: torch's own lock is a file that a build killed
 midway leaves behind, after which every later `load` waits for it forever. Without a working compiler, or when
 another process keeps building past `BUILD_WAIT_S`, the engine falls back to torch's operators and says so once
@@ -15,6 +19,7 @@ import platform
 import shutil
 import sys
 from pathlib import Path
+from types import ModuleType
 
 import torch
 import xxhash
@@ -25,15 +30,17 @@ logger = logging.getLogger("nanovllm")
 NAME = "nanovllm_cpu_kernels"
 CSRC = Path(__file__).with_name("csrc")
 SOURCES = [CSRC / "module.cpp", CSRC / "paged_decode.cpp", CSRC / "fused_ops.cpp"]
+CFLAGS = ["-O3", "-march=native", "-fopenmp"]
 BUILD_WAIT_S = 600.0
 
 
 def build_directory() -> Path:
-    """Where this torch, Python, CPU and source (headers included, which torch's rebuild check ignores) keep the
-    built kernels."""
+    """Where this torch, Python, CPU, compiler flags and source (headers included, which torch's rebuild check
+    ignores) keep the built kernels."""
     cpu = next((line for line in _cpuinfo().splitlines() if line.startswith("flags")), platform.processor())
     source = b"".join(path.read_bytes() for path in sorted(CSRC.iterdir()))
-    key = xxhash.xxh64_hexdigest(f"{torch.__version__}|{sys.version}|{platform.machine()}|{cpu}|".encode() + source)
+    build = f"{torch.__version__}|{sys.version}|{platform.machine()}|{cpu}|{CFLAGS}|"
+    key = xxhash.xxh64_hexdigest(build.encode() + source)
     return cache_dir() / "kernels" / key
 
 
@@ -45,8 +52,9 @@ def _cpuinfo() -> str:
 
 
 @functools.cache
-def cpu_kernels():
-    """The compiled extension module, or None (logged once) when it cannot be built here."""
+def cpu_kernels() -> ModuleType | None:
+    """The compiled kernels, `torch.ops.nanovllm` (`.paged_decode(...)`, `.rms_norm(...)`, ...), or None (logged once)
+    when they cannot be built here."""
     from torch.utils.cpp_extension import load
 
     directory = build_directory()
@@ -56,8 +64,9 @@ def cpu_kernels():
             if not (directory / f"{NAME}.so").exists():
                 print(f"nanovllm: building the CPU kernels into {directory} (once per torch version and CPU; about "
                       "30 s) ...", file=sys.stderr)
-            return load(NAME, [str(path) for path in SOURCES], extra_cflags=["-O3", "-march=native", "-fopenmp"],
-                        extra_ldflags=["-fopenmp"], build_directory=str(directory), verbose=False)
+            load(NAME, [str(path) for path in SOURCES], extra_cflags=CFLAGS, extra_ldflags=["-fopenmp"],
+                 build_directory=str(directory), verbose=False, is_python_module=False)  # and torch.ops loads it
+            return torch.ops.nanovllm
     except Exception as e:  # no compiler, no headers, a failed build, a build elsewhere that never ends
         hint = "" if shutil.which("c++") or shutil.which("g++") else " Install g++ to get them."
         logger.warning("nanovllm: CPU kernels could not be built in %s (%s); attention and the small ops run on "

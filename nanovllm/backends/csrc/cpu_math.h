@@ -1,6 +1,7 @@
 // Scalar helpers shared by the CPU kernels, written so the compiler vectorizes loops that call them.
 #pragma once
-#include <torch/extension.h>
+#include <c10/util/BFloat16.h>
+#include <c10/util/Half.h>
 
 #include <algorithm>
 #include <cmath>

@@ -3,7 +3,9 @@
 // code in layers/ computes, rounding to the tensor's dtype where that code does. Decode-sized inputs run on the
 // calling thread (no parallel region); larger ones split their rows over torch's threads.
 #pragma GCC optimize("fp-contract=off")  // a * b - c * d rounded as torch rounds it, not fused into an FMA
+#include <ATen/Dispatch.h>
 #include <ATen/Parallel.h>
+#include <ATen/core/Tensor.h>
 
 #include <vector>
 
@@ -20,7 +22,7 @@ int64_t grain(int64_t row_elements) {
 // Element offset of each row (every index but the last) of a tensor whose last dimension is contiguous.
 class Rows {
  public:
-  explicit Rows(const torch::Tensor& x) : sizes_(x.sizes().vec()), strides_(x.strides().vec()) {
+  explicit Rows(const at::Tensor& x) : sizes_(x.sizes().vec()), strides_(x.strides().vec()) {
     TORCH_CHECK(x.dim() >= 1 && x.stride(-1) == 1, "the last dimension must be contiguous");
     sizes_.pop_back();
     strides_.pop_back();
@@ -51,8 +53,8 @@ void norm_row(const T* x, const T* weight, T* out, int64_t n, float eps) {
 }  // namespace
 
 // weight * x / rms(x) over the last dimension (float32 inside), into a new contiguous tensor.
-torch::Tensor rms_norm(torch::Tensor x, torch::Tensor weight, double eps) {
-  auto out = torch::empty(x.sizes(), x.options());
+at::Tensor rms_norm(at::Tensor x, at::Tensor weight, double eps) {
+  auto out = x.new_empty(x.sizes());
   const int64_t n = x.size(-1), rows = x.numel() / std::max<int64_t>(n, 1);
   const Rows index(x);
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, x.scalar_type(), "rms_norm", [&] {
@@ -67,11 +69,10 @@ torch::Tensor rms_norm(torch::Tensor x, torch::Tensor weight, double eps) {
 }
 
 // (rms_norm(x + residual), x + residual), the sum rounded to the dtype first, as torch's add does.
-std::tuple<torch::Tensor, torch::Tensor> add_rms_norm(torch::Tensor x, torch::Tensor residual, torch::Tensor weight,
-                                                      double eps) {
+std::tuple<at::Tensor, at::Tensor> add_rms_norm(at::Tensor x, at::Tensor residual, at::Tensor weight, double eps) {
   x = x.contiguous();
   residual = residual.contiguous();
-  auto out = torch::empty_like(x), sum = torch::empty_like(x);
+  auto out = x.new_empty(x.sizes()), sum = x.new_empty(x.sizes());
   const int64_t n = x.size(-1), rows = x.numel() / std::max<int64_t>(n, 1);
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, x.scalar_type(), "add_rms_norm", [&] {
     const scalar_t *a = x.data_ptr<scalar_t>(), *b = residual.data_ptr<scalar_t>(), *w = weight.data_ptr<scalar_t>();
@@ -92,8 +93,8 @@ namespace {
 // Rotate-half rotary embedding of one `[tokens, heads, head_dim]` tensor into a new contiguous one. cos and sin
 // are rounded to the dtype first and every product and sum is rounded, as the eager code computes them.
 template <typename T>
-torch::Tensor rotate(const torch::Tensor& x, const int64_t* positions, const float* cos_sin) {
-  auto out = torch::empty(x.sizes(), x.options());
+at::Tensor rotate(const at::Tensor& x, const int64_t* positions, const float* cos_sin) {
+  auto out = x.new_empty(x.sizes());
   const int64_t heads = x.size(1), dim = x.size(2), half = dim / 2, rows = x.size(0) * heads;
   const Rows index(x);
   const T* src = x.data_ptr<T>();
@@ -118,12 +119,12 @@ torch::Tensor rotate(const torch::Tensor& x, const int64_t* positions, const flo
 
 }  // namespace
 
-std::tuple<torch::Tensor, torch::Tensor> apply_rotary(torch::Tensor positions, torch::Tensor q, torch::Tensor k,
-                                                      torch::Tensor cos_sin_cache) {
+std::tuple<at::Tensor, at::Tensor> apply_rotary(at::Tensor positions, at::Tensor q, at::Tensor k,
+                                                at::Tensor cos_sin_cache) {
   TORCH_CHECK(q.dim() == 3 && k.dim() == 3 && cos_sin_cache.scalar_type() == at::kFloat, "bad rotary inputs");
-  positions = positions.to(torch::kInt64).contiguous();
+  positions = positions.to(at::kLong).contiguous();
   cos_sin_cache = cos_sin_cache.contiguous();
-  torch::Tensor q_out, k_out;
+  at::Tensor q_out, k_out;
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, q.scalar_type(), "apply_rotary", [&] {
     q_out = rotate<scalar_t>(q, positions.data_ptr<int64_t>(), cos_sin_cache.data_ptr<float>());
     k_out = rotate<scalar_t>(k, positions.data_ptr<int64_t>(), cos_sin_cache.data_ptr<float>());
@@ -145,12 +146,12 @@ void silu_mul_row(const T* gate, const T* up, T* out, int64_t n) {
 }  // namespace
 
 // silu(gate) * up for x laid out as [gate | up] along the last dimension; silu rounded to the dtype first.
-torch::Tensor silu_and_mul(torch::Tensor x) {
+at::Tensor silu_and_mul(at::Tensor x) {
   x = x.contiguous();
   const int64_t width = x.size(-1), n = width / 2, rows = x.numel() / std::max<int64_t>(width, 1);
   auto sizes = x.sizes().vec();
   sizes.back() = n;
-  auto out = torch::empty(sizes, x.options());
+  auto out = x.new_empty(sizes);
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, x.scalar_type(), "silu_and_mul", [&] {
     const scalar_t* src = x.data_ptr<scalar_t>();
     scalar_t* dst = out.data_ptr<scalar_t>();
@@ -163,17 +164,16 @@ torch::Tensor silu_and_mul(torch::Tensor x) {
 
 // Each token's K and V `[tokens, kv_heads, head_dim]` into its cache slot (`slot_mapping`, -1: not stored) of
 // caches `[blocks, block_size, kv_heads, head_dim]`.
-void store_kvcache(torch::Tensor k, torch::Tensor v, torch::Tensor k_cache, torch::Tensor v_cache,
-                   torch::Tensor slot_mapping) {
+void store_kvcache(at::Tensor k, at::Tensor v, at::Tensor k_cache, at::Tensor v_cache, at::Tensor slot_mapping) {
   TORCH_CHECK(k_cache.is_contiguous() && v_cache.is_contiguous() && k.scalar_type() == k_cache.scalar_type(),
               "the caches must be contiguous and share the keys' dtype");
   const int64_t width = k_cache.size(2) * k_cache.size(3), tokens = k.size(0);
-  auto rows = [&](torch::Tensor x) {  // one token's heads adjacent, as in the cache
+  auto rows = [&](at::Tensor x) {  // one token's heads adjacent, as in the cache
     return x.stride(2) == 1 && x.stride(1) == x.size(2) ? x : x.contiguous();
   };
   k = rows(k);
   v = rows(v);
-  slot_mapping = slot_mapping.to(torch::kInt64).contiguous();
+  slot_mapping = slot_mapping.to(at::kLong).contiguous();
   const int64_t* slots = slot_mapping.data_ptr<int64_t>();
   const int64_t bytes = width * k.element_size();
   auto* k_src = static_cast<const char*>(k.data_ptr());

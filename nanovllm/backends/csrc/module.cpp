@@ -1,22 +1,25 @@
-// The Python module of nanovllm's CPU kernels (paged_decode.cpp, fused_ops.cpp).
-#include <torch/extension.h>
+// nanovllm's CPU kernels (paged_decode.cpp, fused_ops.cpp) as torch operators, `torch.ops.nanovllm.*`: a plain
+// shared library that torch.ops.load_library loads, with no pybind11 and no Python headers to compile.
+#include <ATen/core/Tensor.h>
+#include <torch/library.h>
 
-torch::Tensor paged_decode(torch::Tensor q, torch::Tensor k_cache, torch::Tensor v_cache, torch::Tensor block_tables,
-                           torch::Tensor context_lens, double scale);
-torch::Tensor rms_norm(torch::Tensor x, torch::Tensor weight, double eps);
-std::tuple<torch::Tensor, torch::Tensor> add_rms_norm(torch::Tensor x, torch::Tensor residual, torch::Tensor weight,
-                                                      double eps);
-std::tuple<torch::Tensor, torch::Tensor> apply_rotary(torch::Tensor positions, torch::Tensor q, torch::Tensor k,
-                                                      torch::Tensor cos_sin_cache);
-torch::Tensor silu_and_mul(torch::Tensor x);
-void store_kvcache(torch::Tensor k, torch::Tensor v, torch::Tensor k_cache, torch::Tensor v_cache,
-                   torch::Tensor slot_mapping);
+at::Tensor paged_decode(at::Tensor q, at::Tensor k_cache, at::Tensor v_cache, at::Tensor block_tables,
+                        at::Tensor context_lens, double scale);
+at::Tensor rms_norm(at::Tensor x, at::Tensor weight, double eps);
+std::tuple<at::Tensor, at::Tensor> add_rms_norm(at::Tensor x, at::Tensor residual, at::Tensor weight, double eps);
+std::tuple<at::Tensor, at::Tensor> apply_rotary(at::Tensor positions, at::Tensor q, at::Tensor k,
+                                                at::Tensor cos_sin_cache);
+at::Tensor silu_and_mul(at::Tensor x);
+void store_kvcache(at::Tensor k, at::Tensor v, at::Tensor k_cache, at::Tensor v_cache, at::Tensor slot_mapping);
 
-PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
-  m.def("paged_decode", &paged_decode, "Paged decode attention for single-query rows");
-  m.def("rms_norm", &rms_norm, "RMSNorm over the last dimension");
-  m.def("add_rms_norm", &add_rms_norm, "Residual add, then RMSNorm; returns (normed, sum)");
-  m.def("apply_rotary", &apply_rotary, "Rotate-half rotary embedding of q and k");
-  m.def("silu_and_mul", &silu_and_mul, "silu(gate) * up");
-  m.def("store_kvcache", &store_kvcache, "K/V of each token into its cache slot");
+TORCH_LIBRARY(nanovllm, m) {
+  m.def("paged_decode(Tensor q, Tensor k_cache, Tensor v_cache, Tensor block_tables, Tensor context_lens, "
+        "float scale) -> Tensor", &paged_decode);
+  m.def("rms_norm(Tensor x, Tensor weight, float eps) -> Tensor", &rms_norm);
+  m.def("add_rms_norm(Tensor x, Tensor residual, Tensor weight, float eps) -> (Tensor, Tensor)", &add_rms_norm);
+  m.def("apply_rotary(Tensor positions, Tensor q, Tensor k, Tensor cos_sin_cache) -> (Tensor, Tensor)",
+        &apply_rotary);
+  m.def("silu_and_mul(Tensor x) -> Tensor", &silu_and_mul);
+  m.def("store_kvcache(Tensor k, Tensor v, Tensor(a!) k_cache, Tensor(b!) v_cache, Tensor slot_mapping) -> ()",
+        &store_kvcache);
 }

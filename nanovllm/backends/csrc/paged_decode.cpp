@@ -3,7 +3,9 @@
 // the row, scores in float32, a max-subtracted softmax, then the weighted sum of V. A row's result depends only on
 // its own query, its own cached K/V and this binary's fixed operation order: not on its batch, nor on threads.
 // Common head sizes are compiled with head_dim as a constant, which the compiler unrolls (about 2x faster).
+#include <ATen/Dispatch.h>
 #include <ATen/Parallel.h>
+#include <ATen/core/Tensor.h>
 
 #include <limits>
 #include <vector>
@@ -137,16 +139,16 @@ static void decode_rows(const T* q, const T* k_cache, const T* v_cache, const in
   });
 }
 
-torch::Tensor paged_decode(torch::Tensor q, torch::Tensor k_cache, torch::Tensor v_cache, torch::Tensor block_tables,
-                           torch::Tensor context_lens, double scale) {
+at::Tensor paged_decode(at::Tensor q, at::Tensor k_cache, at::Tensor v_cache, at::Tensor block_tables,
+                        at::Tensor context_lens, double scale) {
   TORCH_CHECK(q.dim() == 3 && k_cache.dim() == 4 && v_cache.sizes() == k_cache.sizes(), "bad shapes");
   TORCH_CHECK(k_cache.is_contiguous() && v_cache.is_contiguous(), "the caches must be contiguous");
   TORCH_CHECK(q.scalar_type() == k_cache.scalar_type(), "q and the caches must share a dtype");
   TORCH_CHECK(q.size(2) <= MAX_HEAD_DIM, "head_dim above ", MAX_HEAD_DIM);
   q = q.contiguous();
-  block_tables = block_tables.to(torch::kInt32).contiguous();
-  context_lens = context_lens.to(torch::kInt32).contiguous();
-  auto out = torch::zeros_like(q);
+  block_tables = block_tables.to(at::kInt).contiguous();
+  context_lens = context_lens.to(at::kInt).contiguous();
+  auto out = q.new_zeros(q.sizes());
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, q.scalar_type(), "paged_decode", [&] {
     auto run = q.size(2) == 64 ? decode_rows<scalar_t, 64> : q.size(2) == 128 ? decode_rows<scalar_t, 128>
                                                                                  : decode_rows<scalar_t, 0>;
