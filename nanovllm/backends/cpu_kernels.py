@@ -6,18 +6,23 @@ them through `layers.fused.fused_op`).
 
 They are torch operators (`torch.ops.nanovllm.*`, registered by `csrc/module.cpp`) in a plain shared library, not a
 Python extension module: the sources include only ATen's headers, not `<torch/extension.h>` with pybind11 and the C++
-frontend, which made up most of a build that took minutes.
+frontend, which made up most of a build that took minutes. ninja compiles the files in parallel; `load` returns only
+at the end, so a thread says how far the build has got every `PROGRESS_EVERY_S` meanwhile.
 
 Builds are serialized by an OS lock that dies with its holder: torch's own lock is a file that a build killed
 midway leaves behind, after which every later `load` waits for it forever. Without a working compiler, or when
 another process keeps building past `BUILD_WAIT_S`, the engine falls back to torch's operators and says so once
 (logger "nanovllm").
 """
+import contextlib
 import functools
 import logging
 import platform
 import shutil
 import sys
+import threading
+import time
+from collections.abc import Iterator
 from pathlib import Path
 from types import ModuleType
 
@@ -32,6 +37,7 @@ CSRC = Path(__file__).with_name("csrc")
 SOURCES = [CSRC / "module.cpp", CSRC / "paged_decode.cpp", CSRC / "fused_ops.cpp"]
 CFLAGS = ["-O3", "-march=native", "-fopenmp"]
 BUILD_WAIT_S = 600.0
+PROGRESS_EVERY_S = 10.0
 
 
 def build_directory() -> Path:
@@ -61,17 +67,40 @@ def cpu_kernels() -> ModuleType | None:
     try:
         with exclusive(directory / "build.lock", BUILD_WAIT_S):
             (directory / "lock").unlink(missing_ok=True)  # torch's lock file, left by a build that was killed
-            if not (directory / f"{NAME}.so").exists():
-                print(f"nanovllm: building the CPU kernels into {directory} (once per torch version and CPU; about "
-                      "30 s) ...", file=sys.stderr)
-            load(NAME, [str(path) for path in SOURCES], extra_cflags=CFLAGS, extra_ldflags=["-fopenmp"],
-                 build_directory=str(directory), verbose=False, is_python_module=False)  # and torch.ops loads it
+            built = (directory / f"{NAME}.so").exists()
+            with contextlib.nullcontext() if built else build_progress(directory):
+                load(NAME, [str(path) for path in SOURCES], extra_cflags=CFLAGS, extra_ldflags=["-fopenmp"],
+                     build_directory=str(directory), verbose=False, is_python_module=False)  # and torch.ops loads it
             return torch.ops.nanovllm
     except Exception as e:  # no compiler, no headers, a failed build, a build elsewhere that never ends
         hint = "" if shutil.which("c++") or shutil.which("g++") else " Install g++ to get them."
         logger.warning("nanovllm: CPU kernels could not be built in %s (%s); attention and the small ops run on "
                        "torch's operators (slower).%s", directory, str(e).splitlines()[0][:200], hint)
         return None
+
+
+@contextlib.contextmanager
+def build_progress(directory: Path) -> Iterator[None]:
+    """Say on stderr what is built where, how many files are compiled every `PROGRESS_EVERY_S` while the body runs,
+    and, if it succeeds, how long it took."""
+    print(f"nanovllm: building the CPU kernels into {directory}, {len(SOURCES)} C++ files in parallel (once per torch "
+          "version, CPU and source; about 20 s on 2 cores) ...", file=sys.stderr, flush=True)
+    start, stop = time.monotonic(), threading.Event()
+
+    def report() -> None:
+        while not stop.wait(PROGRESS_EVERY_S):
+            compiled = sum((directory / f"{source.stem}.o").exists() for source in SOURCES)
+            print(f"nanovllm: building the CPU kernels ... {time.monotonic() - start:.0f} s, {compiled} of "
+                  f"{len(SOURCES)} files compiled", file=sys.stderr, flush=True)
+
+    reporter = threading.Thread(target=report, name="nanovllm-build-progress", daemon=True)
+    reporter.start()
+    try:
+        yield
+    finally:
+        stop.set()
+        reporter.join()
+    print(f"nanovllm: built the CPU kernels in {time.monotonic() - start:.0f} s", file=sys.stderr, flush=True)
 
 
 def paged_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_tables: torch.Tensor,

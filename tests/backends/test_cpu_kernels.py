@@ -1,9 +1,12 @@
 """The compiled CPU kernels: decode attention against a float64 reference, the fused small ops against the torch
 code they replace, rows bitwise the same whatever the batch, and an engine that falls back cleanly without them."""
+import io
 import logging
 import shutil
 import subprocess
 import sys
+import time
+from pathlib import Path
 
 import pytest
 import torch
@@ -131,6 +134,32 @@ def test_a_build_held_elsewhere_past_the_wait_falls_back(tmp_path, monkeypatch, 
     with exclusive(build_directory() / "build.lock", 1), caplog.at_level(logging.WARNING, "nanovllm"):
         assert cpu_kernels.__wrapped__() is None
     assert "another process has held" in caplog.text and "torch's operators" in caplog.text
+
+
+def test_a_build_says_where_how_far_it_has_got_and_how_long_it_took(tmp_path, monkeypatch):
+    """A fake build that lasts until the progress line for its one compiled file is out; a warm start says nothing."""
+    import torch.utils.cpp_extension
+
+    stderr = io.StringIO()
+
+    def slow_build(name, sources, build_directory, **kwargs):
+        Path(build_directory, "paged_decode.o").touch()
+        deadline = time.monotonic() + 60
+        while "1 of 3 files compiled" not in stderr.getvalue() and time.monotonic() < deadline:
+            time.sleep(0.01)
+        Path(build_directory, f"{name}.so").touch()
+
+    monkeypatch.setenv("NANOVLLM_CACHE", str(tmp_path))
+    monkeypatch.setattr(cpu_kernels_module, "PROGRESS_EVERY_S", 0.01)
+    monkeypatch.setattr(torch.utils.cpp_extension, "load", slow_build)
+    monkeypatch.setattr(sys, "stderr", stderr)
+    assert cpu_kernels.__wrapped__() is not None
+    lines = stderr.getvalue().splitlines()
+    assert lines[0].startswith(f"nanovllm: building the CPU kernels into {build_directory()}, 3 C++ files")
+    assert any(line.startswith("nanovllm: building the CPU kernels ... ") and line.endswith(" s, 1 of 3 files compiled")
+               for line in lines[1:-1])
+    assert lines[-1].startswith("nanovllm: built the CPU kernels in ")
+    assert cpu_kernels.__wrapped__() is not None and stderr.getvalue().splitlines() == lines
 
 
 def fused_cases(dtype: torch.dtype, tokens: int):
