@@ -165,7 +165,7 @@ def test_a_build_says_where_how_far_it_has_got_and_how_long_it_took(tmp_path, mo
 def test_the_package_data_holds_every_kernel_source():
     """A wheel carries only the files package-data names: without the header, every installed build failed."""
     tomllib = pytest.importorskip("tomllib")
-    pyproject = tomllib.loads((Path(__file__).parent.parent / "pyproject.toml").read_text())
+    pyproject = tomllib.loads((Path(__file__).resolve().parents[2] / "pyproject.toml").read_text())
     patterns = pyproject["tool"]["setuptools"]["package-data"]["nanovllm"]
     package = Path(cpu_kernels_module.__file__).parent.parent
     for source in cpu_kernels_module.CSRC.iterdir():
