@@ -5,6 +5,8 @@ and rebuilds the tokenizer; this module writes the result out as safetensors, co
 tokenizer files, so the engine, and transformers itself, load it like any checkpoint. `LLM` does
 this once per file into a cache directory (`$NANOVLLM_CACHE`, default `~/.cache/nanovllm`).
 """
+import contextlib
+import functools
 import importlib.util
 import json
 import os
@@ -66,6 +68,29 @@ def _reject_scaled_rope(path: str) -> None:
                          "ignores; load the model's original Hugging Face checkpoint instead")
 
 
+@contextlib.contextmanager
+def _parsed_once():
+    """Within it, gguf-py parses each GGUF file once, and builds each tensor-name table once.
+
+    transformers parses the file anew for the config, the tokenizer and the weights (a `GGUFReader` walks a
+    49k-token vocabulary in Python, seconds each time), and builds gguf-py's name table anew for every module of
+    the model; both are read-only, so one of each is shared while converting.
+    """
+    import gguf
+
+    saved = gguf.GGUFReader, gguf.get_tensor_name_map
+    if isinstance(saved[1], functools._lru_cache_wrapper):  # already inside one
+        yield
+        return
+    read = functools.cache(lambda path, mode: saved[0](path, mode))
+    gguf.GGUFReader = lambda path, mode="r": read(os.path.realpath(path), mode)
+    gguf.get_tensor_name_map = functools.cache(saved[1])
+    try:
+        yield
+    finally:
+        gguf.GGUFReader, gguf.get_tensor_name_map = saved
+
+
 def _dequantized() -> dict:
     """Newer transformers may keep GGUF blocks packed in special modules; ask for plain dense weights."""
     try:
@@ -75,6 +100,7 @@ def _dequantized() -> dict:
     return {"quantization_config": GgufConfig(dequantize=True)}
 
 
+@_parsed_once()
 def convert_gguf(path: str, out_dir: str) -> None:
     """Write the GGUF model at `path` into `out_dir` as a float32 Hugging Face checkpoint with its tokenizer.
 
@@ -180,6 +206,7 @@ def cached_conversion(path: str) -> str:
     return str(target)
 
 
+@_parsed_once()
 def _convert_into(path: str, target: Path) -> None:
     try:
         model_class(read_gguf_config(path))
