@@ -13,6 +13,8 @@ import os
 import shutil
 import sys
 import tempfile
+import threading
+import time
 from pathlib import Path
 
 import numpy as np
@@ -69,9 +71,47 @@ def _reject_scaled_rope(path: str) -> None:
                          "ignores; load the model's original Hugging Face checkpoint instead")
 
 
+class _Progress:
+    """Progress lines on stderr while converting: one as each phase starts, one every `every` seconds while a phase
+    lasts (with how far it got, when it counts), and at the end how long it all took."""
+
+    def __init__(self, done: str = "converted", every: float = 10.0, out=None):
+        self.done, self.out, self.start = done, out, time.monotonic()
+        self.phase, self.count, self.total = "", 0, 0
+        self._stop = threading.Event()
+        self._ticker = threading.Thread(target=self._tick, args=(every,), daemon=True)
+
+    def __call__(self, phase: str, total: int = 0) -> None:
+        if phase != self.phase:
+            self.phase, self.count, self.total = phase, 0, total
+            self._say(f"{phase} ...")
+
+    def advance(self) -> None:
+        self.count += 1
+
+    def _say(self, text: str) -> None:
+        print(f"nanovllm: {text}", file=self.out or sys.stderr, flush=True)
+
+    def _tick(self, every: float) -> None:
+        while not self._stop.wait(every):
+            far = f" {self.count}/{self.total}" if self.total else ""
+            self._say(f"... {self.phase}{far} ({time.monotonic() - self.start:.0f} s so far)")
+
+    def __enter__(self) -> "_Progress":
+        self._ticker.start()
+        return self
+
+    def __exit__(self, error_type, *_) -> None:
+        self._stop.set()
+        self._ticker.join()
+        if error_type is None:
+            self._say(f"{self.done} in {time.monotonic() - self.start:.1f} s")
+
+
 @contextlib.contextmanager
-def _parsed_once():
-    """Within it, gguf-py parses each GGUF file once, and builds each tensor-name table once.
+def _parsed_once(progress: _Progress):
+    """Within it, gguf-py parses each GGUF file once, builds each tensor-name table once, and counts the tensors
+    it dequantizes into `progress`.
 
     A conversion has transformers parse the whole file five times (the config, checked first and again for the
     tokenizer and the model, the weights, and our rope check), each a walk over the 49k-token vocabulary in Python
@@ -81,10 +121,7 @@ def _parsed_once():
     """
     import gguf
 
-    saved = gguf.GGUFReader, gguf.get_tensor_name_map
-    if isinstance(saved[1], functools._lru_cache_wrapper):  # already inside one
-        yield
-        return
+    saved = gguf.GGUFReader, gguf.get_tensor_name_map, gguf.dequantize
 
     class Reader(saved[0]):
         @property
@@ -95,13 +132,17 @@ def _parsed_once():
         def data(self, mapped):
             self._plain = mapped.view(np.ndarray)
 
+    def dequantize(data, qtype):
+        progress.advance()
+        return saved[2](data, qtype)
+
     read = functools.cache(Reader)
     gguf.GGUFReader = lambda path, mode="r": read(os.path.realpath(path), mode)
-    gguf.get_tensor_name_map = functools.cache(saved[1])
+    gguf.get_tensor_name_map, gguf.dequantize = functools.cache(saved[1]), dequantize
     try:
         yield
     finally:
-        gguf.GGUFReader, gguf.get_tensor_name_map = saved
+        gguf.GGUFReader, gguf.get_tensor_name_map, gguf.dequantize = saved
 
 
 def _dequantized() -> dict:
@@ -113,21 +154,28 @@ def _dequantized() -> dict:
     return {"quantization_config": GgufConfig(dequantize=True)}
 
 
-@_parsed_once()
-def convert_gguf(path: str, out_dir: str) -> None:
+def convert_gguf(path: str, out_dir: str, progress: _Progress | None = None) -> None:
     """Write the GGUF model at `path` into `out_dir` as a float32 Hugging Face checkpoint with its tokenizer.
 
     `save_pretrained` refuses a model loaded from GGUF (it counts as quantized), so the dequantized
     state dict and the config are written directly; a tied LM head is stored once, as the embedding.
+    Progress goes to stderr (`progress`: that of a caller already inside `_parsed_once`, as `_convert_into` is).
     """
+    _require_gguf_support()
+    import gguf
     from safetensors.torch import save_file
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    _require_gguf_support()
+    if progress is None:
+        with _Progress() as progress, _parsed_once(progress):
+            return convert_gguf(path, out_dir, progress)
+    progress("reading the GGUF metadata")
     _reject_scaled_rope(path)
     source = dict(pretrained_model_name_or_path=os.path.dirname(os.path.abspath(path)),
                   gguf_file=os.path.basename(path))
+    progress("building the tokenizer")
     tokenizer = AutoTokenizer.from_pretrained(**source)
+    progress("loading and dequantizing tensors", total=len(gguf.GGUFReader(path).tensors))
     model = AutoModelForCausalLM.from_pretrained(**source, **_dequantized(), dtype=torch.float32)
     config = model.config
     config.architectures = [type(model).__name__]
@@ -140,6 +188,7 @@ def convert_gguf(path: str, out_dir: str) -> None:
     if packed:
         raise ValueError(f"transformers kept GGUF weights of {path} packed ({packed[0]}, ...) instead of dequantizing "
                          "them; this transformers version cannot be used to convert GGUF files")
+    progress(f"writing {sum(t.nbytes for t in state.values()) / 1e6:.0f} MB of weights, the config and the tokenizer")
     save_file(state, os.path.join(out_dir, "model.safetensors"), metadata={"format": "pt"})
     config.save_pretrained(out_dir)
     model.generation_config.save_pretrained(out_dir)
@@ -219,23 +268,25 @@ def cached_conversion(path: str) -> str:
     return str(target)
 
 
-@_parsed_once()
 def _convert_into(path: str, target: Path) -> None:
-    try:
-        model_class(read_gguf_config(path))
-    except ValueError as e:
-        raise ValueError(f"{path}: {e}") from None
-    target.parent.mkdir(parents=True, exist_ok=True)
+    _require_gguf_support()
     print(f"nanovllm: converting {path} into {target} (once; later runs reuse it) ...", file=sys.stderr)
-    tmp = tempfile.mkdtemp(prefix=f".{target.name}-", dir=target.parent)
-    try:
-        convert_gguf(path, tmp)
-        os.rename(tmp, target)
-    except OSError:
-        if not (target / "config.json").is_file():
-            raise
-    finally:
-        shutil.rmtree(tmp, ignore_errors=True)
+    with _Progress() as progress, _parsed_once(progress):
+        progress("reading the GGUF metadata")
+        try:
+            model_class(read_gguf_config(path))
+        except ValueError as e:
+            raise ValueError(f"{path}: {e}") from None
+        target.parent.mkdir(parents=True, exist_ok=True)
+        tmp = tempfile.mkdtemp(prefix=f".{target.name}-", dir=target.parent)
+        try:
+            convert_gguf(path, tmp, progress)
+            os.rename(tmp, target)
+        except OSError:
+            if not (target / "config.json").is_file():
+                raise
+        finally:
+            shutil.rmtree(tmp, ignore_errors=True)
 
 
 def resolve_model(model: str) -> str:

@@ -1,6 +1,8 @@
 """GGUF import: a tiny GGUF file written here with the gguf package, read through transformers, run by nanovllm."""
+import io
 import os
 import shutil
+import threading
 
 import pytest
 import torch
@@ -8,7 +10,7 @@ from checkpoints import GGUF_Q8_0_TENSORS, hf_greedy, make_checkpoint, make_gguf
 
 from nanovllm import LLM, SamplingParams
 from nanovllm.cli import main as cli
-from nanovllm.gguf_import import cached_conversion
+from nanovllm.gguf_import import _parsed_once, _Progress, cached_conversion, convert_gguf
 
 gguf = pytest.importorskip("gguf")
 pytest.importorskip("accelerate")
@@ -57,6 +59,70 @@ def test_converted_weights_are_the_original_ones(llama_dir, converted):
         else:
             expected = tensor
         assert torch.equal(result[name], expected), name
+
+
+def test_converted_weights_are_transformers_own_dequantization(gguf_file, converted):
+    """Bit for bit what transformers' GGUF loader gives by itself, without the shared parse `_parsed_once` sets up."""
+    from safetensors.torch import load_file
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(os.path.dirname(gguf_file), gguf_file=os.path.basename(gguf_file),
+                                                 dtype=torch.float32)
+    expected, result = model.state_dict(), load_file(os.path.join(converted, "model.safetensors"))
+    assert sorted(result) == sorted(expected)
+    for name, tensor in result.items():
+        assert tensor.dtype == expected[name].dtype and torch.equal(tensor.view(torch.int32),
+                                                                    expected[name].view(torch.int32)), name
+
+
+def test_progress_lines_name_each_phase_tick_while_one_lasts_and_end_with_the_time():
+    out = io.StringIO()
+    with _Progress(every=0.01, out=out) as progress:
+        progress("reading", total=0)
+        progress("slow phase", total=3)
+        progress("slow phase", total=3)  # the same phase again: no new line
+        progress.advance()
+        progress.advance()
+        while "slow phase 2/3" not in out.getvalue():  # the ticker says how far the phase got
+            threading.Event().wait(0.01)
+    lines = out.getvalue().splitlines()
+    assert lines[:2] == ["nanovllm: reading ...", "nanovllm: slow phase ..."]
+    assert lines[2].startswith("nanovllm: ... slow phase 2/3 (") and lines[2].endswith(" s so far)")
+    assert lines[-1].startswith("nanovllm: converted in ") and lines[-1].endswith(" s")
+    out = io.StringIO()
+    with pytest.raises(ZeroDivisionError), _Progress(every=0.01, out=out) as progress:
+        progress("failing")
+        1 / 0
+    assert out.getvalue() == "nanovllm: failing ...\n" and not progress._ticker.is_alive()
+
+
+def test_conversion_reports_its_phases_counts_its_tensors_and_restores_gguf(gguf_file, llama_dir, tmp_path,
+                                                                           capsys):
+    originals = gguf.GGUFReader, gguf.get_tensor_name_map, gguf.dequantize
+    cached_conversion(gguf_file)
+    err = capsys.readouterr().err
+    phases = ["converting", "reading the GGUF metadata ...", "building the tokenizer ...",
+              "loading and dequantizing tensors ...", "MB of weights, the config and the tokenizer ...", "converted in"]
+    positions = [err.find(phase) for phase in phases]
+    assert -1 not in positions and positions == sorted(positions), err
+    assert (gguf.GGUFReader, gguf.get_tensor_name_map, gguf.dequantize) == originals
+    ended = []  # each phase as the next one starts: (phase, count, total)
+
+    class Recording(_Progress):
+        def __call__(self, phase: str, total: int = 0) -> None:
+            ended.append((self.phase, self.count, self.total))
+            super().__call__(phase, total)
+
+    with Recording(out=io.StringIO()) as progress, _parsed_once(progress):
+        convert_gguf(gguf_file, str(tmp_path / "out"), progress)
+        tensors = len(gguf.GGUFReader(gguf_file).tensors)
+    assert ("loading and dequantizing tensors", tensors, tensors) in ended and tensors > 0
+    assert (gguf.GGUFReader, gguf.get_tensor_name_map, gguf.dequantize) == originals
+    with pytest.raises(ValueError, match="scales its rope frequencies"):
+        convert_gguf(make_gguf(str(tmp_path / "scaled.gguf"), llama_dir, CHAT_TEMPLATE, rope_freqs=True),
+                     str(tmp_path / "scaled"))
+    assert (gguf.GGUFReader, gguf.get_tensor_name_map, gguf.dequantize) == originals
+    assert "converted in" not in capsys.readouterr().err
 
 
 def test_converted_directory_loads_in_transformers_with_tokenizer(llama_dir, converted):
