@@ -108,6 +108,9 @@ class _Progress:
             self._say(f"{self.done} in {time.monotonic() - self.start:.1f} s")
 
 
+_PATCHING = threading.Lock()  # one conversion at a time patches gguf-py, so each restores what it found
+
+
 @contextlib.contextmanager
 def _parsed_once(progress: _Progress):
     """Within it, gguf-py parses each GGUF file once, builds each tensor-name table once, and counts the tensors
@@ -121,28 +124,29 @@ def _parsed_once(progress: _Progress):
     """
     import gguf
 
-    saved = gguf.GGUFReader, gguf.get_tensor_name_map, gguf.dequantize
+    with _PATCHING:
+        saved = gguf.GGUFReader, gguf.get_tensor_name_map, gguf.dequantize
 
-    class Reader(saved[0]):
-        @property
-        def data(self):
-            return self._plain
+        class Reader(saved[0]):
+            @property
+            def data(self):
+                return self._plain
 
-        @data.setter
-        def data(self, mapped):
-            self._plain = mapped.view(np.ndarray)
+            @data.setter
+            def data(self, mapped):
+                self._plain = mapped.view(np.ndarray)
 
-    def dequantize(data, qtype):
-        progress.advance()
-        return saved[2](data, qtype)
+        def dequantize(data, qtype):
+            progress.advance()
+            return saved[2](data, qtype)
 
-    read = functools.cache(Reader)
-    gguf.GGUFReader = lambda path, mode="r": read(os.path.realpath(path), mode)
-    gguf.get_tensor_name_map, gguf.dequantize = functools.cache(saved[1]), dequantize
-    try:
-        yield
-    finally:
-        gguf.GGUFReader, gguf.get_tensor_name_map, gguf.dequantize = saved
+        read = functools.cache(Reader)
+        gguf.GGUFReader = lambda path, mode="r": read(os.path.realpath(path), mode)
+        gguf.get_tensor_name_map, gguf.dequantize = functools.cache(saved[1]), dequantize
+        try:
+            yield
+        finally:
+            gguf.GGUFReader, gguf.get_tensor_name_map, gguf.dequantize = saved
 
 
 def _dequantized() -> dict:
