@@ -14,7 +14,6 @@ import shutil
 import sys
 import tempfile
 import threading
-import time
 from pathlib import Path
 
 import numpy as np
@@ -24,6 +23,7 @@ from transformers import AutoConfig, PretrainedConfig
 
 from nanovllm.cache import cache_dir
 from nanovllm.models import model_class
+from nanovllm.progress import Progress
 
 INSTALL_HINT = 'pip install "nanovllm[demo]" (or: pip install gguf accelerate)'
 
@@ -71,48 +71,11 @@ def _reject_scaled_rope(path: str) -> None:
                          "ignores; load the model's original Hugging Face checkpoint instead")
 
 
-class _Progress:
-    """Progress lines on stderr while converting: one as each phase starts, one every `every` seconds while a phase
-    lasts (with how far it got, when it counts), and at the end how long it all took."""
-
-    def __init__(self, done: str = "converted", every: float = 10.0, out=None):
-        self.done, self.out, self.start = done, out, time.monotonic()
-        self.phase, self.count, self.total = "", 0, 0
-        self._stop = threading.Event()
-        self._ticker = threading.Thread(target=self._tick, args=(every,), daemon=True)
-
-    def __call__(self, phase: str, total: int = 0) -> None:
-        if phase != self.phase:
-            self.phase, self.count, self.total = phase, 0, total
-            self._say(f"{phase} ...")
-
-    def advance(self) -> None:
-        self.count += 1
-
-    def _say(self, text: str) -> None:
-        print(f"nanovllm: {text}", file=self.out or sys.stderr, flush=True)
-
-    def _tick(self, every: float) -> None:
-        while not self._stop.wait(every):
-            far = f" {self.count}/{self.total}" if self.total else ""
-            self._say(f"... {self.phase}{far} ({time.monotonic() - self.start:.0f} s so far)")
-
-    def __enter__(self) -> "_Progress":
-        self._ticker.start()
-        return self
-
-    def __exit__(self, error_type, *_) -> None:
-        self._stop.set()
-        self._ticker.join()
-        if error_type is None:
-            self._say(f"{self.done} in {time.monotonic() - self.start:.1f} s")
-
-
 _PATCHING = threading.Lock()  # one conversion at a time patches gguf-py, so each restores what it found
 
 
 @contextlib.contextmanager
-def _parsed_once(progress: _Progress):
+def _parsed_once(progress: Progress):
     """Within it, gguf-py parses each GGUF file once, builds each tensor-name table once, and counts the tensors
     it dequantizes into `progress`.
 
@@ -158,7 +121,7 @@ def _dequantized() -> dict:
     return {"quantization_config": GgufConfig(dequantize=True)}
 
 
-def convert_gguf(path: str, out_dir: str, progress: _Progress | None = None) -> None:
+def convert_gguf(path: str, out_dir: str, progress: Progress | None = None) -> None:
     """Write the GGUF model at `path` into `out_dir` as a float32 Hugging Face checkpoint with its tokenizer.
 
     `save_pretrained` refuses a model loaded from GGUF (it counts as quantized), so the dequantized
@@ -171,7 +134,7 @@ def convert_gguf(path: str, out_dir: str, progress: _Progress | None = None) -> 
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     if progress is None:
-        with _Progress() as progress, _parsed_once(progress):
+        with Progress("converted") as progress, _parsed_once(progress):
             return convert_gguf(path, out_dir, progress)
     progress("reading the GGUF metadata")
     _reject_scaled_rope(path)
@@ -275,7 +238,7 @@ def cached_conversion(path: str) -> str:
 def _convert_into(path: str, target: Path) -> None:
     _require_gguf_support()
     print(f"nanovllm: converting {path} into {target} (once; later runs reuse it) ...", file=sys.stderr)
-    with _Progress() as progress, _parsed_once(progress):
+    with Progress("converted") as progress, _parsed_once(progress):
         progress("reading the GGUF metadata")
         try:
             model_class(read_gguf_config(path))

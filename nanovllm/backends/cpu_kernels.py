@@ -20,9 +20,6 @@ import logging
 import platform
 import shutil
 import sys
-import threading
-import time
-from collections.abc import Iterator
 from pathlib import Path
 from types import ModuleType
 
@@ -30,6 +27,7 @@ import torch
 import xxhash
 
 from nanovllm.cache import cache_dir, exclusive
+from nanovllm.progress import Progress
 
 logger = logging.getLogger("nanovllm")
 NAME = "nanovllm_cpu_kernels"
@@ -79,28 +77,13 @@ def cpu_kernels() -> ModuleType | None:
         return None
 
 
-@contextlib.contextmanager
-def build_progress(directory: Path) -> Iterator[None]:
-    """Say on stderr what is built where, how many files are compiled every `PROGRESS_EVERY_S` while the body runs,
-    and, if it succeeds, how long it took."""
-    print(f"nanovllm: building the CPU kernels into {directory}, {len(SOURCES)} C++ files in parallel (once per torch "
-          "version, CPU and source; about 20 s on 2 cores) ...", file=sys.stderr, flush=True)
-    start, stop = time.monotonic(), threading.Event()
-
-    def report() -> None:
-        while not stop.wait(PROGRESS_EVERY_S):
-            compiled = sum((directory / f"{source.stem}.o").exists() for source in SOURCES)
-            print(f"nanovllm: building the CPU kernels ... {time.monotonic() - start:.0f} s, {compiled} of "
-                  f"{len(SOURCES)} files compiled", file=sys.stderr, flush=True)
-
-    reporter = threading.Thread(target=report, name="nanovllm-build-progress", daemon=True)
-    reporter.start()
-    try:
-        yield
-    finally:
-        stop.set()
-        reporter.join()
-    print(f"nanovllm: built the CPU kernels in {time.monotonic() - start:.0f} s", file=sys.stderr, flush=True)
+def build_progress(directory: Path) -> Progress:
+    """What is built where, then how many files are compiled every `PROGRESS_EVERY_S`, and how long it took."""
+    progress = Progress("built the CPU kernels", every=PROGRESS_EVERY_S)
+    progress("building the CPU kernels", total=len(SOURCES), count=lambda: sum(
+        (directory / f"{source.stem}.o").exists() for source in SOURCES), detail=f" into {directory}, {len(SOURCES)} "
+        "C++ files in parallel (once per torch version, CPU and source; about 20 s on 2 cores)")
+    return progress
 
 
 def paged_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_tables: torch.Tensor,

@@ -2,7 +2,6 @@
 import io
 import os
 import shutil
-import threading
 
 import pytest
 import torch
@@ -10,7 +9,8 @@ from checkpoints import GGUF_Q8_0_TENSORS, hf_greedy, make_checkpoint, make_gguf
 
 from nanovllm import LLM, SamplingParams
 from nanovllm.cli import main as cli
-from nanovllm.gguf_import import _parsed_once, _Progress, cached_conversion, convert_gguf
+from nanovllm.gguf_import import _parsed_once, cached_conversion, convert_gguf
+from nanovllm.progress import Progress
 
 gguf = pytest.importorskip("gguf")
 pytest.importorskip("accelerate")
@@ -75,27 +75,6 @@ def test_converted_weights_are_transformers_own_dequantization(gguf_file, conver
                                                                     expected[name].view(torch.int32)), name
 
 
-def test_progress_lines_name_each_phase_tick_while_one_lasts_and_end_with_the_time():
-    out = io.StringIO()
-    with _Progress(every=0.01, out=out) as progress:
-        progress("reading", total=0)
-        progress("slow phase", total=3)
-        progress("slow phase", total=3)  # the same phase again: no new line
-        progress.advance()
-        progress.advance()
-        while "slow phase 2/3" not in out.getvalue():  # the ticker says how far the phase got
-            threading.Event().wait(0.01)
-    lines = out.getvalue().splitlines()
-    assert lines[:2] == ["nanovllm: reading ...", "nanovllm: slow phase ..."]
-    assert lines[2].startswith("nanovllm: ... slow phase 2/3 (") and lines[2].endswith(" s so far)")
-    assert lines[-1].startswith("nanovllm: converted in ") and lines[-1].endswith(" s")
-    out = io.StringIO()
-    with pytest.raises(ZeroDivisionError), _Progress(every=0.01, out=out) as progress:
-        progress("failing")
-        1 / 0
-    assert out.getvalue() == "nanovllm: failing ...\n" and not progress._ticker.is_alive()
-
-
 def test_conversion_reports_its_phases_counts_its_tensors_and_restores_gguf(gguf_file, llama_dir, tmp_path,
                                                                            capsys):
     originals = gguf.GGUFReader, gguf.get_tensor_name_map, gguf.dequantize
@@ -108,12 +87,12 @@ def test_conversion_reports_its_phases_counts_its_tensors_and_restores_gguf(gguf
     assert (gguf.GGUFReader, gguf.get_tensor_name_map, gguf.dequantize) == originals
     ended = []  # each phase as the next one starts: (phase, count, total)
 
-    class Recording(_Progress):
-        def __call__(self, phase: str, total: int = 0) -> None:
+    class Recording(Progress):
+        def __call__(self, phase: str, total: int = 0, **kwargs) -> None:
             ended.append((self.phase, self.count, self.total))
-            super().__call__(phase, total)
+            super().__call__(phase, total, **kwargs)
 
-    with Recording(out=io.StringIO()) as progress, _parsed_once(progress):
+    with Recording("converted", out=io.StringIO()) as progress, _parsed_once(progress):
         convert_gguf(gguf_file, str(tmp_path / "out"), progress)
         tensors = len(gguf.GGUFReader(gguf_file).tensors)
     assert ("loading and dequantizing tensors", tensors, tensors) in ended and tensors > 0

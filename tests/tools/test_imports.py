@@ -9,7 +9,7 @@ PACKAGE = Path(__file__).resolve().parents[2] / "nanovllm"
 
 FLOORS = [
     ("bookkeeping, tensor-free", ["nanovllm.sampling_params", "nanovllm.outputs", "nanovllm.core", "nanovllm.config",
-                                  "nanovllm.cache", "nanovllm.parallel.supervisor"]),
+                                  "nanovllm.cache", "nanovllm.progress", "nanovllm.parallel.supervisor"]),
     ("the tensor-parallel group", ["nanovllm.parallel.process_group"]),
     ("kernels and layers", ["nanovllm.backends", "nanovllm.layers"]),
     ("models and their weights", ["nanovllm.models", "nanovllm.gguf_import"]),
