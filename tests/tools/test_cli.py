@@ -1,12 +1,24 @@
-"""`python -m nanovllm`: generate, convert (see test_gguf.py) and bench dispatch, with readable help and errors."""
+"""`python -m nanovllm`: generate, convert (see test_gguf.py) and bench dispatch, with readable help and errors; and
+Ctrl-C in one line."""
+import json
+import os
+import select
+import signal
 import subprocess
 import sys
+import time
+from contextlib import contextmanager, suppress
 from importlib import metadata
+from pathlib import Path
+from typing import Iterator
 
 import pytest
+from checkpoints import make_checkpoint
 
 from nanovllm import LLM, SamplingParams
 from nanovllm.cli import main as cli
+
+ROOT = Path(__file__).resolve().parents[2]
 
 
 def test_generate_prints_the_completion(tied_model, capsys):
@@ -58,3 +70,72 @@ def test_bench_is_dispatched_to_the_benchmark(capsys):
         cli(["bench", "--help"])
     assert exit_info.value.code == 0
     assert "usage: python -m nanovllm bench" in capsys.readouterr().out
+
+
+@pytest.fixture(scope="module")
+def endless_model(tmp_path_factory) -> str:
+    """A model without an end-of-sequence token, with room for 64k tokens: it generates until it is interrupted."""
+    path = Path(make_checkpoint(str(tmp_path_factory.mktemp("qwen3-endless")), max_position_embeddings=1 << 16))
+    for name, key in (("config.json", "eos_token_id"), ("generation_config.json", "eos_token_id"),
+                      ("tokenizer_config.json", "eos_token")):
+        settings = json.loads((path / name).read_text())
+        settings[key] = None
+        (path / name).write_text(json.dumps(settings))
+    return str(path)
+
+
+def processes(group: int, command_part: str = "") -> list[int]:
+    """The processes of `group` still running (zombies aside) whose command line holds `command_part`."""
+    found = []
+    for pid in filter(str.isdigit, os.listdir("/proc")):
+        try:
+            state, _, pgrp = Path(f"/proc/{pid}/stat").read_text().rpartition(")")[2].split()[:3]
+            if int(pgrp) == group and state != "Z" and command_part in Path(f"/proc/{pid}/cmdline").read_text():
+                found.append(int(pid))
+        except (OSError, ValueError):
+            pass  # gone meanwhile
+    return found
+
+
+@contextmanager
+def in_a_terminal(*command: str) -> Iterator[subprocess.Popen]:
+    """`command` run as a terminal runs it: in a process group of its own, which Ctrl-C signals as a whole, with
+    Ctrl-C's default handling whatever this process does with it. The group is killed at the end."""
+    with subprocess.Popen(command, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, start_new_session=True,
+                          preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL)) as process:
+        try:
+            yield process
+        finally:
+            with suppress(ProcessLookupError):
+                os.killpg(process.pid, signal.SIGKILL)
+
+
+def press_ctrl_c(process: subprocess.Popen) -> str:
+    """SIGINT to the group of `process`; its stderr, once it has ended and left no process behind."""
+    os.killpg(process.pid, signal.SIGINT)
+    _, stderr = process.communicate(timeout=120)
+    for _ in range(600):  # the multiprocessing resource tracker may outlive the program by a moment
+        if not processes(process.pid):
+            break
+        time.sleep(0.1)
+    assert not processes(process.pid), f"processes left after Ctrl-C: {processes(process.pid)}"
+    return stderr.decode()
+
+
+def assert_one_line(process: subprocess.Popen, stderr: str) -> None:
+    assert process.returncode == -signal.SIGINT, stderr  # ended as killed by SIGINT: status 130 in a shell
+    assert "Traceback" not in stderr, stderr
+    lines = [line for line in stderr.splitlines() if not line.startswith("nanovllm: ")]  # a first run's progress
+    assert lines[-1] == "interrupted" and len(lines) <= 3, stderr
+
+
+needs_proc = pytest.mark.skipif(not os.path.isdir("/proc/self"), reason="looks for the processes left in /proc")
+
+
+@needs_proc
+def test_ctrl_c_while_generating_prints_one_line(endless_model):
+    with in_a_terminal(sys.executable, "-m", "nanovllm", "generate", "Hello", "--model", endless_model,
+                       "--max-tokens", "60000", "--raw", "--device", "cpu") as process:
+        assert select.select([process.stdout], [], [], 600)[0] and process.stdout.read(1), "no output in 10 minutes"
+        assert_one_line(process, press_ctrl_c(process))
+

@@ -16,7 +16,7 @@ FLOORS = [
     ("running a model", ["nanovllm.execution", "nanovllm.parallel.tensor_parallel"]),
     ("the engine", ["nanovllm.engine"]),
     ("entry points", ["nanovllm", "nanovllm.llm", "nanovllm.parallel", "nanovllm.ray", "nanovllm.smollm2",
-                      "nanovllm.cli", "nanovllm.__main__", "nanovllm.benchmarks"]),
+                      "nanovllm.cli", "nanovllm.__main__", "nanovllm.program", "nanovllm.benchmarks"]),
 ]
 
 
