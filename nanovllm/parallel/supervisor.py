@@ -2,15 +2,17 @@
 replicas alike.
 
 A child is a `spawn`ed process (never `fork`: CUDA and OpenMP state do not survive a fork) with a pipe to its parent,
-and ignores Ctrl-C: SIGINT reaches the parent, which stops its children. Stopping is orderly first (an exit message
-and `timeout_s` to act on it), then a kill, so no child outlives the engine that started it.
+and ignores Ctrl-C from its start: SIGINT reaches the parent, which stops its children. Stopping is orderly first (an
+exit message and `timeout_s` to act on it), then a kill, so no child outlives the engine that started it.
 """
 import signal
+import threading
+from contextlib import contextmanager
 from dataclasses import dataclass
 from multiprocessing import get_context
 from multiprocessing.connection import Connection
 from multiprocessing.process import BaseProcess
-from typing import Any, Callable
+from typing import Any, Callable, Iterator
 
 
 @dataclass
@@ -46,13 +48,31 @@ def spawn(name: str, target: Callable[..., None], *args: Any) -> Child:
     ctx = get_context("spawn")
     conn, child_conn = ctx.Pipe()
     process = ctx.Process(target=_child_main, name=f"nanovllm {name}", args=(target, *args, child_conn))
-    process.start()
+    with _ctrl_c_ignored():
+        process.start()
     child_conn.close()
     return Child(name, process, conn)
 
 
+@contextmanager
+def _ctrl_c_ignored() -> Iterator[None]:
+    """Ctrl-C reaches the whole foreground process group. A child started meanwhile ignores it from its first
+    instruction (an ignored signal stays ignored through exec, and Python then installs no handler), not only once
+    `_child_main` runs: a Ctrl-C during its seconds of imports would end it and leave the parent waiting for it, up to
+    `worker_start_timeout_s` in a tensor-parallel rendezvous. A Ctrl-C in the milliseconds of `start()` is lost.
+    Only the main thread may set a handler."""
+    if threading.current_thread() is not threading.main_thread() or signal.getsignal(signal.SIGINT) is None:
+        yield
+        return
+    previous = signal.signal(signal.SIGINT, signal.SIG_IGN)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGINT, previous)
+
+
 def _child_main(target: Callable[..., None], *args: Any) -> None:
-    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # for a child started outside the main thread
     target(*args)
 
 

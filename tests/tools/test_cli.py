@@ -139,3 +139,16 @@ def test_ctrl_c_while_generating_prints_one_line(endless_model):
         assert select.select([process.stdout], [], [], 600)[0] and process.stdout.read(1), "no output in 10 minutes"
         assert_one_line(process, press_ctrl_c(process))
 
+
+@needs_proc
+def test_ctrl_c_while_tensor_parallel_workers_start_prints_one_line(endless_model):
+    """Ctrl-C reaches the workers too, seconds before their own code runs: unless they ignore it from their start,
+    they die, and the program waits for them (up to worker_start_timeout_s) before it ends."""
+    with in_a_terminal(sys.executable, "example.py", "--model", endless_model, "--stream",
+                       "--tensor-parallel-size", "2") as process:
+        for _ in range(6000):
+            if processes(process.pid, "multiprocessing.spawn") or process.poll() is not None:
+                break
+            time.sleep(0.05)
+        assert processes(process.pid, "multiprocessing.spawn"), "no tensor-parallel worker was started"
+        assert_one_line(process, press_ctrl_c(process))
