@@ -57,7 +57,9 @@ class PromptFrontend:
              add_generation_prompt: bool = True) -> list[RequestOutput]:
         """Reply to one conversation (a list of `{"role", "content"}` messages) or to a list of them, through the
         model's chat template, as vLLM's `LLM.chat`; one `RequestOutput` per conversation."""
-        single = isinstance(messages, (list, tuple)) and bool(messages) and isinstance(messages[0], dict)
+        if not isinstance(messages, (list, tuple)):
+            raise _not_a_conversation(messages)
+        single = bool(messages) and isinstance(messages[0], dict)
         prompts = [self._chat_text(c, add_generation_prompt) for c in ([messages] if single else messages)]
         return self._generate(self._check_prompts(prompts, sampling_params, priority, add_special_tokens=False),
                               use_tqdm)
@@ -67,13 +69,15 @@ class PromptFrontend:
         return self.tokenizer.encode(self._chat_text(conversation, add_generation_prompt), add_special_tokens=False)
 
     def _chat_text(self, conversation: Conversation, add_generation_prompt: bool) -> str:
-        if self.tokenizer is None or not self.tokenizer.chat_template:
+        if self.tokenizer is None:
+            raise ValueError(f"{self.config.model!r} has no tokenizer, hence no chat template; pass token ids to "
+                             "generate() instead")
+        if not self.tokenizer.chat_template:
             raise ValueError(f"{self.config.model!r} has no chat template (a base model?); use generate() with the "
                              "prompt text instead")
         if not (isinstance(conversation, (list, tuple)) and conversation and all(
                 isinstance(m, dict) and {"role", "content"} <= m.keys() for m in conversation)):
-            raise ValueError("messages must be a conversation (a non-empty list of {'role': ..., 'content': ...} "
-                             f"dicts) or a list of conversations, got {conversation!r}")
+            raise _not_a_conversation(conversation)
         return self.tokenizer.apply_chat_template(list(conversation), tokenize=False,
                                                   add_generation_prompt=add_generation_prompt)
 
@@ -94,7 +98,8 @@ class PromptFrontend:
         text, token_ids = self._to_token_ids(prompt, index, add_special_tokens)
         params = SamplingParams() if params is None else params
         if not isinstance(params, SamplingParams):
-            raise ValueError(f"sampling params must be SamplingParams, got {type(params).__name__}")
+            raise ValueError(f"sampling_params must be a SamplingParams or a list of them (one per prompt), got "
+                             f"{type(params).__name__}")
         params.check_vocab(self.config.hf_config.vocab_size, self.config.max_logprobs)
         if isinstance(priority, bool) or not isinstance(priority, int):
             raise ValueError(f"priority must be an int (lower runs first), got {priority!r}")
@@ -121,8 +126,12 @@ class PromptFrontend:
         elif isinstance(prompt, (list, tuple)) and all(isinstance(t, int) and not isinstance(t, bool) for t in prompt):
             token_ids = list(prompt)
         else:
+            got = type(prompt).__name__
+            if isinstance(prompt, (list, tuple)):
+                item = next(t for t in prompt if isinstance(t, bool) or not isinstance(t, int))
+                got = f"a {got} holding {type(item).__name__} {item!r}"
             raise ValueError(f"prompt {index} must be a string, {{'prompt': text}}, {{'prompt_token_ids': ids}} or a "
-                             f"list of token ids (ints), got {type(prompt).__name__}")
+                             f"list of token ids (ints), got {got}")
         if not token_ids:
             raise ValueError(f"prompt {index} is empty; every prompt needs at least one token")
         if len(token_ids) > self.max_model_len:
@@ -149,3 +158,8 @@ class PromptFrontend:
             raise ValueError(f"got {num_prompts} prompts but {len(value)} {name}; pass one value or one per prompt")
         return list(value)
 
+
+def _not_a_conversation(messages) -> ValueError:
+    hint = "; to send text as it is, use generate()" if isinstance(messages, str) else ""
+    return ValueError("messages must be a conversation (a non-empty list of {'role': ..., 'content': ...} dicts) or a "
+                      f"list of conversations, got {messages!r}{hint}")

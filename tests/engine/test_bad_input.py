@@ -29,14 +29,14 @@ def expected(tied_model):
     ([GOOD, [1] * 129], GREEDY, "more than max_model_len=128"),
     ([[1, 384]], GREEDY, "token id 384 outside the vocabulary"),
     ([[-1, 2]], GREEDY, "token id -1 outside the vocabulary"),
-    ([[1, 2.5]], GREEDY, r"must be a string, .* or a list of token ids \(ints\), got list"),
+    ([[1, 2.5]], GREEDY, r"must be a string, .* or a list of token ids \(ints\), got a list holding float 2.5"),
     ([{"prompt_token_ids": GOOD, "multi_modal_data": {}}], GREEDY,
      r"got keys \['multi_modal_data', 'prompt_token_ids'\]"),
     ([{}], GREEDY, r"nanovllm takes \{'prompt': text\} or \{'prompt_token_ids': ids\}"),
     ([{"prompt_token_ids": []}], GREEDY, "prompt 0 is empty"),
     ([GOOD, GOOD], [GREEDY], "got 2 prompts but 1 sampling params"),
     (42, GREEDY, "prompts must be a prompt or a list of prompts"),
-    ([GOOD], ["greedy"], "sampling params must be SamplingParams"),
+    ([GOOD], ["greedy"], "sampling_params must be a SamplingParams or a list of them"),
 ])
 def test_bad_requests_are_rejected_and_engine_still_serves(llm, expected, prompts, params, message):
     with pytest.raises(ValueError, match=message):
@@ -58,6 +58,17 @@ def test_bad_requests_are_rejected_and_engine_still_serves(llm, expected, prompt
 def test_invalid_sampling_params(kwargs, message):
     with pytest.raises(ValueError, match=message):
         SamplingParams(**kwargs)
+
+
+def test_a_model_without_tokenizer_files_asks_for_token_ids(tied_model, expected, tmp_path):
+    for name in ("config.json", "model.safetensors"):
+        shutil.copy(os.path.join(tied_model, name), tmp_path)
+    with LLM(str(tmp_path), device="cpu", dtype="float32", max_model_len=128) as llm:
+        with pytest.raises(ValueError, match="prompt 0 is text but .* has no tokenizer; pass token ids"):
+            llm.generate("Hello", GREEDY, use_tqdm=False)
+        with pytest.raises(ValueError, match="has no tokenizer, hence no chat template; pass token ids to generate"):
+            llm.chat([{"role": "user", "content": "Hello"}], GREEDY)
+        assert llm.generate([GOOD], GREEDY, use_tqdm=False)[0]["token_ids"] == expected
 
 
 def test_error_mid_generate_frees_everything(llm, expected, monkeypatch):

@@ -150,6 +150,10 @@ def test_chat_applies_the_template(tied_model, tmp_path):
         assert llm.chat(conversations[0], params, use_tqdm=False)[0].outputs == outputs[0].outputs
         with pytest.raises(ValueError, match="messages must be a conversation"):
             llm.chat([{"content": "no role"}], params)
+        with pytest.raises(ValueError, match=r"got 'Hello'; to send text as it is, use generate\(\)"):
+            llm.chat("Hello", params)
+        with pytest.raises(ValueError, match=r"got \{'role': 'user', 'content': 'Hello'\}"):
+            llm.chat({"role": "user", "content": "Hello"}, params)
 
 
 def test_stream_deltas_add_up_to_the_generated_outputs(llm, prompts):
