@@ -40,10 +40,11 @@ PROGRESS_EVERY_S = 10.0
 
 def build_directory() -> Path:
     """Where this torch, Python, CPU, compiler flags and source (headers included, which torch's rebuild check
-    ignores) keep the built kernels."""
+    ignores) keep the built kernels. The sources' folder is part of the key too: the build files name the sources
+    by path, so two clones sharing one cache would otherwise rebuild over each other."""
     cpu = next((line for line in _cpuinfo().splitlines() if line.startswith("flags")), platform.processor())
     source = b"".join(path.read_bytes() for path in sorted(CSRC.iterdir()))
-    build = f"{torch.__version__}|{sys.version}|{platform.machine()}|{cpu}|{CFLAGS}|"
+    build = f"{torch.__version__}|{sys.version}|{platform.machine()}|{cpu}|{CFLAGS}|{CSRC.resolve()}|"
     key = xxhash.xxh64_hexdigest(build.encode() + source)
     return cache_dir() / "kernels" / key
 

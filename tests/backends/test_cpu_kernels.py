@@ -229,3 +229,14 @@ def test_the_kv_store_writes_every_slot_and_skips_padding(dtype):
     untouched = torch.ones(80, dtype=torch.bool)
     untouched[slots[valid]] = False
     assert not k_cache.view(80, 2, 32)[untouched].any() and not v_cache.view(80, 2, 32)[untouched].any()
+
+
+def test_each_copy_of_the_sources_builds_in_its_own_directory(tmp_path, monkeypatch):
+    """ninja's build file names the sources by path: two clones sharing a cache must not rebuild over each other."""
+    here = build_directory()
+    copy = tmp_path / "csrc"
+    shutil.copytree(cpu_kernels_module.CSRC, copy)
+    monkeypatch.setattr(cpu_kernels_module, "CSRC", copy)
+    assert build_directory() != here
+    monkeypatch.undo()
+    assert build_directory() == here
