@@ -3,26 +3,23 @@ newcomer is never left looking at a silent terminal."""
 import sys
 import threading
 import time
-from collections.abc import Callable
 from typing import TextIO
 
 
 class Progress:
     """A line as each phase starts; one every `every` seconds while a phase lasts, with how far it got when it counts
-    (`advance()`, or the phase's own `count`); and, if the block succeeds, `"{done} in N s"`."""
+    (`advance()`); and, if the block succeeds, `"{done} in N s"`."""
 
     def __init__(self, done: str, every: float = 10.0, out: TextIO | None = None):
         self.done, self.out, self.start = done, out, time.monotonic()
         self.phase, self.count, self.total = "", 0, 0
-        self._counter: Callable[[], int] | None = None
         self._stop = threading.Event()
         self._ticker = threading.Thread(target=self._tick, args=(every,), name="nanovllm-progress", daemon=True)
 
-    def __call__(self, phase: str, total: int = 0, detail: str = "", count: Callable[[], int] | None = None) -> None:
-        """Start `phase` (announced with `detail`, ticked without it) of `total` steps, counted by `advance()` or
-        by `count`."""
+    def __call__(self, phase: str, total: int = 0, detail: str = "") -> None:
+        """Start `phase` (announced with `detail`, ticked without it) of `total` steps, counted by `advance()`."""
         if phase != self.phase:
-            self.phase, self.count, self.total, self._counter = phase, 0, total, count
+            self.phase, self.count, self.total = phase, 0, total
             self._say(f"{phase}{detail} ...")
 
     def advance(self) -> None:
@@ -33,8 +30,7 @@ class Progress:
 
     def _tick(self, every: float) -> None:
         while not self._stop.wait(every):
-            count = self._counter() if self._counter else self.count
-            far = f" {count}/{self.total}" if self.total else ""
+            far = f" {self.count}/{self.total}" if self.total else ""
             self._say(f"... {self.phase}{far} ({time.monotonic() - self.start:.0f} s so far)")
 
     def __enter__(self) -> "Progress":
