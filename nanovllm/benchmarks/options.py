@@ -144,3 +144,8 @@ def resolve_workload(args: argparse.Namespace, device: str) -> None:
         lo, hi = getattr(args, f"min_{kind}_len"), getattr(args, f"max_{kind}_len")
         if lo > hi:
             raise ValueError(f"--min-{kind}-len ({lo}) is larger than --max-{kind}-len ({hi})")
+    longest = args.max_input_len + args.max_output_len
+    if "prefill-first" in args.scheduling and args.max_num_batched_tokens < longest:
+        raise ValueError(f"--scheduling prefill-first prefills whole prompts, so --max-num-batched-tokens "
+                         f"({args.max_num_batched_tokens}) must hold the longest request ({longest} tokens): raise "
+                         "it, shorten the requests, or run --scheduling chunked")
