@@ -167,9 +167,9 @@ def run(args: argparse.Namespace) -> dict:
         cfg = AutoConfig.from_pretrained(model_dir)
         requests = make_requests(args, cfg.vocab_size)
         dtype = resolve_dtype(args.dtype, device, cfg)
+        num_params = count_parameters(model_dir)  # before any run: its imports must not count in the first run's memory
         runs, baseline_runs = measure(args, device, dtype, cfg, model_dir, load_format, requests)
         rows, probe_low = make_rows(args, runs, baseline_runs, cfg, requests, model_name, device)
-        num_params = count_parameters(model_dir)
     facts = next(iter(runs.values()))[0].served.facts
     probes = [m.probe for measured in [*runs.values(), *baseline_runs.values()] for m in measured]
     result = {
