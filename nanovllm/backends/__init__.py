@@ -4,9 +4,10 @@ Every backend has the same two operations:
 
 * `store_kvcache(k, v, k_cache, v_cache, slot_mapping)`: row i of k/v goes to flat slot
   `slot_mapping[i]` of the cache (`block_id * block_size + offset`); slot -1 is skipped.
-* `attend(q, k_cache, v_cache, ctx, scale)`: causal attention of the step's packed queries over
-  the paged cache, for any mix of prefills, prefill chunks over a cached prefix and decodes
-  (the one batch shape is described by `nanovllm.backends.context.Context`).
+* `attend(q, k_cache, v_cache, ctx, scale, *, window=0, softcap=0.0)`: causal attention of the step's packed queries
+  over the paged cache, for any mix of prefills, prefill chunks over a cached prefix and decodes
+  (the one batch shape is described by `nanovllm.backends.context.Context`), with an optional sliding window
+  (a query sees the last `window` positions; blocks before them are never read) and score soft-capping.
 
 Shapes: q `[tokens, heads, head_dim]`, k/v `[tokens, kv_heads, head_dim]`, caches
 `[num_blocks, block_size, kv_heads, head_dim]`.

@@ -23,11 +23,15 @@ class Flash4Backend:
 
 
     @staticmethod
-    def attend(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, ctx: Context,
-               scale: float) -> torch.Tensor:
+    def attend(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, ctx: Context, scale: float, *,
+               window: int = 0, softcap: float = 0.0) -> torch.Tensor:
+        """A sliding `window` is `window_size=(window - 1, 0)`; both it and `softcap` are passed only when set."""
         from flash_attn.cute import flash_attn_varlen_func
 
+        extra = {"window_size": (window - 1, 0)} if window else {}
+        if softcap:
+            extra["softcap"] = softcap
         out, _ = flash_attn_varlen_func(q, k_cache, v_cache, cu_seqlens_q=ctx.cu_seqlens_q,
                                         max_seqlen_q=ctx.max_seqlen_q, seqused_k=ctx.context_lens,
-                                        page_table=ctx.block_tables, softmax_scale=scale, causal=True)
+                                        page_table=ctx.block_tables, softmax_scale=scale, causal=True, **extra)
         return out

@@ -18,16 +18,21 @@ class FlashBackend:
 
 
     @staticmethod
-    def attend(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, ctx: Context,
-               scale: float) -> torch.Tensor:
+    def attend(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, ctx: Context, scale: float, *,
+               window: int = 0, softcap: float = 0.0) -> torch.Tensor:
+        """A sliding `window` is flash-attn's `window_size=(window - 1, 0)` (the query and the window - 1 keys
+        before it): it skips the blocks before the window, which may have been released."""
+        window_size = (window - 1, 0) if window else (-1, -1)
         if ctx.is_decode:
             from flash_attn import flash_attn_with_kvcache
 
             o = flash_attn_with_kvcache(q.unsqueeze(1), k_cache, v_cache, cache_seqlens=ctx.context_lens,
-                                        block_table=ctx.block_tables, softmax_scale=scale, causal=True, num_splits=1)
+                                        block_table=ctx.block_tables, softmax_scale=scale, causal=True,
+                                        window_size=window_size, softcap=softcap, num_splits=1)
             return o.squeeze(1)
         from flash_attn import flash_attn_varlen_func
 
         return flash_attn_varlen_func(q, k_cache, v_cache, cu_seqlens_q=ctx.cu_seqlens_q, cu_seqlens_k=ctx.cu_seqlens_k,
                                       max_seqlen_q=ctx.max_seqlen_q, max_seqlen_k=ctx.max_seqlen_k,
-                                      softmax_scale=scale, causal=True, block_table=ctx.block_tables)
+                                      softmax_scale=scale, causal=True, window_size=window_size, softcap=softcap,
+                                      block_table=ctx.block_tables)

@@ -18,11 +18,13 @@ _ALL_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 
 
 class AttentionKernel(Protocol):
-    """What a backend's class provides: causal attention of a step's queries over the paged cache."""
+    """What a backend's class provides: causal attention of a step's queries over the paged cache; `window` > 0: each
+    query sees only the last `window` positions (itself included); `softcap` > 0: scores capped by
+    softcap * tanh(score / softcap)."""
 
     @staticmethod
-    def attend(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, ctx: Context,
-               scale: float) -> torch.Tensor: ...
+    def attend(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, ctx: Context, scale: float, *,
+               window: int = 0, softcap: float = 0.0) -> torch.Tensor: ...
 
 
 @dataclass(frozen=True)

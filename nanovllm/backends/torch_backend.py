@@ -26,30 +26,50 @@ def _sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor,
         return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale)
 
 
-def _attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float) -> torch.Tensor:
-    """Causal attention of q `[Lq, H, D]` over k/v `[Lk, Hkv, D]`, queries aligned to the end of k.
+def _explicit(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor, scale: float,
+              softcap: float) -> torch.Tensor:
+    """Attention of q `[B, H, Lq, D]` over k/v `[B, Hkv, Lk, D]` with capped scores, in transformers' eager order:
+    scores scaled, capped by softcap * tanh(score / softcap), masked, softmax in float32 (SDPA cannot cap)."""
+    group = q.size(1) // k.size(1)
+    k, v = k.repeat_interleave(group, 1), v.repeat_interleave(group, 1)
+    scores = torch.matmul(q, k.transpose(2, 3)) * scale
+    scores = torch.tanh(scores / softcap) * softcap
+    scores = scores.masked_fill(~mask, float("-inf"))
+    return torch.matmul(torch.softmax(scores, dim=-1, dtype=torch.float32).to(q.dtype), v)
+
+
+def _attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float, window: int = 0,
+            softcap: float = 0.0) -> torch.Tensor:
+    """Causal attention of q `[Lq, H, D]` over k/v `[Lk, Hkv, D]`, queries aligned to the end of k; with `window`, a
+    query sees only the last `window` positions up to itself.
 
     Always an explicit bottom-right mask, also when Lq == Lk: a prompt's rows are computed the same way
     whether its prefix came from the cache or not.
     """
     lq, lk = q.size(0), k.size(0)
     mask = torch.ones(lq, lk, dtype=torch.bool, device=q.device).tril(diagonal=lk - lq)
+    if window:
+        mask = mask.triu(diagonal=lk - lq - window + 1)
     q, k, v = (x.transpose(0, 1)[None] for x in (q, k, v))  # fused SDPA kernels take 4-D inputs only
+    if softcap:
+        return _explicit(q, k, v, mask, scale, softcap)[0].transpose(0, 1)
     return _sdpa(q, k, v, mask, scale)[0].transpose(0, 1)
 
 
-def _gather(cache: torch.Tensor, block_table: torch.Tensor, length: int) -> torch.Tensor:
-    """The first `length` tokens of one sequence, read through its block table."""
+def _gather(cache: torch.Tensor, block_table: torch.Tensor, length: int, first: int = 0) -> torch.Tensor:
+    """Tokens `first`..`length - 1` of one sequence, read through its block table (`first` a block boundary: the
+    blocks before it may have been released)."""
     block_size = cache.size(1)
     num_blocks = (length + block_size - 1) // block_size
-    return cache[block_table[:num_blocks]].flatten(0, 1)[:length]
+    return cache[block_table[first // block_size:num_blocks]].flatten(0, 1)[:length - first]
 
 
-def _runs(block_table: list[int], length: int, block_size: int) -> list[tuple[int, int]]:
-    """The first `length` cached tokens of a sequence as (first slot, count) runs of adjacent slots."""
+def _runs(block_table: list[int], length: int, block_size: int, start: int = 0) -> list[tuple[int, int]]:
+    """Cached tokens `start`..`length - 1` of a sequence as (first slot, count) runs of adjacent slots."""
     runs: list[tuple[int, int]] = []
-    for i in range((length + block_size - 1) // block_size):
-        first, count = block_table[i] * block_size, min(block_size, length - i * block_size)
+    for i in range(start // block_size, (length + block_size - 1) // block_size):
+        skip = max(0, start - i * block_size)
+        first, count = block_table[i] * block_size + skip, min(block_size, length - i * block_size) - skip
         if runs and sum(runs[-1]) == first:
             runs[-1] = (runs[-1][0], runs[-1][1] + count)
         else:
@@ -58,7 +78,7 @@ def _runs(block_table: list[int], length: int, block_size: int) -> list[tuple[in
 
 
 def _decode_in_place(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_table: list[int],
-                     length: int, scale: float) -> torch.Tensor:
+                     length: int, scale: float, window: int = 0) -> torch.Tensor:
     """One decode query `[H, D]` over its sequence's cached K/V, read where it lies in the cache.
 
     Copying K/V out of the paged cache costs more than the attention itself on CPU, so each run of
@@ -68,7 +88,7 @@ def _decode_in_place(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
     k_flat, v_flat = k_cache.flatten(0, 1), v_cache.flatten(0, 1)
     q = q[None, :, None, :]
     outs, lses = [], []
-    for first, count in _runs(block_table, length, k_cache.size(1)):
+    for first, count in _runs(block_table, length, k_cache.size(1), max(0, length - window) if window else 0):
         k = k_flat[first:first + count].transpose(0, 1)[None]
         v = v_flat[first:first + count].transpose(0, 1)[None]
         o, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(q, k, v, scale=scale)
@@ -101,36 +121,41 @@ class TorchBackend:
         v_cache.view(-1, *v_cache.shape[2:]).index_copy_(0, slots, v[valid])
 
     @staticmethod
-    def attend(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, ctx: Context,
-               scale: float) -> torch.Tensor:
+    def attend(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, ctx: Context, scale: float, *,
+               window: int = 0, softcap: float = 0.0) -> torch.Tensor:
         """One sequence at a time, except single-query sequences (decodes): on CUDA a pure decode step is one batched
         masked SDPA; on CPU every single-query sequence of a step goes through one compiled-kernel call
-        (`cpu_kernels.paged_decode`; where it cannot be built, SDPA over its K/V in place, one call each)."""
+        (`cpu_kernels.paged_decode`; where it cannot be built, SDPA over its K/V in place, one call each). With a
+        sliding `window` only the blocks the window covers are read."""
         cpu = q.device.type == "cpu"
         if ctx.is_decode and not cpu:
-            return _decode_batched(q, k_cache, v_cache, ctx, scale)
+            return _decode_batched(q, k_cache, v_cache, ctx, scale, window, softcap)
         if ctx.is_decode and (o := paged_decode(q, k_cache, v_cache, ctx.block_tables, ctx.context_lens,
-                                                scale)) is not None:
+                                                scale, window, softcap)) is not None:
             return o
         o = torch.zeros_like(q)
         cu_q, lengths = ctx.cu_seqlens_q.tolist(), ctx.context_lens.tolist()
         tables = ctx.block_tables.tolist() if cpu else ctx.block_tables
-        decoded = cpu and _decode_single_rows(q, k_cache, v_cache, ctx, cu_q, scale, o)
+        decoded = cpu and _decode_single_rows(q, k_cache, v_cache, ctx, cu_q, scale, o, window, softcap)
+        block_size = k_cache.size(1)
         for i, length in enumerate(lengths):
             rows = slice(cu_q[i], cu_q[i + 1])
             single = cu_q[i + 1] - cu_q[i] == 1
             if not length or decoded and single:  # rows padding a batch attend to nothing
                 continue
-            if single and cpu:
-                o[rows] = _decode_in_place(q[cu_q[i]], k_cache, v_cache, tables[i], length, scale)
+            if single and cpu and not softcap:
+                o[rows] = _decode_in_place(q[cu_q[i]], k_cache, v_cache, tables[i], length, scale, window)
             else:
+                first = max(0, length - (cu_q[i + 1] - cu_q[i]) - window + 1) // block_size * block_size \
+                    if window else 0
                 table = torch.as_tensor(tables[i], device=q.device)
-                o[rows] = _attend(q[rows], _gather(k_cache, table, length), _gather(v_cache, table, length), scale)
+                o[rows] = _attend(q[rows], _gather(k_cache, table, length, first), _gather(v_cache, table, length, first),
+                                  scale, window, softcap)
         return o
 
 
 def _decode_single_rows(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, ctx: Context, cu_q: list[int],
-                        scale: float, o: torch.Tensor) -> bool:
+                        scale: float, o: torch.Tensor, window: int, softcap: float) -> bool:
     """The single-query sequences of a CPU step (decodes in a mixed step) in one compiled-kernel call, into `o`;
     False (nothing done) without the kernel."""
     single = [i for i in range(len(cu_q) - 1) if cu_q[i + 1] - cu_q[i] == 1]
@@ -138,17 +163,24 @@ def _decode_single_rows(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.T
         return True
     index = torch.tensor(single)
     rows = torch.tensor([cu_q[i] for i in single])
-    out = paged_decode(q[rows], k_cache, v_cache, ctx.block_tables[index], ctx.context_lens[index], scale)
+    out = paged_decode(q[rows], k_cache, v_cache, ctx.block_tables[index], ctx.context_lens[index], scale, window,
+                       softcap)
     if out is None:
         return False
     o[rows] = out
     return True
 
 
-def _decode_batched(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, ctx: Context,
-                    scale: float) -> torch.Tensor:
-    """Every sequence's single query over its whole block table, masked to its context length."""
+def _decode_batched(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, ctx: Context, scale: float,
+                    window: int, softcap: float) -> torch.Tensor:
+    """Every sequence's single query over its whole block table, masked to its context length (and window)."""
     k = k_cache[ctx.block_tables].flatten(1, 2).transpose(1, 2)
     v = v_cache[ctx.block_tables].flatten(1, 2).transpose(1, 2)
-    mask = torch.arange(k.size(2), device=q.device) < ctx.context_lens[:, None]
-    return _sdpa(q.unsqueeze(2), k, v, mask[:, None, None, :], scale).squeeze(2)
+    keys = torch.arange(k.size(2), device=q.device)
+    mask = keys < ctx.context_lens[:, None]
+    if window:
+        mask &= keys >= ctx.context_lens[:, None] - window
+    mask = mask[:, None, None, :]
+    if softcap:
+        return _explicit(q.unsqueeze(2), k, v, mask, scale, softcap).squeeze(2)
+    return _sdpa(q.unsqueeze(2), k, v, mask, scale).squeeze(2)

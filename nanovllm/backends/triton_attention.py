@@ -103,24 +103,38 @@ def _finish(l, acc):
 
 
 @triton.jit
-def _segment(q, pos, k_ptr, v_ptr, table_ptr, context_len, first_tile, end_tile, qk_scale, stride_kb, stride_ks,
-             stride_vb, stride_vs, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, HEAD_DIM: tl.constexpr,
-             HEAD_DIM_PAD: tl.constexpr, PAGE: tl.constexpr, DOT_FP32: tl.constexpr):
+def _capped(s, score_scale, softcap):
+    """softcap * tanh(s * score_scale / softcap), tanh written with exp (saturates to +-1 without overflow)."""
+    x = s * score_scale / softcap
+    return softcap * (1.0 - 2.0 / (tl.exp(2.0 * x) + 1.0))
+
+
+@triton.jit
+def _segment(q, pos, k_ptr, v_ptr, table_ptr, context_len, key_start, window, first_tile, end_tile, qk_scale,
+             score_scale, softcap, stride_kb, stride_ks, stride_vb, stride_vs, BLOCK_M: tl.constexpr,
+             BLOCK_N: tl.constexpr, HEAD_DIM: tl.constexpr, HEAD_DIM_PAD: tl.constexpr, PAGE: tl.constexpr,
+             DOT_FP32: tl.constexpr, SOFTCAP: tl.constexpr):
     """Softmax state of Q-tile rows at absolute positions `pos` over key tiles first_tile..end_tile-1, from scratch.
 
-    K/V pointers are already offset to the KV head; scores are raw dot products (scaled inside exp2).
+    K/V pointers are already offset to the KV head; scores are raw dot products (scaled inside exp2), or with
+    SOFTCAP the capped scaled scores. Keys below `key_start` (outside every row's window) are never read; with
+    `window` > 0 a row sees keys pos - window < key <= pos.
     """
     dims = tl.arange(0, HEAD_DIM_PAD)
     dim_ok = dims < HEAD_DIM
     m, l, acc = _empty_state(BLOCK_M, HEAD_DIM_PAD)
     for tile in range(first_tile, end_tile):
         keys = tile * BLOCK_N + tl.arange(0, BLOCK_N)
-        key_ok = keys < context_len
+        key_ok = (keys < context_len) & (keys >= key_start)
         block = tl.load(table_ptr + keys // PAGE, mask=key_ok, other=0).to(tl.int64)
         k_rows = block * stride_kb + (keys % PAGE) * stride_ks
         v_rows = block * stride_vb + (keys % PAGE) * stride_vs
         k = tl.load(k_ptr + k_rows[None, :] + dims[:, None], mask=key_ok[None, :] & dim_ok[:, None], other=0.0)
-        s = tl.where(keys[None, :] <= pos[:, None], _dot(q, k, None, DOT_FP32), float("-inf"))
+        s = _dot(q, k, None, DOT_FP32)
+        if SOFTCAP:
+            s = _capped(s, score_scale, softcap)
+        visible = (keys[None, :] <= pos[:, None]) & ((window == 0) | (keys[None, :] > pos[:, None] - window))
+        s = tl.where(visible, s, float("-inf"))
         m_new = tl.maximum(m, tl.max(s, 1))
         p = tl.exp2((s - _finite(m_new)[:, None]) * qk_scale)
         alpha = _rescale(m, m_new, qk_scale)
@@ -145,13 +159,15 @@ def _find_sequence(cu_seqlens_q_ptr, num_seqs, tile, BLOCK_Q: tl.constexpr):
     return lo
 
 
-@triton.jit(do_not_specialize=["num_seqs", "num_segments", "split", "stride_bt"])
+@triton.jit(do_not_specialize=["num_seqs", "num_segments", "split", "stride_bt", "window"])
 def _attention_kernel(out_ptr, q_ptr, k_cache_ptr, v_cache_ptr, block_tables_ptr, context_lens_ptr, cu_seqlens_q_ptr,
-                      part_m_ptr, part_l_ptr, part_acc_ptr, qk_scale, num_seqs, num_segments, split,
+                      part_m_ptr, part_l_ptr, part_acc_ptr, qk_scale, score_scale, softcap, window, num_seqs,
+                      num_segments, split,
                       stride_qt, stride_qh, stride_ot, stride_oh, stride_kb, stride_ks, stride_kh, stride_vb, stride_vs,
                       stride_vh, stride_bt, NUM_HEADS: tl.constexpr, GROUP: tl.constexpr, HEAD_DIM: tl.constexpr,
                       HEAD_DIM_PAD: tl.constexpr, PAGE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_Q: tl.constexpr,
-                      BLOCK_N: tl.constexpr, TILES_PER_SEGMENT: tl.constexpr, DOT_FP32: tl.constexpr):
+                      BLOCK_N: tl.constexpr, TILES_PER_SEGMENT: tl.constexpr, DOT_FP32: tl.constexpr,
+                      SOFTCAP: tl.constexpr):
     """Unified (split == 0): grid (Q-tile programs, KV heads, 1), each Q tile over all its keys, into out.
     Split (split == 1, decode only): grid (sequences, KV heads, splits), every splits-th segment, into the partials."""
     kv_head = tl.program_id(1)
@@ -181,17 +197,19 @@ def _attention_kernel(out_ptr, q_ptr, k_cache_ptr, v_cache_ptr, block_tables_ptr
     kv_end = tl.minimum(tl.minimum(tile_pos + BLOCK_Q, first_pos + q_len), context_len)  # keys the tile's rows see
     num_tiles = tl.cdiv(kv_end, BLOCK_N)
     num_segs = tl.cdiv(num_tiles, TILES_PER_SEGMENT)
+    key_start = tl.where(window > 0, tl.maximum(tl.maximum(tile_pos, first_pos) - window + 1, 0), 0)
+    first_seg = key_start // (BLOCK_N * TILES_PER_SEGMENT)  # segments before it lie outside every row's window
     k_ptr = k_cache_ptr + kv_head * stride_kh
     v_ptr = v_cache_ptr + kv_head * stride_vh
     table_ptr = block_tables_ptr + seq.to(tl.int64) * stride_bt
     part = (token * NUM_HEADS + head) * num_segments
     m, l, acc = _empty_state(BLOCK_M, HEAD_DIM_PAD)
-    for seg in range(tl.program_id(2), num_segs, tl.num_programs(2)):  # unified: all, in order
+    for seg in range(first_seg + tl.program_id(2), num_segs, tl.num_programs(2)):  # unified: all, in order
         first_tile = seg * TILES_PER_SEGMENT
-        seg_m, seg_l, seg_acc = _segment(q, pos, k_ptr, v_ptr, table_ptr, context_len, first_tile,
-                                         tl.minimum(first_tile + TILES_PER_SEGMENT, num_tiles), qk_scale,
-                                         stride_kb, stride_ks, stride_vb, stride_vs,
-                                         BLOCK_M, BLOCK_N, HEAD_DIM, HEAD_DIM_PAD, PAGE, DOT_FP32)
+        seg_m, seg_l, seg_acc = _segment(q, pos, k_ptr, v_ptr, table_ptr, context_len, key_start, window,
+                                         first_tile, tl.minimum(first_tile + TILES_PER_SEGMENT, num_tiles), qk_scale,
+                                         score_scale, softcap, stride_kb, stride_ks, stride_vb, stride_vs,
+                                         BLOCK_M, BLOCK_N, HEAD_DIM, HEAD_DIM_PAD, PAGE, DOT_FP32, SOFTCAP)
         if split != 0:
             tl.store(part_m_ptr + part + seg, seg_m, mask=row_ok)
             tl.store(part_l_ptr + part + seg, seg_l, mask=row_ok)
@@ -205,12 +223,14 @@ def _attention_kernel(out_ptr, q_ptr, k_cache_ptr, v_cache_ptr, block_tables_ptr
                  o.to(out_ptr.dtype.element_ty), mask=row_ok[:, None] & dim_ok[None, :])
 
 
-@triton.jit(do_not_specialize=["num_segments"])
-def _reduce_segments_kernel(out_ptr, part_m_ptr, part_l_ptr, part_acc_ptr, context_lens_ptr, qk_scale, num_segments,
+@triton.jit(do_not_specialize=["num_segments", "window"])
+def _reduce_segments_kernel(out_ptr, part_m_ptr, part_l_ptr, part_acc_ptr, context_lens_ptr, qk_scale, window,
+                            num_segments,
                             stride_ot, stride_oh, NUM_HEADS: tl.constexpr, GROUP: tl.constexpr,
                             HEAD_DIM: tl.constexpr, HEAD_DIM_PAD: tl.constexpr, BLOCK_H: tl.constexpr,
                             SEGMENT_KEYS: tl.constexpr):
-    """Grid (decode tokens, KV heads): merges a token's segment partials for the group's heads, in segment order."""
+    """Grid (decode tokens, KV heads): merges a token's segment partials for the group's heads, in segment order, from
+    the first segment its window reaches (the split kernel wrote no partials before it)."""
     token = tl.program_id(0)
     rows = tl.arange(0, BLOCK_H)
     head = tl.program_id(1) * GROUP + rows
@@ -218,7 +238,9 @@ def _reduce_segments_kernel(out_ptr, part_m_ptr, part_l_ptr, part_acc_ptr, conte
     dims = tl.arange(0, HEAD_DIM_PAD)
     part = (token * NUM_HEADS + head) * num_segments
     m, l, acc = _empty_state(BLOCK_H, HEAD_DIM_PAD)
-    for seg in range(0, tl.minimum(tl.cdiv(tl.load(context_lens_ptr + token), SEGMENT_KEYS), num_segments)):
+    context_len = tl.load(context_lens_ptr + token)
+    first_seg = tl.where(window > 0, tl.maximum(context_len - window, 0), 0) // SEGMENT_KEYS
+    for seg in range(first_seg, tl.minimum(tl.cdiv(context_len, SEGMENT_KEYS), num_segments)):
         seg_m = tl.load(part_m_ptr + part + seg, mask=row_ok, other=float("-inf"))
         seg_l = tl.load(part_l_ptr + part + seg, mask=row_ok, other=0.0)
         seg_acc = tl.load(part_acc_ptr + (part + seg)[:, None] * HEAD_DIM_PAD + dims[None, :], mask=row_ok[:, None],
@@ -271,9 +293,11 @@ def _check(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor) -> Non
         raise ValueError("queries and caches must be contiguous along head_dim")
 
 
-def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, ctx: Context,
-                    scale: float) -> torch.Tensor:
-    """Causal attention of packed queries `[tokens, heads, head_dim]` over the paged caches, for any step in `ctx`."""
+def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, ctx: Context, scale: float, *,
+                    window: int = 0, softcap: float = 0.0) -> torch.Tensor:
+    """Causal attention of packed queries `[tokens, heads, head_dim]` over the paged caches, for any step in `ctx`;
+    `window` > 0: each query sees the last `window` positions up to itself; `softcap` > 0: scores (scaled) capped by
+    softcap * tanh(score / softcap), after which exp2 takes them in log2(e) units."""
     _check(q, k_cache, v_cache)
     num_tokens, num_heads, head_dim = q.shape
     page, num_kv_heads = k_cache.size(1), k_cache.size(2)
@@ -282,7 +306,7 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
     if num_tokens == 0:
         return out
     constants = kernel_constants(num_heads, num_kv_heads, head_dim, page, q.dtype)
-    qk_scale = scale * math.log2(math.e)
+    qk_scale = math.log2(math.e) if softcap else scale * math.log2(math.e)
     segments = split_segments(num_tokens, num_seqs, num_kv_heads, ctx.max_seqlen_q, ctx.max_seqlen_k)
     if segments:
         part_m = torch.empty(num_tokens, num_heads, segments, dtype=torch.float32, device=q.device)
@@ -294,11 +318,12 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
         part_m = part_l = part_acc = out
         grid = (num_tokens // constants["BLOCK_Q"] + 2 * num_seqs, num_kv_heads, 1)
     _attention_kernel[grid](out, q, k_cache, v_cache, ctx.block_tables, ctx.context_lens, ctx.cu_seqlens_q, part_m,
-                            part_l, part_acc, qk_scale, num_seqs, segments, 1 if segments else 0, q.stride(0),
-                            q.stride(1), out.stride(0), out.stride(1), *k_cache.stride()[:3], *v_cache.stride()[:3],
-                            ctx.block_tables.stride(0), **constants, **ATTENTION_LAUNCH)
+                            part_l, part_acc, qk_scale, scale, softcap or 1.0, window, num_seqs, segments,
+                            1 if segments else 0, q.stride(0), q.stride(1), out.stride(0), out.stride(1),
+                            *k_cache.stride()[:3], *v_cache.stride()[:3], ctx.block_tables.stride(0), **constants,
+                            SOFTCAP=bool(softcap), **ATTENTION_LAUNCH)
     if segments:
         _reduce_segments_kernel[(num_tokens, num_kv_heads)](out, part_m, part_l, part_acc, ctx.context_lens, qk_scale,
-                                                            segments, out.stride(0), out.stride(1),
+                                                            window, segments, out.stride(0), out.stride(1),
                                                             **reduce_constants(constants), **REDUCE_LAUNCH)
     return out

@@ -1,4 +1,5 @@
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 from nanovllm.layers.fused import fused_op
@@ -22,14 +23,37 @@ add_rms_norm = fused_op(_add_rms_norm, cpu_kernel="add_rms_norm")
 
 
 class RMSNorm(nn.Module):
-    """RMSNorm computed in float32; with `residual`, adds it first and returns the new residual too."""
+    """RMSNorm computed in float32; with `residual`, adds it first and returns the new residual too.
 
-    def __init__(self, hidden_size: int, eps: float = 1e-6):
+    `weight_offset` is added to the checkpoint's weight when it is loaded: Gemma stores `w` and scales by `1 + w`
+    (the same product in float32; in half precision `1 + w` is rounded once, at load).
+    """
+
+    def __init__(self, hidden_size: int, eps: float = 1e-6, weight_offset: float = 0.0):
         super().__init__()
         self.eps = eps
         self.weight = nn.Parameter(torch.ones(hidden_size), requires_grad=False)
+        if weight_offset:
+            self.weight.weight_loader = lambda param, loaded: param.data.copy_(loaded.float() + weight_offset)
 
     def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None):
         if residual is None:
             return rms_norm(x, self.weight, self.eps)
         return add_rms_norm(x, residual, self.weight, self.eps)
+
+
+class LayerNorm(nn.Module):
+    """LayerNorm with a bias (GPT-NeoX, StableLM), with RMSNorm's interface: with `residual`, adds it first and
+    returns the new residual too."""
+
+    def __init__(self, hidden_size: int, eps: float = 1e-5):
+        super().__init__()
+        self.eps = eps
+        self.weight = nn.Parameter(torch.ones(hidden_size), requires_grad=False)
+        self.bias = nn.Parameter(torch.zeros(hidden_size), requires_grad=False)
+
+    def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None):
+        if residual is None:
+            return F.layer_norm(x, self.weight.shape, self.weight, self.bias, self.eps)
+        x = x + residual
+        return F.layer_norm(x, self.weight.shape, self.weight, self.bias, self.eps), x

@@ -1,3 +1,8 @@
+"""Rotary position embedding and the rope scalings of transformers' `ROPE_INIT_FUNCTIONS`.
+
+Each scaling computes the inverse frequencies with the same float32 operations, in the same order, as transformers'
+`_compute_*_parameters`, so that the cos/sin tables are bitwise transformers' (the tests compare greedy tokens).
+"""
 import math
 from dataclasses import dataclass
 
@@ -5,6 +10,21 @@ import torch
 from torch import nn
 
 from nanovllm.layers.fused import fused_op
+
+
+def default_inv_freq(base: float, dim: int) -> torch.Tensor:
+    return 1.0 / (base ** (torch.arange(0, dim, 2, dtype=torch.int64).float() / dim))
+
+
+@dataclass(frozen=True)
+class LinearRopeScaling:
+    """Positions divided by `factor` (position interpolation), done on the frequencies."""
+
+    factor: float
+    attention_factor = 1.0
+
+    def inv_freq(self, base: float, dim: int) -> torch.Tensor:
+        return default_inv_freq(base, dim) / self.factor
 
 
 @dataclass(frozen=True)
@@ -15,6 +35,10 @@ class Llama3RopeScaling:
     low_freq_factor: float
     high_freq_factor: float
     original_max_position_embeddings: int
+    attention_factor = 1.0
+
+    def inv_freq(self, base: float, dim: int) -> torch.Tensor:
+        return self.apply(default_inv_freq(base, dim))
 
     def apply(self, inv_freq: torch.Tensor) -> torch.Tensor:
         """Same float32 operations, in the same order, as transformers' `_compute_llama3_parameters`."""
@@ -26,6 +50,38 @@ class Llama3RopeScaling:
         smoothed = (1 - smooth) * scaled / self.factor + smooth * scaled
         is_medium = ~(wavelen < high_freq_wavelen) * ~(wavelen > low_freq_wavelen)
         return torch.where(is_medium, smoothed, scaled)
+
+
+@dataclass(frozen=True)
+class YarnRopeScaling:
+    """YaRN: interpolated low frequencies, extrapolated high ones, a linear ramp between (`beta_fast`..`beta_slow`
+    rotations over the original context), and cos/sin scaled by `attention_factor`."""
+
+    factor: float
+    original_max_position_embeddings: int
+    attention_factor: float
+    beta_fast: float = 32.0
+    beta_slow: float = 1.0
+    truncate: bool = True
+
+    def inv_freq(self, base: float, dim: int) -> torch.Tensor:
+        def correction_dim(rotations: float) -> float:
+            return (dim * math.log(self.original_max_position_embeddings / (rotations * 2 * math.pi))) / (
+                2 * math.log(base))
+
+        low, high = correction_dim(self.beta_fast), correction_dim(self.beta_slow)
+        if self.truncate:
+            low, high = math.floor(low), math.ceil(high)
+        low, high = max(low, 0), min(high, dim - 1)
+        if low == high:
+            high += 0.001
+        ramp = torch.clamp((torch.arange(dim // 2, dtype=torch.float32) - low) / (high - low), 0, 1)
+        pos_freqs = base ** (torch.arange(0, dim, 2).float() / dim)
+        extrapolation_factor = 1 - ramp
+        return (1.0 / (self.factor * pos_freqs)) * (1 - extrapolation_factor) + (1.0 / pos_freqs) * extrapolation_factor
+
+
+RopeScaling = LinearRopeScaling | Llama3RopeScaling | YarnRopeScaling
 
 
 def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
@@ -41,16 +97,28 @@ def apply_rotary(positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor,
 
 
 class RotaryEmbedding(nn.Module):
-    """Rotary position embedding, rotate-half (NeoX) layout, with a precomputed float32 cos/sin table."""
+    """Rotary position embedding, rotate-half (NeoX) layout, with a precomputed float32 cos/sin table.
 
-    def __init__(self, head_dim: int, max_position: int, base: float, scaling: Llama3RopeScaling | None = None):
+    With `rotary_dim < head_dim` (partial rotary) only the first `rotary_dim` features of each head turn.
+    """
+
+    def __init__(self, head_dim: int, max_position: int, base: float, scaling: RopeScaling | None = None,
+                 rotary_dim: int | None = None):
         super().__init__()
-        inv_freq = 1.0 / (base ** (torch.arange(0, head_dim, 2, dtype=torch.int64).float() / head_dim))
-        if scaling is not None:
-            inv_freq = scaling.apply(inv_freq)
+        self.rotary_dim = rotary_dim = rotary_dim or head_dim
+        self.partial = rotary_dim < head_dim
+        inv_freq = default_inv_freq(base, rotary_dim) if scaling is None else scaling.inv_freq(base, rotary_dim)
+        factor = 1.0 if scaling is None else scaling.attention_factor
         freqs = torch.outer(torch.arange(max_position, dtype=torch.int64).float(), inv_freq)
-        self.register_buffer("cos_sin_cache", torch.cat((freqs.cos(), freqs.sin()), dim=-1), persistent=False)
+        cos, sin = freqs.cos(), freqs.sin()
+        if factor != 1.0:
+            cos, sin = cos * factor, sin * factor
+        self.register_buffer("cos_sin_cache", torch.cat((cos, sin), dim=-1), persistent=False)
 
     def forward(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor):
         """q `[tokens, heads, head_dim]`, k `[tokens, kv_heads, head_dim]`."""
-        return apply_rotary(positions, q, k, self.cos_sin_cache)
+        if not self.partial:
+            return apply_rotary(positions, q, k, self.cos_sin_cache)
+        d = self.rotary_dim
+        q_rot, k_rot = apply_rotary(positions, q[..., :d], k[..., :d], self.cos_sin_cache)
+        return torch.cat((q_rot, q[..., d:]), -1), torch.cat((k_rot, k[..., d:]), -1)

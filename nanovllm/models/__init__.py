@@ -2,29 +2,35 @@
 from transformers import PretrainedConfig
 
 from nanovllm.models.decoder import DecoderForCausalLM
-from nanovllm.models.hf_config import rope_scaling
+from nanovllm.models.gemma import Gemma2ForCausalLM, Gemma3ForCausalLM, GemmaForCausalLM
+from nanovllm.models.gpt_neox import GPTNeoXForCausalLM, StableLmForCausalLM
+from nanovllm.models.granite import GraniteForCausalLM
+from nanovllm.models.hf_config import layer_types, rope_scaling
 from nanovllm.models.llama import LlamaForCausalLM
+from nanovllm.models.mistral import MistralForCausalLM
+from nanovllm.models.olmo2 import Olmo2ForCausalLM
+from nanovllm.models.phi3 import Phi3ForCausalLM
 from nanovllm.models.qwen2 import Qwen2ForCausalLM
 from nanovllm.models.qwen3 import Qwen3ForCausalLM
 
-MODEL_REGISTRY: dict[str, type[DecoderForCausalLM]] = {
-    "LlamaForCausalLM": LlamaForCausalLM,
-    "Qwen2ForCausalLM": Qwen2ForCausalLM,
-    "Qwen3ForCausalLM": Qwen3ForCausalLM,
-}
+MODEL_REGISTRY: dict[str, type[DecoderForCausalLM]] = {cls.__name__: cls for cls in (
+    LlamaForCausalLM, MistralForCausalLM, Qwen2ForCausalLM, Qwen3ForCausalLM, GemmaForCausalLM, Gemma2ForCausalLM,
+    Gemma3ForCausalLM, Phi3ForCausalLM, Olmo2ForCausalLM, GraniteForCausalLM, GPTNeoXForCausalLM,
+    StableLmForCausalLM)}
 
 
 def model_class(config: PretrainedConfig) -> type[DecoderForCausalLM]:
     """The family that runs `config`; a ValueError naming the supported ones when none does, or when the
-    family cannot run this particular config (activation, rope scaling, sliding window)."""
+    family cannot run this particular config (activation, rope scaling, sliding window). Gives `config` the
+    attributes the engine reads under Llama's names (`normalize_config`)."""
     names = getattr(config, "architectures", None) or []
     cls = next((MODEL_REGISTRY[name] for name in names if name in MODEL_REGISTRY), None)
     if cls is None:
         found = f"architectures {names}" if names else "no 'architectures' entry"
         raise ValueError(f"unsupported model: config.json has {found}; nanovllm supports {sorted(MODEL_REGISTRY)}")
-    if config.hidden_act != "silu":
-        raise ValueError(f"unsupported hidden_act {config.hidden_act!r} in the model config; nanovllm supports 'silu'")
-    rope_scaling(config)
+    cls.normalize_config(config)
+    for kind in set(layer_types(config)):
+        rope_scaling(config, kind)
     cls.options(config)
     return cls
 

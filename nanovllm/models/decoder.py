@@ -1,35 +1,73 @@
-"""The decoder shared by every supported family: pre-norm attention and a SiLU-gated MLP on a residual stream.
+"""The decoder shared by every supported family: attention and an MLP on a residual stream.
 
-A family (`llama.py`, `qwen2.py`, `qwen3.py`) only says which of the `DecoderOptions` its checkpoints use.
+A family (`llama.py`, `mistral.py`, `gemma.py`, ...) only says which of the `DecoderOptions` its checkpoints use, and,
+where its checkpoint names or fused tensors differ from Llama's, how to read them (`checkpoint_weights`).
 """
+from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
 
 import torch
 from torch import nn
 from transformers import PretrainedConfig
 
-from nanovllm.layers.activation import SiluAndMul
+from nanovllm.layers.activation import Activation, ActAndMul
 from nanovllm.layers.attention import Attention
 from nanovllm.layers.embed_head import ParallelLMHead, VocabParallelEmbedding
-from nanovllm.layers.layernorm import RMSNorm
-from nanovllm.layers.linear import MergedColumnParallelLinear, QKVParallelLinear, RowParallelLinear
+from nanovllm.layers.layernorm import LayerNorm, RMSNorm
+from nanovllm.layers.linear import (
+    ColumnParallelLinear,
+    MergedColumnParallelLinear,
+    QKVParallelLinear,
+    RowParallelLinear,
+)
 from nanovllm.layers.rotary_embedding import RotaryEmbedding
-from nanovllm.models.hf_config import head_dim, rope_scaling, rope_theta
+from nanovllm.models.hf_config import head_dim, layer_types, rope_scaling, rope_theta, rotary_dim
 from nanovllm.parallel.process_group import tp_rank_and_size
 
 
 @dataclass(frozen=True)
 class DecoderOptions:
-    """Where the families differ: RMSNorm on each query/key head before rope, and which projections have a bias."""
+    """Where the families differ.
 
-    qk_norm: bool = False
+    `norm_placement`: "pre" (Llama: a norm before attention and before the MLP), "sandwich" (Gemma 2/3: also a norm on
+    each block's output before it joins the residual), "post" (OLMo 2: only the norms on the blocks' outputs).
+    `parallel_residual`: attention and MLP read the same stream and are added together, in GPT-NeoX's order
+    ("neox": (mlp + attn) + x, each block with its own norm) or StableLM's ("stablelm": (x + attn) + mlp, one norm).
+    `layer_windows`: each layer's sliding window in tokens (0: full attention); empty: full everywhere.
+    `local_rope`: sliding layers take the rope settings of transformers' "sliding_attention" layer type (Gemma 3).
+    """
+
+    qk_norm: bool = False                # RMSNorm on each query/key head before rope (Qwen3, Gemma 3)
+    qk_norm_full: bool = False           # RMSNorm over the whole query/key projection (OLMo 2)
     qkv_bias: bool = False
     o_bias: bool = False
     mlp_bias: bool = False
+    activation: str = "silu"
+    gated_mlp: bool = True
+    layer_norm: bool = False             # LayerNorm with bias instead of RMSNorm
+    norm_weight_offset: float = 0.0      # Gemma's RMSNorm scales by (1 + w)
+    norm_placement: str = "pre"
+    parallel_residual: str = ""
+    embedding_multiplier: float = 1.0
+    residual_multiplier: float = 1.0     # Granite: each block's output scaled before it joins the residual
+    attention_scale: float | None = None  # None: head_dim ** -0.5
+    attn_logit_softcap: float = 0.0      # Gemma 2: scores capped by cap * tanh(score / cap)
+    final_logit_softcap: float = 0.0
+    logits_divisor: float = 1.0          # Granite's logits_scaling
+    layer_windows: tuple[int, ...] = ()
+    local_rope: bool = False
+
+
+def _norm(config: PretrainedConfig, options: DecoderOptions, size: int | None = None) -> nn.Module:
+    size = size or config.hidden_size
+    if options.layer_norm:
+        return LayerNorm(size, eps=config.layer_norm_eps)
+    return RMSNorm(size, eps=config.rms_norm_eps, weight_offset=options.norm_weight_offset)
 
 
 class DecoderAttention(nn.Module):
-    def __init__(self, config: PretrainedConfig, options: DecoderOptions, rotary_emb: RotaryEmbedding):
+    def __init__(self, config: PretrainedConfig, options: DecoderOptions, rotary_emb: RotaryEmbedding,
+                 sliding_window: int = 0):
         super().__init__()
         _, tp_size = tp_rank_and_size()
         self.head_dim = head_dim(config)
@@ -42,17 +80,24 @@ class DecoderAttention(nn.Module):
         self.o_proj = RowParallelLinear(config.num_attention_heads * self.head_dim, config.hidden_size,
                                         bias=options.o_bias)
         self.rotary_emb = rotary_emb
-        self.attn = Attention(self.num_heads, self.head_dim, self.head_dim ** -0.5, self.num_kv_heads)
+        scale = options.attention_scale or self.head_dim ** -0.5
+        self.attn = Attention(self.num_heads, self.head_dim, scale, self.num_kv_heads, sliding_window=sliding_window,
+                              softcap=options.attn_logit_softcap)
+        self.q_norm = self.k_norm = self.q_norm_full = self.k_norm_full = nn.Identity()
         if options.qk_norm:
-            self.q_norm = RMSNorm(self.head_dim, eps=config.rms_norm_eps)
-            self.k_norm = RMSNorm(self.head_dim, eps=config.rms_norm_eps)
-        else:
-            self.q_norm = self.k_norm = nn.Identity()
+            self.q_norm = _norm(config, options, self.head_dim)
+            self.k_norm = _norm(config, options, self.head_dim)
+        if options.qk_norm_full:
+            if tp_size > 1:
+                raise ValueError("this model normalizes queries and keys over all heads together (OLMo 2), which "
+                                 "nanovllm does not split over tensor-parallel ranks: use tensor_parallel_size=1")
+            self.q_norm_full = _norm(config, options, self.q_size)
+            self.k_norm_full = _norm(config, options, self.kv_size)
 
     def forward(self, positions: torch.Tensor, hidden_states: torch.Tensor) -> torch.Tensor:
         q, k, v = self.qkv_proj(hidden_states).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
-        q = self.q_norm(q.view(-1, self.num_heads, self.head_dim))
-        k = self.k_norm(k.view(-1, self.num_kv_heads, self.head_dim))
+        q = self.q_norm(self.q_norm_full(q).view(-1, self.num_heads, self.head_dim))
+        k = self.k_norm(self.k_norm_full(k).view(-1, self.num_kv_heads, self.head_dim))
         v = v.view(-1, self.num_kv_heads, self.head_dim)
         q, k = self.rotary_emb(positions, q, k)
         o = self.attn(q, k, v)
@@ -60,48 +105,96 @@ class DecoderAttention(nn.Module):
 
 
 class DecoderMLP(nn.Module):
+    """Gated (`gate_up_proj`, act(gate) * up, `down_proj`) or plain (`fc_in`, act, `down_proj`)."""
+
     def __init__(self, config: PretrainedConfig, options: DecoderOptions):
         super().__init__()
-        self.gate_up_proj = MergedColumnParallelLinear(config.hidden_size, [config.intermediate_size] * 2,
-                                                       bias=options.mlp_bias)
+        self.gated = options.gated_mlp
+        if self.gated:
+            self.gate_up_proj = MergedColumnParallelLinear(config.hidden_size, [config.intermediate_size] * 2,
+                                                           bias=options.mlp_bias)
+            self.act_fn = ActAndMul(options.activation)
+        else:
+            self.fc_in = ColumnParallelLinear(config.hidden_size, config.intermediate_size, bias=options.mlp_bias)
+            self.act_fn = Activation(options.activation)
         self.down_proj = RowParallelLinear(config.intermediate_size, config.hidden_size, bias=options.mlp_bias)
-        self.act_fn = SiluAndMul()
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(self.act_fn(self.gate_up_proj(x)))
+        return self.down_proj(self.act_fn(self.gate_up_proj(x) if self.gated else self.fc_in(x)))
 
 
 class DecoderLayer(nn.Module):
-    def __init__(self, config: PretrainedConfig, options: DecoderOptions, rotary_emb: RotaryEmbedding):
+    """One layer on the residual stream, kept as (hidden_states, residual): the stream is their sum, added by the
+    next norm (fused with it where it can), so a layer returns its last block's output unadded."""
+
+    def __init__(self, config: PretrainedConfig, options: DecoderOptions, rotary_emb: RotaryEmbedding,
+                 sliding_window: int = 0):
         super().__init__()
-        self.self_attn = DecoderAttention(config, options, rotary_emb)
+        self.options = options
+        self.self_attn = DecoderAttention(config, options, rotary_emb, sliding_window)
         self.mlp = DecoderMLP(config, options)
-        self.input_layernorm = RMSNorm(config.hidden_size, eps=config.rms_norm_eps)
-        self.post_attention_layernorm = RMSNorm(config.hidden_size, eps=config.rms_norm_eps)
+        if options.norm_placement != "post":
+            self.input_layernorm = _norm(config, options)
+        if options.parallel_residual != "stablelm":
+            self.post_attention_layernorm = _norm(config, options)
+        if options.norm_placement == "sandwich":
+            self.pre_feedforward_layernorm = _norm(config, options)
+        if options.norm_placement in ("sandwich", "post"):
+            self.post_feedforward_layernorm = _norm(config, options)
+
+    def _scaled(self, x: torch.Tensor) -> torch.Tensor:
+        return x * self.options.residual_multiplier if self.options.residual_multiplier != 1.0 else x
 
     def forward(self, positions: torch.Tensor, hidden_states: torch.Tensor, residual: torch.Tensor | None):
+        if self.options.parallel_residual:
+            return self._parallel(positions, hidden_states, residual)
+        if self.options.norm_placement == "post":
+            return self._post_norm(positions, hidden_states, residual)
         if residual is None:
             residual = hidden_states
             hidden_states = self.input_layernorm(hidden_states)
         else:
             hidden_states, residual = self.input_layernorm(hidden_states, residual)
-        hidden_states = self.self_attn(positions, hidden_states)
+        hidden_states = self._scaled(self.self_attn(positions, hidden_states))
+        if self.options.norm_placement == "sandwich":
+            hidden_states = self.post_attention_layernorm(hidden_states)
+            hidden_states, residual = self.pre_feedforward_layernorm(hidden_states, residual)
+            return self.post_feedforward_layernorm(self.mlp(hidden_states)), residual
         hidden_states, residual = self.post_attention_layernorm(hidden_states, residual)
-        return self.mlp(hidden_states), residual
+        return self._scaled(self.mlp(hidden_states)), residual
+
+    def _post_norm(self, positions: torch.Tensor, hidden_states: torch.Tensor, residual: torch.Tensor | None):
+        """OLMo 2: x + norm(attn(x)), then the same for the MLP."""
+        stream = hidden_states if residual is None else hidden_states + residual
+        stream = stream + self.post_attention_layernorm(self.self_attn(positions, stream))
+        return self.post_feedforward_layernorm(self.mlp(stream)), stream
+
+    def _parallel(self, positions: torch.Tensor, hidden_states: torch.Tensor, residual: torch.Tensor | None):
+        stream = hidden_states if residual is None else hidden_states + residual
+        normed = self.input_layernorm(stream)
+        attn = self.self_attn(positions, normed)
+        if self.options.parallel_residual == "stablelm":
+            return self.mlp(normed), stream + attn
+        return self.mlp(self.post_attention_layernorm(stream)) + attn, stream
 
 
 class DecoderModel(nn.Module):
     def __init__(self, config: PretrainedConfig, options: DecoderOptions):
         super().__init__()
+        self.embedding_multiplier = options.embedding_multiplier
         self.embed_tokens = VocabParallelEmbedding(config.vocab_size, config.hidden_size)
-        rotary_emb = RotaryEmbedding(head_dim(config), config.max_position_embeddings, rope_theta(config),
-                                     rope_scaling(config))
-        self.layers = nn.ModuleList([DecoderLayer(config, options, rotary_emb)
-                                     for _ in range(config.num_hidden_layers)])
-        self.norm = RMSNorm(config.hidden_size, eps=config.rms_norm_eps)
+        windows = options.layer_windows or (0,) * config.num_hidden_layers
+        types = layer_types(config) if options.local_rope else ["full_attention"] * config.num_hidden_layers
+        rotaries = {kind: RotaryEmbedding(head_dim(config), config.max_position_embeddings, rope_theta(config, kind),
+                                          rope_scaling(config, kind), rotary_dim(config)) for kind in set(types)}
+        self.layers = nn.ModuleList([DecoderLayer(config, options, rotaries[kind], window)
+                                     for kind, window in zip(types, windows)])
+        self.norm = _norm(config, options)
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         hidden_states, residual = self.embed_tokens(input_ids), None
+        if self.embedding_multiplier != 1.0:
+            hidden_states = hidden_states * torch.tensor(self.embedding_multiplier, dtype=hidden_states.dtype)
         for layer in self.layers:
             hidden_states, residual = layer(positions, hidden_states, residual)
         hidden_states, _ = self.norm(hidden_states, residual)
@@ -123,15 +216,32 @@ class DecoderForCausalLM(nn.Module):
     def options(cls, config: PretrainedConfig) -> DecoderOptions:
         raise NotImplementedError
 
+    @classmethod
+    def normalize_config(cls, config: PretrainedConfig) -> None:
+        """Give `config` the attributes the engine reads under Llama's names (`num_key_value_heads`, ...) where the
+        family's config names them differently. Llama's names: nothing to do."""
+
     def __init__(self, config: PretrainedConfig):
         super().__init__()
-        self.model = DecoderModel(config, self.options(config))
+        self.opts = options = self.options(config)
+        self.model = DecoderModel(config, options)
         self.lm_head = ParallelLMHead(config.vocab_size, config.hidden_size)
         if config.tie_word_embeddings:
             self.lm_head.weight = self.model.embed_tokens.weight
+
+    def checkpoint_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> Iterator[tuple[str, torch.Tensor]]:
+        """The checkpoint's tensors under Llama's names and layout (what `load_weights` maps onto this model)."""
+        return iter(weights)
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         return self.model(input_ids, positions)
 
     def compute_logits(self, hidden_states: torch.Tensor) -> torch.Tensor | None:
-        return self.lm_head(hidden_states)
+        logits = self.lm_head(hidden_states)
+        if logits is None:
+            return None
+        if self.opts.logits_divisor != 1.0:
+            logits = logits / self.opts.logits_divisor
+        if cap := self.opts.final_logit_softcap:
+            logits = torch.tanh(logits / cap) * cap
+        return logits

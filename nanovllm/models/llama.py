@@ -1,6 +1,7 @@
 from transformers import PretrainedConfig
 
 from nanovllm.models.decoder import DecoderForCausalLM, DecoderOptions
+from nanovllm.models.hf_config import activation
 
 
 class LlamaForCausalLM(DecoderForCausalLM):
@@ -11,4 +12,4 @@ class LlamaForCausalLM(DecoderForCausalLM):
     def options(cls, config: PretrainedConfig) -> DecoderOptions:
         attention_bias = bool(getattr(config, "attention_bias", False))
         return DecoderOptions(qkv_bias=attention_bias, o_bias=attention_bias,
-                              mlp_bias=bool(getattr(config, "mlp_bias", False)))
+                              mlp_bias=bool(getattr(config, "mlp_bias", False)), activation=activation(config))

@@ -26,11 +26,14 @@ def default_weight_loader(param: nn.Parameter, loaded_weight: torch.Tensor) -> N
 def load_weights(model: nn.Module, weights: Iterable[tuple[str, torch.Tensor]], source: str) -> None:
     """Copy every (checkpoint name, full tensor) into its (possibly packed) parameter; fail on anything missing.
 
-    `model.packed_modules_mapping` maps a checkpoint name fragment such as "q_proj" to the fused
+    A model's `checkpoint_weights` first turns the checkpoint's names and fused tensors into its own (see
+    `DecoderForCausalLM`). `model.packed_modules_mapping` maps a checkpoint name fragment such as "q_proj" to the fused
     parameter ("qkv_proj") and the shard it fills. Each parameter's `weight_loader` keeps only
     this tensor-parallel rank's slice. Tensors with no parameter (a tied `lm_head.weight`,
     rotary buffers) are ignored.
     """
+    if (rename := getattr(model, "checkpoint_weights", None)) is not None:
+        weights = rename(weights)
     packed = getattr(model, "packed_modules_mapping", {})
     params = dict(model.named_parameters())
     expected = Counter({name: 1 for name in params})

@@ -85,7 +85,7 @@ def test_attend_rejects_inputs_it_cannot_serve(change, message):
 
 
 def compile_for_nvidia(capability: int, dtype: torch.dtype, heads: int, kv_heads: int, head_dim: int,
-                       page: int) -> None:
+                       page: int, softcap: bool = False) -> None:
     """Both kernels compiled (not run) for an NVIDIA GPU, with the argument types and divisibility hints the JIT
     would give them: catches what the interpreter accepts but the compiler does not."""
     import triton.compiler
@@ -95,8 +95,9 @@ def compile_for_nvidia(capability: int, dtype: torch.dtype, heads: int, kv_heads
 
     element = {torch.float16: "*fp16", torch.bfloat16: "*bf16", torch.float32: "*fp32"}[dtype]
     types = {"out_ptr": element, "q_ptr": element, "k_cache_ptr": element, "v_cache_ptr": element,
-             "part_m_ptr": "*fp32", "part_l_ptr": "*fp32", "part_acc_ptr": "*fp32", "qk_scale": "fp32"}
-    constants = ta.kernel_constants(heads, kv_heads, head_dim, page, dtype)
+             "part_m_ptr": "*fp32", "part_l_ptr": "*fp32", "part_acc_ptr": "*fp32", "qk_scale": "fp32",
+             "score_scale": "fp32", "softcap": "fp32"}
+    constants = {**ta.kernel_constants(heads, kv_heads, head_dim, page, dtype), "SOFTCAP": softcap}
     for kernel, kernel_constants, launch in ((ta._attention_kernel, constants, ta.ATTENTION_LAUNCH),
                                              (ta._reduce_segments_kernel, ta.reduce_constants(constants),
                                               ta.REDUCE_LAUNCH)):
@@ -109,16 +110,17 @@ def compile_for_nvidia(capability: int, dtype: torch.dtype, heads: int, kv_heads
                                 target=GPUTarget("cuda", capability, 32), options=launch)
 
 
-@pytest.mark.parametrize("capability, dtype, heads, kv_heads, head_dim, page", [
-    (90, torch.bfloat16, 16, 8, 128, 256),  # Qwen3-0.6B on an H100
-    (80, torch.float32, 14, 2, 24, 16),  # a group of 7, true float32 dots, head_dim padded to 32
+@pytest.mark.parametrize("capability, dtype, heads, kv_heads, head_dim, page, softcap", [
+    (90, torch.bfloat16, 16, 8, 128, 256, False),  # Qwen3-0.6B on an H100
+    (80, torch.float32, 14, 2, 24, 16, False),  # a group of 7, true float32 dots, head_dim padded to 32
+    (90, torch.bfloat16, 8, 4, 256, 256, True),  # Gemma 2: capped scores
 ])
-def test_kernels_compile_for_nvidia_gpus(capability, dtype, heads, kv_heads, head_dim, page):
+def test_kernels_compile_for_nvidia_gpus(capability, dtype, heads, kv_heads, head_dim, page, softcap):
     import triton.backends
 
     if "nvidia" not in triton.backends.backends:
         pytest.skip("this triton build has no NVIDIA backend")
-    compile_for_nvidia(capability, dtype, heads, kv_heads, head_dim, page)
+    compile_for_nvidia(capability, dtype, heads, kv_heads, head_dim, page, softcap)
 
 
 # The compiled kernels on a GPU.

@@ -6,7 +6,8 @@ batch helpers below and run them compiled on the GPU.
 
 A sequence is (q_len, context_len, seed): its queries, keys and values depend only on the seed, so
 the same sequence can be placed in different batches, at different blocks, with different q
-lengths. Cache slots no sequence owns hold NaN, so any read outside a context shows in the output.
+lengths. Cache slots no sequence owns hold NaN, so any read outside a context shows in the output. With a sliding
+window, the blocks wholly before every query's window are released (-1 in the table), as the block manager does.
 """
 import json
 import random
@@ -30,20 +31,24 @@ class Batch:
     ctx: Context
     rows: list[slice]  # each sequence's rows of q
     scale: float
+    window: int = 0
+    softcap: float = 0.0
 
     def attend(self, backend) -> torch.Tensor:
-        return backend.attend(self.q, self.k_cache, self.v_cache, self.ctx, self.scale)
+        return backend.attend(self.q, self.k_cache, self.v_cache, self.ctx, self.scale, window=self.window,
+                              softcap=self.softcap)
 
     def reference(self) -> torch.Tensor:
         """TorchBackend on CPU in float32, on the same values."""
         ctx = Context(**{name: value.cpu() if isinstance(value, torch.Tensor) else value
                          for name, value in vars(self.ctx).items()})
         return TorchBackend.attend(self.q.cpu().float(), self.k_cache.cpu().float(), self.v_cache.cpu().float(), ctx,
-                                   self.scale)
+                                   self.scale, window=self.window, softcap=self.softcap)
 
 
 def make_batch(seqs: list[Seq], *, heads: int = 4, kv_heads: int = 2, head_dim: int = 16, page: int = 16,
-               dtype: torch.dtype = torch.float32, device: str = "cpu", layout_seed: int = 0) -> Batch:
+               dtype: torch.dtype = torch.float32, device: str = "cpu", layout_seed: int = 0, window: int = 0,
+               softcap: float = 0.0) -> Batch:
     """One step over `seqs`, their blocks shuffled (by `layout_seed`) among twice as many as needed."""
     needed = [-(-context // page) for _, context, _ in seqs]
     num_blocks = 2 * sum(needed) + 1
@@ -59,7 +64,8 @@ def make_batch(seqs: list[Seq], *, heads: int = 4, kv_heads: int = 2, head_dim: 
         slots = torch.tensor([table[i // page] * page + i % page for i in range(context)], dtype=torch.int64)
         k_cache.view(-1, kv_heads, head_dim)[slots] = k.to(dtype)
         v_cache.view(-1, kv_heads, head_dim)[slots] = v.to(dtype)
-        tables.append(table + [-1] * (width - n))
+        released = max(0, context - q_len - window + 1) // page if window else 0
+        tables.append([-1] * released + table[released:] + [-1] * (width - n))
         queries.append(q)
     q_lens = [q_len for q_len, _, _ in seqs]
     contexts = [context for _, context, _ in seqs]
@@ -70,7 +76,7 @@ def make_batch(seqs: list[Seq], *, heads: int = 4, kv_heads: int = 2, head_dim: 
                   block_tables=torch.tensor(tables, dtype=torch.int32, device=device))
     rows = [slice(int(cu_q[i]), int(cu_q[i + 1])) for i in range(len(seqs))]
     return Batch(q=torch.cat(queries).to(dtype).to(device), k_cache=k_cache.to(device), v_cache=v_cache.to(device),
-                 ctx=ctx, rows=rows, scale=head_dim ** -0.5)
+                 ctx=ctx, rows=rows, scale=head_dim ** -0.5, window=window, softcap=softcap)
 
 # Correctness against the torch reference: (name, seqs, make_batch options). Contexts span 1..4200,
 # with padding rows, prefix-cached chunks (q_len < context), full prefills, and pure decode batches.
@@ -89,6 +95,10 @@ CORRECTNESS = [
     ("mixed_group3_d128_page16", [(5, 21, 31), (1, 600, 32), PAD], {"heads": 6, "kv_heads": 2, "head_dim": 128}),
     *((f"{kind}_{dtype}", seqs, {"head_dim": 64, "dtype": dtype})
       for dtype in ("float16", "bfloat16") for kind, seqs in (("mixed", SHORT_MIXED), ("decode", SHORT_DECODE))),
+    ("window_mixed_d16_page16", MIXED + LONG, {"window": 100}),
+    ("window_decode_d64_page16", DECODE + LONG[1:], {"head_dim": 64, "window": 300}),
+    ("softcap_mixed_d16_page16", MIXED, {"softcap": 2.0}),
+    ("softcap_window_decode_d16_page16", DECODE, {"softcap": 2.0, "window": 40}),
 ]
 # Elementwise |out - ref| <= atol + rtol * |ref|, the reference in float32 on the same (rounded) inputs.
 TOLERANCE = {"float32": (1e-5, 0.0), "float16": (1e-3, 1e-3), "bfloat16": (1e-2, 1.6e-2)}

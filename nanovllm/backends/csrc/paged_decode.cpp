@@ -1,7 +1,9 @@
 // Paged decode attention on the CPU: every single-query row of a step in one call, reading K/V in place
 // through the block tables. One work item per (row, KV head): the group's query heads against every cached key of
-// the row, scores in float32, a max-subtracted softmax, then the weighted sum of V. A row's result depends only on
-// its own query, its own cached K/V and this binary's fixed operation order: not on its batch, nor on threads.
+// the row (with a sliding window, only the last `window` keys; the blocks before them are never read), scores in
+// float32, capped by softcap * tanh(score / softcap) where softcap > 0, a max-subtracted softmax, then the weighted
+// sum of V. A row's result depends only on its own query, its own cached K/V and this binary's fixed operation order:
+// not on its batch, nor on threads.
 // Common head sizes are compiled with head_dim as a constant, which the compiler unrolls (about 2x faster).
 #include <ATen/Dispatch.h>
 #include <ATen/Parallel.h>
@@ -39,14 +41,15 @@ static inline f32x16 lane_sums(const f32x16 v[16]) {
   return __builtin_shuffle(t[0], t[1], lo4) + __builtin_shuffle(t[0], t[1], hi4);
 }
 
-// scores[h * length + t] = query_h . key_t for the group's heads, 16 keys per tile (a short last tile padded with 0).
+// scores[h * length + t] = query_h . key_(first + t) for the group's heads and the `length` keys from `first`, 16 keys
+// per tile (a short last tile padded with 0).
 template <typename T, int64_t HEAD_DIM>
-static void tiled_scores(const float* query, const T* k_cache, const int32_t* table, int64_t length, int64_t group,
-                         int64_t block_size, int64_t block_stride, int64_t token_stride, int64_t head_offset,
-                         float* scores) {
+static void tiled_scores(const float* query, const T* k_cache, const int32_t* table, int64_t first, int64_t length,
+                         int64_t group, int64_t block_size, int64_t block_stride, int64_t token_stride,
+                         int64_t head_offset, float* scores) {
   constexpr int64_t CHUNKS = HEAD_DIM / 16;
   alignas(64) float keys[16][HEAD_DIM];
-  int64_t block = 0, offset = 0;  // where token t0 + j lies, walked without a division per token
+  int64_t block = first / block_size, offset = first % block_size;  // where key first + t0 + j lies
   for (int64_t t0 = 0; t0 < length; t0 += 16) {
     const int64_t n = std::min<int64_t>(16, length - t0);
     for (int64_t j = 0; j < 16; ++j) {
@@ -78,7 +81,8 @@ static void tiled_scores(const float* query, const T* k_cache, const int32_t* ta
 template <typename T, int64_t HEAD_DIM>
 static void decode_rows(const T* q, const T* k_cache, const T* v_cache, const int32_t* block_tables,
                         const int32_t* context_lens, T* out, int64_t rows, int64_t heads, int64_t kv_heads,
-                        int64_t runtime_head_dim, int64_t block_size, int64_t table_width, float scale) {
+                        int64_t runtime_head_dim, int64_t block_size, int64_t table_width, float scale,
+                        int64_t window, float softcap) {
   const int64_t head_dim = HEAD_DIM ? HEAD_DIM : runtime_head_dim;  // a constant lets the compiler unroll
   const int64_t group = heads / kv_heads;
   const int64_t token_stride = kv_heads * head_dim;   // next token in a block
@@ -87,8 +91,10 @@ static void decode_rows(const T* q, const T* k_cache, const T* v_cache, const in
     std::vector<float> query(group * head_dim), scores, key(head_dim);
     for (int64_t item = begin; item < end; ++item) {
       const int64_t row = item / kv_heads, g = item % kv_heads;
-      const int64_t length = context_lens[row];
-      if (length <= 0) continue;
+      const int64_t context = context_lens[row];
+      if (context <= 0) continue;
+      const int64_t first = window > 0 ? std::max<int64_t>(0, context - window) : 0;  // first key the query sees
+      const int64_t length = context - first;
       const int32_t* table = block_tables + row * table_width;
       for (int64_t h = 0; h < group; ++h)
         for (int64_t d = 0; d < head_dim; ++d)
@@ -96,13 +102,13 @@ static void decode_rows(const T* q, const T* k_cache, const T* v_cache, const in
       scores.resize(group * length);
 #ifdef NANOVLLM_TILED_SCORES
       if constexpr (HEAD_DIM % 16 == 0 && HEAD_DIM > 0) {
-        tiled_scores<T, HEAD_DIM>(query.data(), k_cache, table, length, group, block_size, block_stride, token_stride,
-                                  g * head_dim, scores.data());
+        tiled_scores<T, HEAD_DIM>(query.data(), k_cache, table, first, length, group, block_size, block_stride,
+                                  token_stride, g * head_dim, scores.data());
       } else
 #endif
-      for (int64_t t0 = 0; t0 < length; t0 += block_size) {
+      for (int64_t t0 = first - first % block_size; t0 < context; t0 += block_size) {
         const T* block = k_cache + table[t0 / block_size] * block_stride + g * head_dim;
-        for (int64_t t = t0; t < std::min(t0 + block_size, length); ++t) {
+        for (int64_t t = std::max(t0, first); t < std::min(t0 + block_size, context); ++t) {
           const T* k = block + (t - t0) * token_stride;
 #pragma omp simd
           for (int64_t d = 0; d < head_dim; ++d) key[d] = to_float(k[d]);
@@ -111,10 +117,12 @@ static void decode_rows(const T* q, const T* k_cache, const T* v_cache, const in
             float dot = 0.f;
 #pragma omp simd reduction(+ : dot)
             for (int64_t d = 0; d < head_dim; ++d) dot += qh[d] * key[d];
-            scores[h * length + t] = dot;
+            scores[h * length + t - first] = dot;
           }
         }
       }
+      if (softcap > 0.f)
+        for (int64_t i = 0; i < group * length; ++i) scores[i] = softcap * std::tanh(scores[i] / softcap);
       for (int64_t h = 0; h < group; ++h) {
         float* p = scores.data() + h * length;
         float top = -std::numeric_limits<float>::infinity();
@@ -124,12 +132,12 @@ static void decode_rows(const T* q, const T* k_cache, const T* v_cache, const in
         float total = 0.f;
         for (int64_t t = 0; t < length; ++t) total += p[t];
         float acc[HEAD_DIM ? HEAD_DIM : MAX_HEAD_DIM] = {};  // in registers when HEAD_DIM is a constant
-        for (int64_t t0 = 0; t0 < length; t0 += block_size) {
+        for (int64_t t0 = first - first % block_size; t0 < context; t0 += block_size) {
           const T* block = v_cache + table[t0 / block_size] * block_stride + g * head_dim;
-          for (int64_t t = t0; t < std::min(t0 + block_size, length); ++t) {
+          for (int64_t t = std::max(t0, first); t < std::min(t0 + block_size, context); ++t) {
             const T* v = block + (t - t0) * token_stride;
 #pragma omp simd
-            for (int64_t d = 0; d < head_dim; ++d) acc[d] += p[t] * to_float(v[d]);
+            for (int64_t d = 0; d < head_dim; ++d) acc[d] += p[t - first] * to_float(v[d]);
           }
         }
         T* o = out + (row * heads + g * group + h) * head_dim;
@@ -140,7 +148,7 @@ static void decode_rows(const T* q, const T* k_cache, const T* v_cache, const in
 }
 
 at::Tensor paged_decode(at::Tensor q, at::Tensor k_cache, at::Tensor v_cache, at::Tensor block_tables,
-                        at::Tensor context_lens, double scale) {
+                        at::Tensor context_lens, double scale, int64_t window, double softcap) {
   TORCH_CHECK(q.dim() == 3 && k_cache.dim() == 4 && v_cache.sizes() == k_cache.sizes(), "bad shapes");
   TORCH_CHECK(k_cache.is_contiguous() && v_cache.is_contiguous(), "the caches must be contiguous");
   TORCH_CHECK(q.scalar_type() == k_cache.scalar_type(), "q and the caches must share a dtype");
@@ -154,7 +162,8 @@ at::Tensor paged_decode(at::Tensor q, at::Tensor k_cache, at::Tensor v_cache, at
                                                                                  : decode_rows<scalar_t, 0>;
     run(q.data_ptr<scalar_t>(), k_cache.data_ptr<scalar_t>(), v_cache.data_ptr<scalar_t>(),
         block_tables.data_ptr<int32_t>(), context_lens.data_ptr<int32_t>(), out.data_ptr<scalar_t>(), q.size(0),
-        q.size(1), k_cache.size(2), q.size(2), k_cache.size(1), block_tables.size(1), static_cast<float>(scale));
+        q.size(1), k_cache.size(2), q.size(2), k_cache.size(1), block_tables.size(1), static_cast<float>(scale), window,
+        static_cast<float>(softcap));
   });
   return out;
 }
