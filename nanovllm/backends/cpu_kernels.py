@@ -88,7 +88,8 @@ def build_progress(directory: Path) -> Progress:
 
 
 def paged_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_tables: torch.Tensor,
-                 context_lens: torch.Tensor, scale: float, window: int = 0, softcap: float = 0.0) -> torch.Tensor | None:
+                 context_lens: torch.Tensor, scale: float, window: int = 0,
+                 softcap: float = 0.0) -> torch.Tensor | None:
     """Attention of single-query rows q `[rows, heads, head_dim]` over their cached K/V (caches `[blocks, block_size,
     kv_heads, head_dim]`, row i's blocks in `block_tables[i]`, its first `context_lens[i]` tokens, only the last
     `window` of them where `window` > 0; scores capped by `softcap` > 0); None without the compiled kernels."""

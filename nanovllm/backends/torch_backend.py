@@ -149,8 +149,8 @@ class TorchBackend:
                 first = max(0, length - (cu_q[i + 1] - cu_q[i]) - window + 1) // block_size * block_size \
                     if window else 0
                 table = torch.as_tensor(tables[i], device=q.device)
-                o[rows] = _attend(q[rows], _gather(k_cache, table, length, first), _gather(v_cache, table, length, first),
-                                  scale, window, softcap)
+                k, v = _gather(k_cache, table, length, first), _gather(v_cache, table, length, first)
+                o[rows] = _attend(q[rows], k, v, scale, window, softcap)
         return o
 
 

@@ -10,7 +10,7 @@ import torch
 from torch import nn
 from transformers import PretrainedConfig
 
-from nanovllm.layers.activation import Activation, ActAndMul
+from nanovllm.layers.activation import ActAndMul, Activation
 from nanovllm.layers.attention import Attention
 from nanovllm.layers.embed_head import ParallelLMHead, VocabParallelEmbedding
 from nanovllm.layers.layernorm import LayerNorm, RMSNorm

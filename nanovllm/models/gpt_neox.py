@@ -8,8 +8,9 @@ from nanovllm.models.decoder import DecoderForCausalLM, DecoderOptions
 from nanovllm.models.hf_config import activation, head_dim
 
 _NEOX_NAMES = (("gpt_neox.embed_in.", "model.embed_tokens."), ("gpt_neox.final_layer_norm.", "model.norm."),
-               ("gpt_neox.layers.", "model.layers."), ("embed_out.", "lm_head."), (".attention.dense.", ".self_attn.o_proj."),
-               (".mlp.dense_h_to_4h.", ".mlp.fc_in."), (".mlp.dense_4h_to_h.", ".mlp.down_proj."))
+               ("gpt_neox.layers.", "model.layers."), ("embed_out.", "lm_head."),
+               (".attention.dense.", ".self_attn.o_proj."), (".mlp.dense_h_to_4h.", ".mlp.fc_in."),
+               (".mlp.dense_4h_to_h.", ".mlp.down_proj."))
 
 
 class GPTNeoXForCausalLM(DecoderForCausalLM):

@@ -83,7 +83,8 @@ def rope_scaling(cfg: PretrainedConfig, layer_type: str | None = None) -> RopeSc
         factor = params.get("factor") or cfg.max_position_embeddings / original
         return YarnRopeScaling(factor=float(factor), original_max_position_embeddings=int(original),
                                attention_factor=_yarn_attention_factor(params, factor),
-                               beta_fast=float(params.get("beta_fast") or 32), beta_slow=float(params.get("beta_slow") or 1),
+                               beta_fast=float(params.get("beta_fast") or 32),
+                               beta_slow=float(params.get("beta_slow") or 1),
                                truncate=bool(params.get("truncate", True)))
     raise ValueError(f"unsupported rope scaling {kind!r} in the model config; nanovllm supports "
                      f"{list(SUPPORTED_ROPE_TYPES)}")
