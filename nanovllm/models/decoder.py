@@ -83,7 +83,8 @@ class DecoderAttention(nn.Module):
         scale = options.attention_scale or self.head_dim ** -0.5
         self.attn = Attention(self.num_heads, self.head_dim, scale, self.num_kv_heads, sliding_window=sliding_window,
                               softcap=options.attn_logit_softcap)
-        self.q_norm = self.k_norm = self.q_norm_full = self.k_norm_full = nn.Identity()
+        self.qk_norm_full = options.qk_norm_full
+        self.q_norm = self.k_norm = nn.Identity()
         if options.qk_norm:
             self.q_norm = _norm(config, options, self.head_dim)
             self.k_norm = _norm(config, options, self.head_dim)
@@ -91,13 +92,17 @@ class DecoderAttention(nn.Module):
             if tp_size > 1:
                 raise ValueError("this model normalizes queries and keys over all heads together (OLMo 2), which "
                                  "nanovllm does not split over tensor-parallel ranks: use tensor_parallel_size=1")
-            self.q_norm_full = _norm(config, options, self.q_size)
-            self.k_norm_full = _norm(config, options, self.kv_size)
+            self.q_norm = _norm(config, options, self.q_size)
+            self.k_norm = _norm(config, options, self.kv_size)
 
     def forward(self, positions: torch.Tensor, hidden_states: torch.Tensor) -> torch.Tensor:
         q, k, v = self.qkv_proj(hidden_states).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
-        q = self.q_norm(self.q_norm_full(q).view(-1, self.num_heads, self.head_dim))
-        k = self.k_norm(self.k_norm_full(k).view(-1, self.num_kv_heads, self.head_dim))
+        if self.qk_norm_full:
+            q, k = self.q_norm(q), self.k_norm(k)
+        q = q.view(-1, self.num_heads, self.head_dim)
+        k = k.view(-1, self.num_kv_heads, self.head_dim)
+        if not self.qk_norm_full:
+            q, k = self.q_norm(q), self.k_norm(k)
         v = v.view(-1, self.num_kv_heads, self.head_dim)
         q, k = self.rotary_emb(positions, q, k)
         o = self.attn(q, k, v)
