@@ -33,10 +33,20 @@ class BlockManager:
     (every layer writes the step's K/V before any attention reads them). A freed block keeps its
     name and content until it is handed out again, so a later request can still hit it; free
     blocks are reused oldest-freed first.
+
+    With `sliding_window` > 0 (every layer of the model attends only to that many last positions: vLLM's
+    sliding-window manager), a sequence's blocks that lie wholly before the window of its next query are released
+    as soon as it is scheduled past them: their table entries become -1 (the backends never read them) and a
+    long sequence holds about `sliding_window / block_size + 2` blocks. A released block keeps its name, as
+    any freed block does: its K/V are still exactly those of its prefix, so a later hit on it is correct.
+    A model that mixes full-attention layers with sliding ones (Gemma 2/3) must keep every block: it passes 0.
     """
 
-    def __init__(self, num_blocks: int, block_size: int):
+    def __init__(self, num_blocks: int, block_size: int, sliding_window: int = 0):
         self.block_size = block_size
+        self.sliding_window = sliding_window
+        self.num_released_blocks = 0  # released outside a sliding window, since the start
+        self.peak_used_blocks = 0
         self.blocks = [Block(i) for i in range(num_blocks)]
         self.hash_to_block_id: dict[int, int] = {}
         self.free_block_ids: dict[int, None] = dict.fromkeys(range(num_blocks))  # ordered set, LRU first
@@ -110,7 +120,28 @@ class BlockManager:
                 token_ids = seq.block(i)
                 block.update(self.compute_hash(token_ids, prefix), token_ids)
                 self.hash_to_block_id[block.hash] = block.block_id
+        if self.sliding_window:
+            self._release_outside_window(seq, start, end)
+        self.peak_used_blocks = max(self.peak_used_blocks, len(self.blocks) - self.num_free_blocks)
         return True
+
+    def _release_outside_window(self, seq: Sequence, start: int, end: int) -> None:
+        """Free the blocks before the window of this step's first query (position `start`). The block before the
+        one that `end` falls in stays: the next block named hashes on its name."""
+        limit = min((start - self.sliding_window + 1) // self.block_size, end // self.block_size - 1)
+        for i in range(limit - 1, -1, -1):
+            block_id = seq.block_table[i]
+            if block_id == -1:
+                break
+            self._release(block_id)
+            seq.block_table[i] = -1
+            self.num_released_blocks += 1
+
+    def _release(self, block_id: int) -> None:
+        block = self.blocks[block_id]
+        block.ref_count -= 1
+        if block.ref_count == 0:
+            self.free_block_ids[block_id] = None
 
     def deallocate(self, seq: Sequence, num_valid_tokens: int | None = None) -> None:
         """Release `seq`'s blocks. Blocks past its first `num_valid_tokens` tokens (a step that was
@@ -119,8 +150,6 @@ class BlockManager:
             for block_id in seq.block_table[num_valid_tokens // self.block_size:]:
                 self._forget(self.blocks[block_id])
         for block_id in reversed(seq.block_table):
-            block = self.blocks[block_id]
-            block.ref_count -= 1
-            if block.ref_count == 0:
-                self.free_block_ids[block_id] = None
+            if block_id != -1:  # released outside the sliding window
+                self._release(block_id)
         seq.block_table.clear()

@@ -9,7 +9,8 @@ from nanovllm.core.sequence import Sequence, SequenceStatus
 class SchedulerConfig:
     """What the scheduler works with (the engine's settings of the same names): its limits and policy ("fcfs" or
     "priority"), and the KV cache it hands out, `num_kv_blocks` blocks of `block_size` tokens (as many as the model
-    runner could allocate)."""
+    runner could allocate). `sliding_window` > 0: every layer of the model sees only that many last positions, so
+    blocks before it are released (see `BlockManager`)."""
 
     num_kv_blocks: int
     block_size: int
@@ -17,6 +18,7 @@ class SchedulerConfig:
     max_num_batched_tokens: int
     enable_chunked_prefill: bool
     scheduling_policy: str
+    sliding_window: int = 0
 
 
 @dataclass
@@ -109,7 +111,7 @@ class Scheduler:
         self.max_num_seqs = min(config.max_num_seqs, config.max_num_batched_tokens)
         self.max_num_batched_tokens = config.max_num_batched_tokens
         self.chunked_prefill = config.enable_chunked_prefill
-        self.block_manager = BlockManager(config.num_kv_blocks, config.block_size)
+        self.block_manager = BlockManager(config.num_kv_blocks, config.block_size, config.sliding_window)
         self.waiting = WaitingQueue(by_priority=config.scheduling_policy == "priority")
         self.running: list[Sequence] = []
         self.unfinished: dict[int, Sequence] = {}

@@ -16,6 +16,7 @@ from nanovllm.core.stopping import token_finish
 from nanovllm.engine.frontend import CheckedPrompt, Params, Prompt, PromptFrontend
 from nanovllm.engine.request import Completion, Request
 from nanovllm.execution.model_runner import ModelRunner
+from nanovllm.models import kv_sliding_window
 from nanovllm.outputs import RequestOutput, TokenLogprobs
 from nanovllm.sampling_params import SamplingParams
 
@@ -51,7 +52,8 @@ class LLMEngine(PromptFrontend):
         self.scheduler = Scheduler(SchedulerConfig(
             num_kv_blocks=self.model_runner.kv_cache.num_blocks, block_size=config.kvcache_block_size,
             max_num_seqs=config.max_num_seqs, max_num_batched_tokens=config.max_num_batched_tokens,
-            enable_chunked_prefill=config.enable_chunked_prefill, scheduling_policy=config.scheduling_policy))
+            enable_chunked_prefill=config.enable_chunked_prefill, scheduling_policy=config.scheduling_policy,
+            sliding_window=kv_sliding_window(config.hf_config)))
         self._seq_ids, self._request_ids = count(), count()
         self._requests: dict[str, Request] = {}
         self._completions: dict[int, tuple[Request, Completion]] = {}
@@ -229,7 +231,7 @@ class LLMEngine(PromptFrontend):
     def stats(self) -> dict[str, int]:
         """Counters since the engine started: prompt tokens served from the prefix cache, steps (with a
         prompt chunk that did not finish its prompt; with decodes and prefill chunks together),
-        preemptions, and KV blocks."""
+        preemptions, and KV blocks (released outside a sliding window; the most in use at once)."""
         s, bm = self.scheduler, self.scheduler.block_manager
         return {"num_cached_tokens": s.num_cached_tokens,
                 "num_steps": s.num_steps,
@@ -237,7 +239,9 @@ class LLMEngine(PromptFrontend):
                 "num_mixed_steps": s.num_mixed_steps,
                 "num_preemptions": s.num_preemptions,
                 "num_free_blocks": bm.num_free_blocks,
-                "num_blocks": len(bm.blocks)}
+                "num_blocks": len(bm.blocks),
+                "num_released_blocks": bm.num_released_blocks,
+                "peak_used_blocks": bm.peak_used_blocks}
 
     def _abort_all(self, error: BaseException) -> None:
         """After a step failed: every unfinished request ends as aborted, frees its blocks and carries the error."""

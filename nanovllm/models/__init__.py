@@ -35,5 +35,12 @@ def model_class(config: PretrainedConfig) -> type[DecoderForCausalLM]:
     return cls
 
 
+def kv_sliding_window(config: PretrainedConfig) -> int:
+    """The window outside which no layer reads K/V (so its blocks can be released), 0 when some layer attends to
+    everything (Gemma 2/3 alternate local and global layers: nothing can be released)."""
+    windows = model_class(config).options(config).layer_windows
+    return max(windows) if windows and all(windows) else 0
+
+
 def build_model(config: PretrainedConfig) -> DecoderForCausalLM:
     return model_class(config)(config)

@@ -160,3 +160,68 @@ def test_deallocate_forgets_blocks_whose_step_never_ran():
     assert bm.allocate(s1, 8)  # scheduled, then the step fails before computing tokens 4..11
     bm.deallocate(s1, num_valid_tokens=4)
     assert admit(bm, seq(list(range(12)), 2)) == 4
+
+
+def run_in_steps(bm: BlockManager, s: Sequence, step: int, held: list[int]) -> None:
+    """Compute `s` `step` tokens at a time from where it is (as chunked prefill then decode would), recording the
+    blocks it holds after each step."""
+    while s.num_computed_tokens < len(s):
+        n = min(step, len(s) - s.num_computed_tokens)
+        assert bm.allocate(s, n)
+        s.num_computed_tokens += n
+        held.append(sum(b != -1 for b in s.block_table))
+
+
+@pytest.mark.parametrize("window, step", [(6, 1), (6, 3), (9, 4), (4, 5)])
+def test_sliding_window_releases_blocks_before_the_window(window, step):
+    bm = BlockManager(32, BS, sliding_window=window)
+    s, held = seq(list(range(60))), []
+    run_in_steps(bm, s, step, held)
+    bound = -(-(window + step - 1) // BS) + 2  # the step's queries' windows, rounded to blocks, and one kept for hashing
+    assert max(held) <= bound < 60 // BS, held
+    first_needed = (len(s) - window) // BS  # the last query's window starts in this block
+    assert all(b == -1 for b in s.block_table[:first_needed - 1])
+    assert all(b != -1 for b in s.block_table[first_needed:])
+    assert bm.num_released_blocks == s.block_table.count(-1) > 0
+    assert bm.num_free_blocks == 32 - max(0, len(s.block_table) - s.block_table.count(-1))
+    bm.deallocate(s)
+    assert bm.num_free_blocks == 32 and all(block.ref_count == 0 for block in bm.blocks)
+
+
+def test_sliding_window_keeps_every_block_when_off():
+    bm = BlockManager(32, BS)
+    s, held = seq(list(range(60))), []
+    run_in_steps(bm, s, 3, held)
+    assert held[-1] == 15 and -1 not in s.block_table and bm.num_released_blocks == 0
+
+
+def test_a_released_block_is_hit_only_while_it_keeps_its_prefix():
+    """A released block keeps its name and K/V (those of its prefix), as any freed block does: a later request with
+    the same prefix hits it and releases it again; once the block is handed out anew, the prefix misses."""
+    bm = BlockManager(12, BS, sliding_window=4)
+    s1 = seq(list(range(30)), 1)
+    run_in_steps(bm, s1, 2, [])
+    released = [i for i, b in enumerate(s1.block_table) if b == -1]
+    assert released[:2] == [0, 1]
+    s2 = seq(list(range(12)) + [99], 2)
+    cached = bm.cached_prefix(s2)
+    assert len(cached) == 3 and all(bm.blocks[b].ref_count == 0 or b in s1.block_table for b in cached)
+    assert bm.allocate(s2, 1, cached)
+    s2.num_computed_tokens = 13
+    assert s2.block_table[:2] == [-1, -1]  # released again at once: outside the window of token 12
+    bm.deallocate(s1)
+    bm.deallocate(s2)
+    assert bm.num_free_blocks == 12 and all(block.ref_count == 0 for block in bm.blocks)
+    others = [seq([7] * 40, 3 + i) for i in range(3)]
+    for other in others:  # hand out every block anew
+        assert bm.allocate(other, 16)
+    assert bm.cached_prefix(seq(list(range(12)) + [99], 9)) == []
+
+
+def test_preempting_a_sequence_with_released_blocks_frees_the_rest():
+    bm = BlockManager(16, BS, sliding_window=5)
+    s = seq(list(range(40)))
+    run_in_steps(bm, s, 4, [])
+    assert -1 in s.block_table
+    bm.deallocate(s, num_valid_tokens=36)
+    assert s.block_table == [] and bm.num_free_blocks == 16 and all(block.ref_count == 0 for block in bm.blocks)
