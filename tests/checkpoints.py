@@ -6,6 +6,7 @@ import os
 import torch
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 from transformers import (
+    AutoConfig,
     AutoModelForCausalLM,
     LlamaConfig,
     LlamaForCausalLM,
@@ -81,6 +82,60 @@ def make_checkpoint(path: str, *, family: str = "qwen3", tie_word_embeddings: bo
             json.dump(saved, f, indent=2)
     if tokenizer:
         make_tokenizer(path, vocab_size)
+    return path
+
+
+# Each new family's tiny config (the model_type transformers builds and its settings): GQA where the family has it,
+# sliding windows shorter than the tests' prompts, every multiplier and cap away from 1 / off.
+FAMILY_CONFIGS = {
+    "mistral": ("mistral", dict(num_key_value_heads=2, head_dim=16, sliding_window=24)),
+    "mistral_full": ("mistral", dict(num_key_value_heads=2, head_dim=16, sliding_window=None)),
+    "gemma": ("gemma", dict(num_key_value_heads=2, head_dim=16, attention_bias=True)),
+    "gemma2": ("gemma2", dict(num_key_value_heads=2, head_dim=16, sliding_window=24, query_pre_attn_scalar=12,
+                              attn_logit_softcapping=2.0, final_logit_softcapping=3.0, num_hidden_layers=3)),
+    "gemma3": ("gemma3_text", dict(num_key_value_heads=2, head_dim=16, sliding_window=24, query_pre_attn_scalar=12,
+                                   sliding_window_pattern=2, num_hidden_layers=3)),
+    "phi3": ("phi3", dict(num_key_value_heads=2, sliding_window=40, partial_rotary_factor=0.5, pad_token_id=0)),
+    "olmo2": ("olmo2", dict(num_key_value_heads=2, pad_token_id=0)),
+    "granite": ("granite", dict(num_key_value_heads=2, embedding_multiplier=3.0, residual_multiplier=0.5,
+                                attention_multiplier=0.3, logits_scaling=2.0, attention_bias=True)),
+    "gpt_neox": ("gpt_neox", dict(rotary_pct=0.5)),
+    "gpt_neox_sequential": ("gpt_neox", dict(rotary_pct=0.25, use_parallel_residual=False)),
+    "stablelm": ("stablelm", dict(num_key_value_heads=2, partial_rotary_factor=0.25, use_qkv_bias=True)),
+    "stablelm_parallel": ("stablelm", dict(num_key_value_heads=4, partial_rotary_factor=0.5,
+                                           use_parallel_residual=True)),
+}
+
+
+def make_family_checkpoint(path: str, family: str, *, tie_word_embeddings: bool = False, seed: int = 0,
+                           hub_config: dict | None = None, **settings) -> str:
+    """Save a random model of one of `FAMILY_CONFIGS` (hidden 64, 2 layers unless the family says, vocabulary 384,
+    a 300-token tokenizer) as safetensors. Norm weights and biases are drawn too (transformers starts them at
+    one/zero, which would hide a missing `1 + w` or bias). `hub_config` entries are written into config.json as hub
+    checkpoints have them (e.g. `rope_theta` and `rope_scaling` at the top level)."""
+    torch.manual_seed(seed)
+    model_type, family_settings = FAMILY_CONFIGS[family]
+    config = AutoConfig.for_model(model_type, **{
+        "vocab_size": 384, "hidden_size": 64, "num_hidden_layers": 2, "num_attention_heads": 4,
+        "intermediate_size": 128, "max_position_embeddings": 1024, "initializer_range": 0.1, "eos_token_id": 0,
+        "tie_word_embeddings": tie_word_embeddings, **family_settings, **settings})
+    model = AutoModelForCausalLM.from_config(config).float()
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            if name.endswith(".bias"):
+                param.normal_(0, 0.1)
+            elif "norm" in name:
+                param.add_(torch.randn_like(param) * 0.1)
+    model.save_pretrained(path)
+    if hub_config:
+        config_path = os.path.join(path, "config.json")
+        with open(config_path) as f:
+            saved = json.load(f)
+        saved.pop("rope_parameters", None)
+        saved.update(hub_config)
+        with open(config_path, "w") as f:
+            json.dump(saved, f, indent=2)
+    make_tokenizer(path, 300)
     return path
 
 

@@ -1,6 +1,7 @@
 from transformers import PretrainedConfig
 
 from nanovllm.models.decoder import DecoderForCausalLM, DecoderOptions
+from nanovllm.models.hf_config import activation
 
 
 class Qwen2ForCausalLM(DecoderForCausalLM):
@@ -10,4 +11,4 @@ class Qwen2ForCausalLM(DecoderForCausalLM):
     def options(cls, config: PretrainedConfig) -> DecoderOptions:
         if getattr(config, "use_sliding_window", False):
             raise ValueError("this Qwen2 config sets use_sliding_window=true; nanovllm runs full attention only")
-        return DecoderOptions(qkv_bias=True)
+        return DecoderOptions(qkv_bias=True, activation=activation(config))

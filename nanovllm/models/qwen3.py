@@ -1,6 +1,7 @@
 from transformers import PretrainedConfig
 
 from nanovllm.models.decoder import DecoderForCausalLM, DecoderOptions
+from nanovllm.models.hf_config import activation
 
 
 class Qwen3ForCausalLM(DecoderForCausalLM):
@@ -9,4 +10,4 @@ class Qwen3ForCausalLM(DecoderForCausalLM):
     @classmethod
     def options(cls, config: PretrainedConfig) -> DecoderOptions:
         bias = bool(getattr(config, "attention_bias", False))
-        return DecoderOptions(qk_norm=True, qkv_bias=bias, o_bias=bias)
+        return DecoderOptions(qk_norm=True, qkv_bias=bias, o_bias=bias, activation=activation(config))

@@ -177,7 +177,7 @@ def test_sliding_window_releases_blocks_before_the_window(window, step):
     bm = BlockManager(32, BS, sliding_window=window)
     s, held = seq(list(range(60))), []
     run_in_steps(bm, s, step, held)
-    bound = -(-(window + step - 1) // BS) + 2  # the step's queries' windows, rounded to blocks, and one kept for hashing
+    bound = -(-(window + step - 1) // BS) + 2  # the step's windows, rounded to blocks, one kept for hashing
     assert max(held) <= bound < 60 // BS, held
     first_needed = (len(s) - window) // BS  # the last query's window starts in this block
     assert all(b == -1 for b in s.block_table[:first_needed - 1])

@@ -134,14 +134,18 @@ def test_missing_or_malformed_model_directory(tied_model, tmp_path):
     other.mkdir()
     (other / "config.json").write_text(json.dumps({"model_type": "gpt2", "architectures": ["GPT2LMHeadModel"]}))
     with pytest.raises(ValueError, match=r"architectures \['GPT2LMHeadModel'\]; nanovllm supports "
-                                         r"\['LlamaForCausalLM', 'Qwen2ForCausalLM', 'Qwen3ForCausalLM'\]"):
+                                         r"\['GPTNeoXForCausalLM', 'Gemma2ForCausalLM', .*'LlamaForCausalLM', "
+                                         r"'MistralForCausalLM', .*'Qwen3ForCausalLM', 'StableLmForCausalLM'\]"):
         LLM(str(other))
 
 
 @pytest.mark.parametrize("change, message", [
-    ({"rope_scaling": {"rope_type": "yarn", "factor": 4.0}}, "unsupported rope scaling 'yarn'"),
+    ({"rope_scaling": {"rope_type": "longrope", "factor": 4.0, "short_factor": [1.0] * 8, "long_factor": [2.0] * 8}},
+     r"unsupported rope scaling 'longrope' in the model config; nanovllm supports \['default', 'linear', 'llama3', "
+     r"'yarn'\]"),
     ({"rope_scaling": {"rope_type": "llama3", "factor": 8.0}}, "low_freq_factor"),
-    ({"hidden_act": "gelu"}, "unsupported hidden_act 'gelu'"),
+    ({"hidden_act": "relu2"}, r"unsupported hidden_act 'relu2' in the model config; nanovllm supports \['silu', "
+                              r"'gelu', 'gelu_pytorch_tanh'\]"),
     ({"architectures": ["Qwen2ForCausalLM"], "model_type": "qwen2", "use_sliding_window": True}, "use_sliding_window"),
 ])
 def test_config_a_family_cannot_run(tied_model, tmp_path, change, message):
