@@ -72,3 +72,13 @@ def test_alternating_windows_release_nothing(tmp_path):
         llm.generate(PROMPTS[-1:], GREEDY, use_tqdm=False)
         stats = llm.stats()
     assert stats["num_released_blocks"] == 0 and stats["peak_used_blocks"] == -(-(100 + MAX_TOKENS - 1) // 16)
+
+
+def test_gemma2_tensor_parallel_2_matches_transformers(tmp_path):
+    """Two gloo ranks: GeGLU and the vocabulary split, soft-capped scores and logits, alternating windows."""
+    path = make_family_checkpoint(str(tmp_path / "gemma2"), "gemma2", tie_word_embeddings=True)
+    expected = hf_greedy(path, PROMPTS, MAX_TOKENS)
+    with LLM(path, tensor_parallel_size=2, **SETTINGS) as llm:
+        assert [o["token_ids"] for o in llm.generate(PROMPTS, GREEDY, use_tqdm=False)] == expected
+        stats = llm.stats()
+    assert stats["num_free_blocks"] == stats["num_blocks"]
