@@ -17,6 +17,8 @@ class Context:
     prefix sum of `context_lens`, for kernels that take offsets instead of lengths.
     `logits_indices` are the query rows whose logits are needed (the last of each sequence that
     samples in this step; a prompt chunk that does not reach the prompt's end samples nothing).
+    `rope_lengths`, set only for models whose rope depends on it (LongRoPE), gives per query row the sequence length
+    transformers computes that token at: max(position + 1, prompt length).
     """
 
     cu_seqlens_q: torch.Tensor | None = None
@@ -27,6 +29,7 @@ class Context:
     block_tables: torch.Tensor | None = None
     slot_mapping: torch.Tensor | None = None
     logits_indices: torch.Tensor | None = None
+    rope_lengths: torch.Tensor | None = None
 
     @property
     def is_decode(self) -> bool:

@@ -10,7 +10,8 @@ class SchedulerConfig:
     """What the scheduler works with (the engine's settings of the same names): its limits and policy ("fcfs" or
     "priority"), and the KV cache it hands out, `num_kv_blocks` blocks of `block_size` tokens (as many as the model
     runner could allocate). `sliding_window` > 0: every layer of the model sees only that many last positions, so
-    blocks before it are released (see `BlockManager`)."""
+    blocks before it are released (see `BlockManager`). Without `enable_prefix_caching` no prompt reuses cached
+    blocks (a model whose K/V depend on the prompt's length, LongRoPE's, cannot share them)."""
 
     num_kv_blocks: int
     block_size: int
@@ -19,6 +20,7 @@ class SchedulerConfig:
     enable_chunked_prefill: bool
     scheduling_policy: str
     sliding_window: int = 0
+    enable_prefix_caching: bool = True
 
 
 @dataclass
@@ -111,6 +113,7 @@ class Scheduler:
         self.max_num_seqs = min(config.max_num_seqs, config.max_num_batched_tokens)
         self.max_num_batched_tokens = config.max_num_batched_tokens
         self.chunked_prefill = config.enable_chunked_prefill
+        self.prefix_caching = config.enable_prefix_caching
         self.block_manager = BlockManager(config.num_kv_blocks, config.block_size, config.sliding_window)
         self.waiting = WaitingQueue(by_priority=config.scheduling_policy == "priority")
         self.running: list[Sequence] = []
@@ -175,7 +178,8 @@ class Scheduler:
         admitted = False
         while self.waiting and budget and len(self.running) < self.max_num_seqs:
             seq = self.waiting.peek()
-            cached = [] if seq.params.prompt_logprobs is not None else self.block_manager.cached_prefix(seq)
+            shares = self.prefix_caching and seq.params.prompt_logprobs is None
+            cached = self.block_manager.cached_prefix(seq) if shares else []
             num_cached = len(cached) * self.block_manager.block_size
             num_tokens = len(seq) - num_cached
             if num_tokens > budget:

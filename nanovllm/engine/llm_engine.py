@@ -53,7 +53,8 @@ class LLMEngine(PromptFrontend):
             num_kv_blocks=self.model_runner.kv_cache.num_blocks, block_size=config.kvcache_block_size,
             max_num_seqs=config.max_num_seqs, max_num_batched_tokens=config.max_num_batched_tokens,
             enable_chunked_prefill=config.enable_chunked_prefill, scheduling_policy=config.scheduling_policy,
-            sliding_window=kv_sliding_window(config.hf_config)))
+            sliding_window=kv_sliding_window(config.hf_config),
+            enable_prefix_caching=not self.model_runner.model.rope_needs_lengths))
         self._seq_ids, self._request_ids = count(), count()
         self._requests: dict[str, Request] = {}
         self._completions: dict[int, tuple[Request, Completion]] = {}

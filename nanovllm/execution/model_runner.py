@@ -118,13 +118,15 @@ class ModelRunner:
         `starts[i] + num_tokens[i]`; the tokens before are already in its KV cache) and return the
         input ids and positions. Logits are taken at the last row of each sequence that samples, then at the
         prompt rows of sequences that asked for prompt logprobs (returned, in that order)."""
-        input_ids, positions, slot_mapping, context_lens, logits_indices = [], [], [], [], []
+        input_ids, positions, slot_mapping, context_lens, logits_indices, rope_lengths = [], [], [], [], [], []
         cu_seqlens_q, cu_seqlens_k = [0], [0]
         prompt_rows: list[PromptRows] = []
         for seq, start, num_tokens, samples in zip(batch.seqs, batch.starts, batch.num_tokens, batch.samples):
             end = start + num_tokens
             input_ids.extend(seq[start:end])
             positions.extend(range(start, end))
+            if self.model.rope_needs_lengths:
+                rope_lengths.extend(max(p + 1, seq.num_prompt_tokens) for p in range(start, end))
             slot_mapping.extend(self.slots(seq.block_table, start, end))
             if seq.params.prompt_logprobs is not None and start < seq.num_prompt_tokens - 1:
                 scored = range(start, min(end, seq.num_prompt_tokens - 1))  # position p scores prompt token p + 1
@@ -141,7 +143,8 @@ class ModelRunner:
                     context_lens=self._tensor(context_lens, torch.int32),
                     block_tables=self.prepare_block_tables(batch.seqs),
                     slot_mapping=self._tensor(slot_mapping, torch.int64),
-                    logits_indices=self._tensor(logits_indices, torch.int64))
+                    logits_indices=self._tensor(logits_indices, torch.int64),
+                    rope_lengths=self._tensor(rope_lengths, torch.int64) if rope_lengths else None)
         return self._tensor(input_ids, torch.int64), self._tensor(positions, torch.int64), prompt_rows
 
     @torch.inference_mode()

@@ -81,7 +81,42 @@ class YarnRopeScaling:
         return (1.0 / (self.factor * pos_freqs)) * (1 - extrapolation_factor) + (1.0 / pos_freqs) * extrapolation_factor
 
 
-RopeScaling = LinearRopeScaling | Llama3RopeScaling | YarnRopeScaling
+@dataclass(frozen=True)
+class DynamicNtkScaling:
+    """Dynamic NTK: transformers rescales the base only for sequences longer than `max_position_embeddings`, which
+    nanovllm never runs (max_model_len is capped there); below it the frequencies are its init-time ones."""
+
+    factor: float
+    max_position_embeddings: int
+    attention_factor = 1.0
+
+    def inv_freq(self, base: float, dim: int) -> torch.Tensor:
+        seq_len = self.max_position_embeddings
+        base = base * ((self.factor * seq_len / self.max_position_embeddings) - (self.factor - 1)) ** (dim / (dim - 2))
+        return default_inv_freq(base, dim)
+
+
+@dataclass(frozen=True)
+class LongRopeScaling:
+    """Phi-3's LongRoPE: per-frequency divisors, `short_factor` for sequences within the original context and
+    `long_factor` beyond it, and cos/sin scaled by `attention_factor`.
+
+    transformers picks the set per forward call from the longest position it sees, so a token computed in a prompt
+    of length L uses the long set iff L > original, and a generated token at position p iff p + 1 > original: the
+    `lengths` `RotaryEmbedding` takes (`Context.rope_lengths`).
+    """
+
+    short_factor: tuple[float, ...]
+    long_factor: tuple[float, ...]
+    original_max_position_embeddings: int
+    attention_factor: float
+
+    def inv_freq(self, base: float, dim: int, long: bool = False) -> torch.Tensor:
+        factors = torch.tensor(self.long_factor if long else self.short_factor, dtype=torch.float32)
+        return 1.0 / (factors * base ** (torch.arange(0, dim, 2, dtype=torch.int64).float() / dim))
+
+
+RopeScaling = LinearRopeScaling | Llama3RopeScaling | YarnRopeScaling | DynamicNtkScaling | LongRopeScaling
 
 
 def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
@@ -99,7 +134,9 @@ def apply_rotary(positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor,
 class RotaryEmbedding(nn.Module):
     """Rotary position embedding, rotate-half (NeoX) layout, with a precomputed float32 cos/sin table.
 
-    With `rotary_dim < head_dim` (partial rotary) only the first `rotary_dim` features of each head turn.
+    With `rotary_dim < head_dim` (partial rotary) only the first `rotary_dim` features of each head turn. With
+    LongRoPE the table holds the short set's rows then the long set's, and a token reads the long ones when the
+    length it was computed at (`lengths`; for a generated token, its position + 1) exceeds the original context.
     """
 
     def __init__(self, head_dim: int, max_position: int, base: float, scaling: RopeScaling | None = None,
@@ -107,16 +144,33 @@ class RotaryEmbedding(nn.Module):
         super().__init__()
         self.rotary_dim = rotary_dim = rotary_dim or head_dim
         self.partial = rotary_dim < head_dim
-        inv_freq = default_inv_freq(base, rotary_dim) if scaling is None else scaling.inv_freq(base, rotary_dim)
-        factor = 1.0 if scaling is None else scaling.attention_factor
+        self.max_position = max_position
+        self.long_after = 0
+        if scaling is None:
+            table = self._table(default_inv_freq(base, rotary_dim), max_position, 1.0)
+        elif isinstance(scaling, LongRopeScaling):
+            self.long_after = scaling.original_max_position_embeddings
+            table = torch.cat([self._table(scaling.inv_freq(base, rotary_dim, long), max_position,
+                                           scaling.attention_factor) for long in (False, True)])
+        else:
+            table = self._table(scaling.inv_freq(base, rotary_dim), max_position, scaling.attention_factor)
+        self.register_buffer("cos_sin_cache", table, persistent=False)
+
+    @staticmethod
+    def _table(inv_freq: torch.Tensor, max_position: int, attention_factor: float) -> torch.Tensor:
         freqs = torch.outer(torch.arange(max_position, dtype=torch.int64).float(), inv_freq)
         cos, sin = freqs.cos(), freqs.sin()
-        if factor != 1.0:
-            cos, sin = cos * factor, sin * factor
-        self.register_buffer("cos_sin_cache", torch.cat((cos, sin), dim=-1), persistent=False)
+        if attention_factor != 1.0:
+            cos, sin = cos * attention_factor, sin * attention_factor
+        return torch.cat((cos, sin), dim=-1)
 
-    def forward(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor):
-        """q `[tokens, heads, head_dim]`, k `[tokens, kv_heads, head_dim]`."""
+    def forward(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor,
+                lengths: torch.Tensor | None = None):
+        """q `[tokens, heads, head_dim]`, k `[tokens, kv_heads, head_dim]`; `lengths` (LongRoPE only): per token,
+        the sequence length transformers computed it at (default: position + 1)."""
+        if self.long_after:
+            lengths = positions + 1 if lengths is None else lengths
+            positions = positions + (lengths > self.long_after).long() * self.max_position
         if not self.partial:
             return apply_rotary(positions, q, k, self.cos_sin_cache)
         d = self.rotary_dim

@@ -10,6 +10,7 @@ import torch
 from torch import nn
 from transformers import PretrainedConfig
 
+from nanovllm.backends.context import get_context
 from nanovllm.layers.activation import ActAndMul, Activation
 from nanovllm.layers.attention import Attention
 from nanovllm.layers.embed_head import ParallelLMHead, VocabParallelEmbedding
@@ -104,7 +105,7 @@ class DecoderAttention(nn.Module):
         if not self.qk_norm_full:
             q, k = self.q_norm(q), self.k_norm(k)
         v = v.view(-1, self.num_kv_heads, self.head_dim)
-        q, k = self.rotary_emb(positions, q, k)
+        q, k = self.rotary_emb(positions, q, k, get_context().rope_lengths)
         o = self.attn(q, k, v)
         return self.o_proj(o.flatten(1, -1))
 
@@ -226,11 +227,15 @@ class DecoderForCausalLM(nn.Module):
         """Give `config` the attributes the engine reads under Llama's names (`num_key_value_heads`, ...) where the
         family's config names them differently. Llama's names: nothing to do."""
 
+    rope_needs_lengths: bool
+    """Whether rope reads `Context.rope_lengths` (LongRoPE): the model runner then sets them."""
+
     def __init__(self, config: PretrainedConfig):
         super().__init__()
         self.opts = options = self.options(config)
         self.model = DecoderModel(config, options)
         self.lm_head = ParallelLMHead(config.vocab_size, config.hidden_size)
+        self.rope_needs_lengths = any(m.long_after for m in self.modules() if isinstance(m, RotaryEmbedding))
         if config.tie_word_embeddings:
             self.lm_head.weight = self.model.embed_tokens.weight
 

@@ -4,9 +4,16 @@ import math
 from transformers import PretrainedConfig
 
 from nanovllm.layers.activation import ACTIVATIONS
-from nanovllm.layers.rotary_embedding import LinearRopeScaling, Llama3RopeScaling, RopeScaling, YarnRopeScaling
+from nanovllm.layers.rotary_embedding import (
+    DynamicNtkScaling,
+    LinearRopeScaling,
+    Llama3RopeScaling,
+    LongRopeScaling,
+    RopeScaling,
+    YarnRopeScaling,
+)
 
-SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3", "yarn")
+SUPPORTED_ROPE_TYPES = ("default", "linear", "dynamic", "llama3", "yarn", "longrope")
 
 
 def head_dim(cfg: PretrainedConfig) -> int:
@@ -86,6 +93,16 @@ def rope_scaling(cfg: PretrainedConfig, layer_type: str | None = None) -> RopeSc
                                beta_fast=float(params.get("beta_fast") or 32),
                                beta_slow=float(params.get("beta_slow") or 1),
                                truncate=bool(params.get("truncate", True)))
+    if kind == "dynamic":
+        return DynamicNtkScaling(float(*_require(kind, params, "factor")), cfg.max_position_embeddings)
+    if kind == "longrope":
+        short, long = _require(kind, params, "short_factor", "long_factor")
+        factor = params.get("factor") or cfg.max_position_embeddings / original
+        attention_factor = params.get("attention_factor")
+        if attention_factor is None:
+            attention_factor = 1.0 if factor <= 1.0 else math.sqrt(1 + math.log(factor) / math.log(original))
+        return LongRopeScaling(tuple(map(float, short)), tuple(map(float, long)), int(original),
+                               float(attention_factor))
     raise ValueError(f"unsupported rope scaling {kind!r} in the model config; nanovllm supports "
                      f"{list(SUPPORTED_ROPE_TYPES)}")
 

@@ -140,9 +140,9 @@ def test_missing_or_malformed_model_directory(tied_model, tmp_path):
 
 
 @pytest.mark.parametrize("change, message", [
-    ({"rope_scaling": {"rope_type": "longrope", "factor": 4.0, "short_factor": [1.0] * 8, "long_factor": [2.0] * 8}},
-     r"unsupported rope scaling 'longrope' in the model config; nanovllm supports \['default', 'linear', 'llama3', "
-     r"'yarn'\]"),
+    ({"rope_scaling": {"rope_type": "proportional", "factor": 4.0}},
+     r"unsupported rope scaling 'proportional' in the model config; nanovllm supports \['default', 'linear', "
+     r"'dynamic', 'llama3', 'yarn', 'longrope'\]"),
     ({"rope_scaling": {"rope_type": "llama3", "factor": 8.0}}, "low_freq_factor"),
     ({"hidden_act": "relu2"}, r"unsupported hidden_act 'relu2' in the model config; nanovllm supports \['silu', "
                               r"'gelu', 'gelu_pytorch_tanh'\]"),
