@@ -17,8 +17,9 @@ class Context:
     prefix sum of `context_lens`, for kernels that take offsets instead of lengths.
     `logits_indices` are the query rows whose logits are needed (the last of each sequence that
     samples in this step; a prompt chunk that does not reach the prompt's end samples nothing).
-    `rope_lengths`, set only for models whose rope depends on it (LongRoPE), gives per query row the sequence length
-    transformers computes that token at: max(position + 1, prompt length).
+    `rope_lengths`, set only for models whose rope depends on it (LongRoPE) and only when some row's differs from
+    position + 1 (a prompt row before the prompt's last), gives per query row the sequence length transformers
+    computes that token at: max(position + 1, prompt length). Captured decode graphs run only without it.
     """
 
     cu_seqlens_q: torch.Tensor | None = None

@@ -118,14 +118,15 @@ class ModelRunner:
         `starts[i] + num_tokens[i]`; the tokens before are already in its KV cache) and return the
         input ids and positions. Logits are taken at the last row of each sequence that samples, then at the
         prompt rows of sequences that asked for prompt logprobs (returned, in that order)."""
-        input_ids, positions, slot_mapping, context_lens, logits_indices, rope_lengths = [], [], [], [], [], []
+        input_ids, positions, slot_mapping, context_lens, logits_indices = [], [], [], [], []
+        rope_lengths = [] if self.model.rope_needs_lengths else None
         cu_seqlens_q, cu_seqlens_k = [0], [0]
         prompt_rows: list[PromptRows] = []
         for seq, start, num_tokens, samples in zip(batch.seqs, batch.starts, batch.num_tokens, batch.samples):
             end = start + num_tokens
             input_ids.extend(seq[start:end])
             positions.extend(range(start, end))
-            if self.model.rope_needs_lengths:
+            if rope_lengths is not None:
                 rope_lengths.extend(max(p + 1, seq.num_prompt_tokens) for p in range(start, end))
             slot_mapping.extend(self.slots(seq.block_table, start, end))
             if seq.params.prompt_logprobs is not None and start < seq.num_prompt_tokens - 1:
@@ -144,7 +145,8 @@ class ModelRunner:
                     block_tables=self.prepare_block_tables(batch.seqs),
                     slot_mapping=self._tensor(slot_mapping, torch.int64),
                     logits_indices=self._tensor(logits_indices, torch.int64),
-                    rope_lengths=self._tensor(rope_lengths, torch.int64) if rope_lengths else None)
+                    rope_lengths=None if rope_lengths in (None, [p + 1 for p in positions])
+                    else self._tensor(rope_lengths, torch.int64))
         return self._tensor(input_ids, torch.int64), self._tensor(positions, torch.int64), prompt_rows
 
     @torch.inference_mode()
@@ -152,7 +154,8 @@ class ModelRunner:
         """Logits at the context's `logits_indices` (None if there are none, and on ranks other than 0).
         Decode replays a captured CUDA graph when one fits; the LM head always runs eagerly."""
         ctx = get_context()
-        if self.graphs is not None and ctx.is_decode and self.graphs.fits(input_ids.size(0)):
+        replay = self.graphs is not None and ctx.is_decode and ctx.rope_lengths is None
+        if replay and self.graphs.fits(input_ids.size(0)):
             hidden_states = self.graphs.run(input_ids, positions, ctx)
         else:
             hidden_states = self.model(input_ids, positions)
