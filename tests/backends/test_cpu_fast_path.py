@@ -18,12 +18,17 @@ def test_linear_weights_are_prepacked_on_cpu(tied_model):
         assert all(layer.mlp.down_proj.weight.is_mkldnn for layer in model.model.layers)
 
 
-def naive_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float) -> torch.Tensor:
-    """Softmax attention written out: q `[Lq, H, D]` over k/v `[Lk, Hkv, D]`, queries the last Lq positions."""
+def naive_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float, window: int = 0,
+                    softcap: float = 0.0) -> torch.Tensor:
+    """Softmax attention written out: q `[Lq, H, D]` over k/v `[Lk, Hkv, D]`, queries the last Lq positions, each
+    seeing the last `window` positions up to itself, scores capped by softcap * tanh(score / softcap)."""
     lq, lk, group = q.size(0), k.size(0), q.size(1) // k.size(1)
     k, v = k.repeat_interleave(group, 1), v.repeat_interleave(group, 1)
     scores = torch.einsum("qhd,khd->hqk", q, k) * scale
-    allowed = torch.arange(lk)[None, :] <= torch.arange(lk - lq, lk)[:, None]
+    if softcap:
+        scores = torch.tanh(scores / softcap) * softcap
+    keys, queries = torch.arange(lk)[None, :], torch.arange(lk - lq, lk)[:, None]
+    allowed = (keys <= queries) & ((keys > queries - window) if window else True)
     return torch.einsum("hqk,khd->qhd", scores.masked_fill(~allowed, float("-inf")).softmax(-1), v)
 
 
@@ -68,6 +73,18 @@ def test_mixed_batch_of_prefill_chunk_decode_and_padding():
 def test_every_kind_of_row_against_a_float64_reference(block_size, heads, kv_heads, head_dim, dtype, atol):
     """The CPU attention of one step (a whole prompt, a chunk over a cached prefix, a one-token chunk, decodes, a
     padding row) with its blocks scattered over the cache, against float64 attention written out."""
+    check_every_kind_of_row(block_size, heads, kv_heads, head_dim, dtype, atol)
+
+
+@pytest.mark.parametrize("block_size", [16, 256])
+@pytest.mark.parametrize("window, softcap", [(24, 0.0), (0, 2.0), (100, 2.0)])
+def test_every_kind_of_row_with_a_window_or_capped_scores(block_size, window, softcap):
+    """The same with a sliding window (the blocks wholly before it released, -1 in the table) and capped scores."""
+    check_every_kind_of_row(block_size, 8, 2, 64, torch.float32, 2e-5, window, softcap)
+
+
+def check_every_kind_of_row(block_size: int, heads: int, kv_heads: int, head_dim: int, dtype: torch.dtype,
+                            atol: float, window: int = 0, softcap: float = 0.0) -> None:
     generator = torch.Generator().manual_seed(block_size + heads)
     q_lens, context_lens = [40, 30, 1, 1, 1, 1], [40, 300, 17, 1, 520, 0]
     widths = [-(-n // block_size) for n in context_lens]
@@ -81,9 +98,12 @@ def test_every_kind_of_row_against_a_float64_reference(block_size, heads, kv_hea
     q = torch.randn(sum(q_lens), heads, head_dim, generator=generator).to(dtype)
     cu_seqlens_q = torch.tensor([0, *q_lens]).cumsum(0)
     block_tables = torch.tensor(tables)
+    released = block_tables.clone()
+    for i, (n, length) in enumerate(zip(q_lens, context_lens)):
+        released[i, :max(0, length - n - window + 1) // block_size if window else 0] = -1
     ctx = Context(cu_seqlens_q=cu_seqlens_q, max_seqlen_q=max(q_lens), context_lens=torch.tensor(context_lens),
-                  block_tables=block_tables)
-    out = TorchBackend.attend(q, k_cache, v_cache, ctx, head_dim ** -0.5)
+                  block_tables=released)
+    out = TorchBackend.attend(q, k_cache, v_cache, ctx, head_dim ** -0.5, window=window, softcap=softcap)
     assert out.dtype == dtype
     for i, length in enumerate(context_lens):
         rows = slice(int(cu_seqlens_q[i]), int(cu_seqlens_q[i + 1]))
@@ -92,7 +112,7 @@ def test_every_kind_of_row_against_a_float64_reference(block_size, heads, kv_hea
             continue
         k = k_cache[block_tables[i, :widths[i]]].flatten(0, 1)[:length].double()
         v = v_cache[block_tables[i, :widths[i]]].flatten(0, 1)[:length].double()
-        expected = naive_attention(q[rows].double(), k, v, head_dim ** -0.5)
+        expected = naive_attention(q[rows].double(), k, v, head_dim ** -0.5, window, softcap)
         torch.testing.assert_close(out[rows].double(), expected, atol=atol, rtol=0)
 
 

@@ -43,15 +43,20 @@ def make_case(lengths: list[int], block_size: int, heads: int, kv_heads: int, he
     return q, k_cache, v_cache, torch.tensor(tables, dtype=torch.int32), torch.tensor(lengths, dtype=torch.int32)
 
 
-def reference(q, k_cache, v_cache, tables, lengths, scale) -> torch.Tensor:
-    """float64, one row at a time: the cached keys gathered through the table, softmax, weighted values."""
+def reference(q, k_cache, v_cache, tables, lengths, scale, window: int = 0, softcap: float = 0.0) -> torch.Tensor:
+    """float64, one row at a time: the cached keys gathered through the table (the last `window` of them), scores
+    capped by softcap * tanh(score / softcap), softmax, weighted values."""
     out = torch.zeros(q.shape, dtype=torch.float64)
     group = q.size(1) // k_cache.size(2)
     for i, n in enumerate(lengths.tolist()):
         k = k_cache[tables[i, :-(-n // k_cache.size(1))].long()].flatten(0, 1)[:n].double()
         v = v_cache[tables[i, :-(-n // k_cache.size(1))].long()].flatten(0, 1)[:n].double()
         k, v = k.repeat_interleave(group, 1), v.repeat_interleave(group, 1)  # [n, heads, dim]
+        if window:
+            k, v = k[-window:], v[-window:]
         scores = torch.einsum("hd,nhd->hn", q[i].double(), k) * scale
+        if softcap:
+            scores = torch.tanh(scores / softcap) * softcap
         out[i] = torch.einsum("hn,nhd->hd", scores.softmax(-1), v)
     return out
 
@@ -66,6 +71,22 @@ def test_decode_against_a_float64_reference(block_size, heads, kv_heads, head_di
     out = paged_decode(q, k_cache, v_cache, tables, lens, 0.125)
     assert out.dtype == dtype and out.shape == q.shape
     torch.testing.assert_close(out.double(), reference(q, k_cache, v_cache, tables, lens, 0.125), atol=atol, rtol=0)
+
+
+@needs_compiler
+@pytest.mark.parametrize("block_size, head_dim", [(16, 64), (256, 16)])
+@pytest.mark.parametrize("window, softcap", [(5, 0.0), (40, 0.0), (300, 0.0), (0, 1.5), (40, 1.5)])
+def test_decode_with_a_window_or_capped_scores_against_a_float64_reference(block_size, head_dim, window, softcap):
+    """Blocks wholly before a row's window are released (-1 in the table, as the block manager leaves them) and
+    never read."""
+    lengths = [1, 7, 16, 17, 300, 513]
+    q, k_cache, v_cache, tables, lens = make_case(lengths, block_size, 4, 2, head_dim, torch.float32)
+    released = tables.clone()
+    for i, n in enumerate(lengths):
+        released[i, :max(0, n - window) // block_size if window else 0] = -1
+    out = paged_decode(q, k_cache, v_cache, released, lens, 0.125, window, softcap)
+    torch.testing.assert_close(out.double(), reference(q, k_cache, v_cache, tables, lens, 0.125, window, softcap),
+                               atol=1e-5, rtol=0)
 
 
 @needs_compiler

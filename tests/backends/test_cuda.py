@@ -70,13 +70,19 @@ class PagedCache:
                        max_seqlen_k=max(lengths), context_lens=int32(lengths),
                        block_tables=int32([t + [-1] * (width - len(t)) for t in tables]))
 
-    def reference(self, q: torch.Tensor, name: str, length: int) -> torch.Tensor:
-        """Float64 causal attention of q (the last q.size(0) positions of `length`) over the cached K/V."""
+    def reference(self, q: torch.Tensor, name: str, length: int, window: int = 0,
+                  softcap: float = 0.0) -> torch.Tensor:
+        """Float64 causal attention of q (the last q.size(0) positions of `length`) over the cached K/V, each query
+        seeing the last `window` positions up to itself, scores capped by softcap * tanh(score / softcap)."""
         k, v = (c[self.tables[name]].flatten(0, 1)[:length].double() for c in (self.k, self.v))
         k, v = k.repeat_interleave(HEADS // KV_HEADS, 1), v.repeat_interleave(HEADS // KV_HEADS, 1)
         scores = torch.einsum("qhd,khd->hqk", q.double(), k) * SCALE
+        if softcap:
+            scores = torch.tanh(scores / softcap) * softcap
         positions = torch.arange(length, device=DEVICE)
         allowed = positions[None] <= positions[length - q.size(0):, None]
+        if window:
+            allowed &= positions[None] > positions[length - q.size(0):, None] - window
         return torch.einsum("hqk,khd->qhd", scores.masked_fill(~allowed, float("-inf")).softmax(-1), v)
 
 
@@ -99,6 +105,27 @@ def test_attention_equals_a_float64_reference(name, steps, dtype):
     rows = ctx.cu_seqlens_q.tolist()
     for i, (seq, length, _) in enumerate(steps):
         expected = cache.reference(q[rows[i]:rows[i + 1]], seq, length)
+        torch.testing.assert_close(out[rows[i]:rows[i + 1]].double(), expected, atol=TOLERANCE[dtype],
+                                   rtol=TOLERANCE[dtype])
+
+
+@pytest.mark.parametrize("window, softcap", [(300, 0.0), (0, 30.0), (100, 30.0)])
+@pytest.mark.parametrize("steps", [PREFILL, DECODE], ids=["prefill", "decode"])
+@pytest.mark.parametrize("name", BACKENDS)
+def test_sliding_window_and_capped_scores_equal_a_float64_reference(name, steps, window, softcap):
+    """Every backend (flash-attn through `window_size` and `softcap`), with the blocks wholly before each sequence's
+    window released as the block manager leaves them (-1 in the table)."""
+    dtype = torch.bfloat16
+    backend = require_backend(name, dtype, BLOCK, HEAD_DIM)
+    cache = PagedCache(dtype, seed=2)
+    ctx = cache.context(steps)
+    for i, (_, length, n) in enumerate(steps):
+        ctx.block_tables[i, :max(0, length - n - window + 1) // BLOCK if window else 0] = -1
+    q = rand(sum(n for _, _, n in steps), HEADS, HEAD_DIM, dtype=dtype)
+    out = backend.attend(q, cache.k, cache.v, ctx, SCALE, window=window, softcap=softcap)
+    rows = ctx.cu_seqlens_q.tolist()
+    for i, (seq, length, _) in enumerate(steps):
+        expected = cache.reference(q[rows[i]:rows[i + 1]], seq, length, window, softcap)
         torch.testing.assert_close(out[rows[i]:rows[i + 1]].double(), expected, atol=TOLERANCE[dtype],
                                    rtol=TOLERANCE[dtype])
 
