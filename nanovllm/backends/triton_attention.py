@@ -30,8 +30,10 @@ integers are not specialized on, so every step of a model runs the same binary; 
 tile and segment boundaries are absolute; a tile or segment fully masked for a row leaves its
 state bitwise unchanged (`_rescale` is exactly 1 where the max does not move, exp2(-inf) is 0);
 and the merges use explicit fma with fp fusion off, so the reduce kernel repeats the unified
-kernel's arithmetic exactly. Which path runs depends only on shapes and Python ints
-(`split_segments`), and no launch reads a tensor value on the host, so a CUDA graph can capture
+kernel's arithmetic exactly. With a sliding window a program starts at the segment holding its tile's first
+visible key: the segments it skips are fully masked for every row of the tile, so skipping them changes no bit, and
+the blocks of their keys (possibly released, -1 in the table) are never read. Which path runs depends only on
+shapes and Python ints (`split_segments`), and no launch reads a tensor value on the host, so a CUDA graph can capture
 the decode step; its split-KV scratch (tokens x heads x segments x head_dim floats) comes from
 the graph's pool.
 
