@@ -145,7 +145,7 @@ class ModelRunner:
                     block_tables=self.prepare_block_tables(batch.seqs),
                     slot_mapping=self._tensor(slot_mapping, torch.int64),
                     logits_indices=self._tensor(logits_indices, torch.int64),
-                    rope_lengths=None if rope_lengths in (None, [p + 1 for p in positions])
+                    rope_lengths=None if rope_lengths is None or rope_lengths == [p + 1 for p in positions]
                     else self._tensor(rope_lengths, torch.int64))
         return self._tensor(input_ids, torch.int64), self._tensor(positions, torch.int64), prompt_rows
 
