@@ -82,3 +82,16 @@ def test_gemma2_tensor_parallel_2_matches_transformers(tmp_path):
         assert [o["token_ids"] for o in llm.generate(PROMPTS, GREEDY, use_tqdm=False)] == expected
         stats = llm.stats()
     assert stats["num_free_blocks"] == stats["num_blocks"]
+
+
+def test_mistral_preempted_with_released_blocks_stays_exact(tmp_path):
+    """Four 100-token prompts in a 14-block cache (each needs 8 blocks unreleased, at most 6 windowed): sequences
+    are preempted, their remaining blocks freed, and recomputed; the tokens stay transformers'."""
+    path = make_family_checkpoint(str(tmp_path / "mistral"), "mistral")
+    prompts = [[random.Random(seed).randrange(384) for _ in range(100)] for seed in range(4)]
+    expected = hf_greedy(path, prompts, MAX_TOKENS)
+    with LLM(path, **{**SETTINGS, "num_kvcache_blocks": 14, "max_model_len": 128}) as llm:
+        assert [o["token_ids"] for o in llm.generate(prompts, GREEDY, use_tqdm=False)] == expected
+        stats = llm.stats()
+    assert stats["num_preemptions"] > 0 and stats["num_released_blocks"] > 0
+    assert stats["num_free_blocks"] == stats["num_blocks"]
