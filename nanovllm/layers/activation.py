@@ -30,13 +30,6 @@ _GATED = {"silu": silu_and_mul, "gelu": gelu_and_mul, "gelu_pytorch_tanh": gelu_
 _PLAIN = {"silu": F.silu, "gelu": F.gelu, "gelu_pytorch_tanh": lambda x: F.gelu(x, approximate="tanh")}
 
 
-class SiluAndMul(nn.Module):
-    """silu(gate) * up for an input laid out as [gate | up] along the last dim."""
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return silu_and_mul(x)
-
-
 class ActAndMul(nn.Module):
     """act(gate) * up for an input laid out as [gate | up] along the last dim (`act` one of `ACTIVATIONS`)."""
 

@@ -232,7 +232,7 @@ class DecoderForCausalLM(nn.Module):
 
     def __init__(self, config: PretrainedConfig):
         super().__init__()
-        self.opts = options = self.options(config)
+        self.decoder_options = options = self.options(config)
         self.model = DecoderModel(config, options)
         self.lm_head = ParallelLMHead(config.vocab_size, config.hidden_size)
         self.rope_needs_lengths = any(m.long_after for m in self.modules() if isinstance(m, RotaryEmbedding))
@@ -250,8 +250,8 @@ class DecoderForCausalLM(nn.Module):
         logits = self.lm_head(hidden_states)
         if logits is None:
             return None
-        if self.opts.logits_divisor != 1.0:
-            logits = logits / self.opts.logits_divisor
-        if cap := self.opts.final_logit_softcap:
+        if self.decoder_options.logits_divisor != 1.0:
+            logits = logits / self.decoder_options.logits_divisor
+        if cap := self.decoder_options.final_logit_softcap:
             logits = torch.tanh(logits / cap) * cap
         return logits

@@ -21,7 +21,7 @@ from triton_attention_cases import CORRECTNESS, PAD, Batch, bitwise_cases, corre
 pytest.importorskip("triton")
 
 TESTS_DIR = os.path.dirname(os.path.abspath(__file__))
-REPO_ROOT = os.path.dirname(TESTS_DIR)
+REPO_ROOT = os.path.dirname(os.path.dirname(TESTS_DIR))
 CASE_NAMES = [name for name, _, _ in CORRECTNESS]
 BITWISE_CHECKS = ["alone_vs_crowded_batch", "cached_prefix_vs_full_prefill", "split_decode_vs_mixed_step",
                   "split_decode_vs_full_prefill"]

@@ -14,7 +14,7 @@ import pytest
 pytest.importorskip("triton")
 
 TESTS_DIR = os.path.dirname(os.path.abspath(__file__))
-REPO_ROOT = os.path.dirname(TESTS_DIR)
+REPO_ROOT = os.path.dirname(os.path.dirname(TESTS_DIR))
 
 
 @pytest.fixture(scope="module")
