@@ -103,6 +103,12 @@ class BlockManager:
             seq.block_table.append(block_id)
         for _ in range(num_new_blocks):
             seq.block_table.append(self._allocate_block(next(iter(self.free_block_ids))).block_id)
+        self._name(seq, start, min(end, len(seq)))
+        return True
+
+    def _name(self, seq: Sequence, start: int, end: int) -> None:
+        """Name the blocks that tokens `start..end-1` fill. Tokens past `len(seq)` (proposed drafts) are never named:
+        `settle` names what was accepted of them."""
         for i in range(start // self.block_size, end // self.block_size):
             block = self.blocks[seq.block_table[i]]
             if block.hash == -1:
@@ -110,7 +116,19 @@ class BlockManager:
                 token_ids = seq.block(i)
                 block.update(self.compute_hash(token_ids, prefix), token_ids)
                 self.hash_to_block_id[block.hash] = block.block_id
-        return True
+
+    def settle(self, seq: Sequence) -> None:
+        """After a verification step: name the blocks its accepted drafts filled (those before
+        `num_computed_tokens`) and free the blocks past `seq.num_blocks`, which only rejected drafts used."""
+        first_unnamed = len(seq.block_table)
+        while first_unnamed and self.blocks[seq.block_table[first_unnamed - 1]].hash == -1:
+            first_unnamed -= 1
+        self._name(seq, first_unnamed * self.block_size, seq.num_computed_tokens)
+        while len(seq.block_table) > seq.num_blocks:
+            block = self.blocks[seq.block_table.pop()]
+            block.ref_count -= 1
+            if block.ref_count == 0:
+                self.free_block_ids[block.block_id] = None
 
     def deallocate(self, seq: Sequence, num_valid_tokens: int | None = None) -> None:
         """Release `seq`'s blocks. Blocks past its first `num_valid_tokens` tokens (a step that was

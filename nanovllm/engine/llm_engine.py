@@ -18,6 +18,8 @@ from nanovllm.engine.request import Completion, Request
 from nanovllm.execution.model_runner import ModelRunner
 from nanovllm.outputs import RequestOutput, TokenLogprobs
 from nanovllm.sampling_params import SamplingParams
+from nanovllm.spec_decode.proposer import NgramProposer
+from nanovllm.spec_decode.stats import spec_decode_stats
 
 _TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "vocab.json", "tokenizer.model")
 
@@ -52,6 +54,8 @@ class LLMEngine(PromptFrontend):
             num_kv_blocks=self.model_runner.kv_cache.num_blocks, block_size=config.kvcache_block_size,
             max_num_seqs=config.max_num_seqs, max_num_batched_tokens=config.max_num_batched_tokens,
             enable_chunked_prefill=config.enable_chunked_prefill, scheduling_policy=config.scheduling_policy))
+        self.proposer = None if config.speculative is None else NgramProposer(config.speculative,
+                                                                               config.max_model_len)
         self._seq_ids, self._request_ids = count(), count()
         self._requests: dict[str, Request] = {}
         self._completions: dict[int, tuple[Request, Completion]] = {}
@@ -163,21 +167,31 @@ class LLMEngine(PromptFrontend):
         """One step: schedule, run, append the sampled tokens, detokenize and apply stop strings. Returns the
         step's batch and the requests that got a token in it. A request whose output processing fails is aborted
         (and logged) on its own; the others go on."""
+        if self.proposer is not None:
+            self.proposer.propose(self.scheduler.running)
         batch = self.scheduler.schedule()
         if not batch:
             return batch, []
         output = self.model_runner.run(batch)
         for seq_id, (first, logprobs) in (output.prompt_logprobs or {}).items():
             self._completions[seq_id][0].add_prompt_logprobs(first, logprobs)
-        sampled = self.scheduler.postprocess(batch, output.token_ids)
+        sampled = self.scheduler.postprocess(batch, output.token_ids, output.num_accepted)
         updated: dict[str, Request] = {}
         ended: list[Request] = []
         now = time.time()
-        for seq, logprobs in zip(sampled, output.logprobs or [None] * len(sampled)):
+        all_logprobs = iter(output.logprobs or [None] * len(output.token_ids))
+        for seq, token_ids in sampled:
             request, completion = self._completions[seq.seq_id]
             updated[request.request_id] = request
+            logprobs = [next(all_logprobs) for _ in token_ids]
             try:
-                self._advance(seq, completion, logprobs)
+                for token_id, token_logprobs in zip(token_ids, logprobs):
+                    seq.append_token(token_id)
+                    self._advance(seq, completion, token_logprobs)
+                    if seq.is_finished:
+                        break
+                if output.num_accepted is not None and not seq.is_finished:
+                    self.scheduler.settle(seq)
             except Exception:
                 logger.exception("request %s: processing its output failed; it is aborted, the others go on",
                                  request.request_id)
@@ -226,18 +240,21 @@ class LLMEngine(PromptFrontend):
     def is_finished(self) -> bool:
         return self.scheduler.is_finished()
 
-    def stats(self) -> dict[str, int]:
+    def stats(self) -> dict[str, int | float]:
         """Counters since the engine started: prompt tokens served from the prefix cache, steps (with a
         prompt chunk that did not finish its prompt; with decodes and prefill chunks together),
-        preemptions, and KV blocks."""
+        preemptions, and KV blocks. With speculative decoding also `spec_decode_stats`."""
         s, bm = self.scheduler, self.scheduler.block_manager
-        return {"num_cached_tokens": s.num_cached_tokens,
-                "num_steps": s.num_steps,
-                "num_chunked_steps": s.num_chunked_steps,
-                "num_mixed_steps": s.num_mixed_steps,
-                "num_preemptions": s.num_preemptions,
-                "num_free_blocks": bm.num_free_blocks,
-                "num_blocks": len(bm.blocks)}
+        stats = {"num_cached_tokens": s.num_cached_tokens,
+                 "num_steps": s.num_steps,
+                 "num_chunked_steps": s.num_chunked_steps,
+                 "num_mixed_steps": s.num_mixed_steps,
+                 "num_preemptions": s.num_preemptions,
+                 "num_free_blocks": bm.num_free_blocks,
+                 "num_blocks": len(bm.blocks)}
+        if self.proposer is not None:
+            stats.update(spec_decode_stats(s.num_draft_tokens, s.num_accepted_tokens, s.num_spec_rows))
+        return stats
 
     def _abort_all(self, error: BaseException) -> None:
         """After a step failed: every unfinished request ends as aborted, frees its blocks and carries the error."""
