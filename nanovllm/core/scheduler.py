@@ -219,13 +219,21 @@ class Scheduler:
             valid = self.in_flight.starts[self.in_flight.seqs.index(seq)]
         self.block_manager.deallocate(seq, valid)
 
-    def postprocess(self, batch: ScheduledBatch, token_ids: list[int],
-                    num_accepted: list[int] | None = None) -> list[tuple[Sequence, list[int]]]:
-        """Each sequence that samples, in batch order, with its new tokens: one sampled token each, or with
-        `num_accepted` (speculative decoding) its first `num_accepted[i]` drafts and the token sampled after them
-        (`token_ids` flat over all of them). The engine appends them one at a time, since it may end a sequence at
-        any of them (see `nanovllm.core.stopping`, carried out by `finish`), then calls `settle` on the others.
-        The K/V of rejected drafts stop counting as computed here."""
+    def postprocess(self, batch: ScheduledBatch, token_ids: list[int]) -> list[Sequence]:
+        """Append each sampled token (one per sequence that samples, in batch order); returns those sequences.
+        Whether one ends there is the engine's call (see `nanovllm.core.stopping`), carried out by `finish`."""
+        sampled = self.new_tokens(batch, token_ids)
+        for seq, (token_id,) in sampled:
+            seq.append_token(token_id)
+        return [seq for seq, _ in sampled]
+
+    def new_tokens(self, batch: ScheduledBatch, token_ids: list[int],
+                   num_accepted: list[int] | None = None) -> list[tuple[Sequence, list[int]]]:
+        """Each sequence that samples, in batch order, with its new tokens, not yet appended: one sampled token
+        each, or with `num_accepted` (speculative decoding) its first `num_accepted[i]` drafts and the token
+        sampled after them (`token_ids` flat over all of them). The engine appends them one at a time, since it may
+        end a sequence at any of them, then calls `settle` on the others. The K/V of rejected drafts stop counting
+        as computed here."""
         self.in_flight = ScheduledBatch()
         sampled, offset = [], 0
         rows = [(seq, drafts) for seq, drafts, samples in zip(batch.seqs, batch.drafts, batch.samples) if samples]

@@ -175,7 +175,7 @@ class LLMEngine(PromptFrontend):
         output = self.model_runner.run(batch)
         for seq_id, (first, logprobs) in (output.prompt_logprobs or {}).items():
             self._completions[seq_id][0].add_prompt_logprobs(first, logprobs)
-        sampled = self.scheduler.postprocess(batch, output.token_ids, output.num_accepted)
+        sampled = self.scheduler.new_tokens(batch, output.token_ids, output.num_accepted)
         updated: dict[str, Request] = {}
         ended: list[Request] = []
         now = time.time()
