@@ -243,6 +243,8 @@ class Scheduler:
             offset += n
             if drafts:
                 seq.num_computed_tokens -= len(drafts) - (n - 1)
+                seq.spec_trials += min(n, len(drafts))
+                seq.spec_accepted += n - 1
                 self.num_draft_tokens += len(drafts)
                 self.num_accepted_tokens += n - 1
                 self.num_spec_rows += 1

@@ -14,7 +14,7 @@ from nanovllm.layers.prepack import native_bfloat16
 from nanovllm.models import model_class
 from nanovllm.models.hf_config import head_dim
 from nanovllm.models.loader import find_weight_files
-from nanovllm.spec_decode.config import DEFAULT_DISABLE_BY_BATCH_SIZE
+from nanovllm.spec_decode.config import STEP_COST
 from nanovllm.spec_decode.draft_check import check_same_vocabulary
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -51,13 +51,12 @@ def resolve_config(model: str | None, settings: dict) -> Config:
 
 
 def _resolve_speculative(config: Config) -> None:
-    """The device's `disable_by_batch_size` where none was given; a draft model's vocabulary checked against the
+    """The device's step cost model for the adaptive draft count; a draft model's vocabulary checked against the
     target's."""
     spec = config.speculative
     if spec is None:
         return
-    if spec.disable_by_batch_size is None:
-        config.speculative = replace(spec, disable_by_batch_size=DEFAULT_DISABLE_BY_BATCH_SIZE[config.device])
+    config.speculative = replace(spec, step_cost=STEP_COST[config.device])
     if spec.method == "draft_model":
         draft = resolve_model(spec.model)
         check_same_vocabulary(config.model, config.hf_config, draft, load_hf_config(draft))

@@ -5,17 +5,21 @@ METHODS = ("ngram", "draft_model")
 KEYS = ("method", "model", "num_speculative_tokens", "prompt_lookup_max", "prompt_lookup_min",
         "disable_by_batch_size")
 DEFAULT_PROMPT_LOOKUP = 5  # vLLM's n-gram length when neither bound is given
-# Where a step stops being bound by reading the weights, checking k more tokens per request costs about k more rows
-# of compute and speculation loses: measured on a 2-core CPU with SmolLM2-135M (README, speculative decoding).
-DEFAULT_DISABLE_BY_BATCH_SIZE = {"cpu": 4, "cuda": 32}
+# The step cost model of the adaptive draft count, in units of one more row (token) in the forward: a step of B
+# sequences and D drafts costs about fixed + (1 + per_sequence) * B + D: the fixed part reads the weights, each
+# sequence brings its host work, sampling and attention besides its row. Fitted to step times with 2 to 16 requests
+# (k=5, always on) on the 2-core CPU with SmolLM2-135M (README, speculative decoding); the CUDA figures are a guess,
+# not measured: a GPU stays bound by reading the weights up to hundreds of rows.
+STEP_COST = {"cpu": (8, 8), "cuda": (256, 1)}
 
 
 @dataclass(frozen=True)
 class SpeculativeConfig:
     """`method` "ngram" proposes the `num_speculative_tokens` tokens that followed the last earlier occurrence of
     the sequence's final n tokens (n from `prompt_lookup_max` down to `prompt_lookup_min`); "draft_model" would run
-    `model`. With `disable_by_batch_size` running requests or more, nothing is proposed (None: the device's
-    default, see `DEFAULT_DISABLE_BY_BATCH_SIZE`)."""
+    `model`. With `disable_by_batch_size` running requests or more, nothing is proposed (None: never, as vLLM);
+    below it, how many drafts each request gets is the adaptive rule's call (`nanovllm.spec_decode.proposer`), with
+    `step_cost` the device's step cost model (`STEP_COST`, filled in by the engine's setup)."""
 
     method: str
     num_speculative_tokens: int
@@ -23,6 +27,7 @@ class SpeculativeConfig:
     prompt_lookup_min: int = 0
     model: str | None = None
     disable_by_batch_size: int | None = None
+    step_cost: tuple[int, int] = (0, 0)
 
 
 def _positive(key: str, value, what: str = "a positive integer") -> int:

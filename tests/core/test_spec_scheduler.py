@@ -1,11 +1,13 @@
 """Speculative decoding's bookkeeping, without a model: n-gram proposals, drafts in the step's token budget, the KV
 blocks of rejected drafts released and only accepted tokens named for prefix caching."""
+from dataclasses import replace
+
 from nanovllm.core.scheduler import Scheduler, SchedulerConfig
 from nanovllm.core.sequence import Sequence
 from nanovllm.sampling_params import SamplingParams
-from nanovllm.spec_decode.config import parse_speculative_config
+from nanovllm.spec_decode.config import STEP_COST, parse_speculative_config
 from nanovllm.spec_decode.ngram import ngram_proposal
-from nanovllm.spec_decode.proposer import NgramProposer
+from nanovllm.spec_decode.proposer import NgramProposer, acceptance, keep_drafts
 
 BS = 4
 
@@ -85,8 +87,8 @@ def test_without_blocks_for_its_drafts_a_sequence_decodes_plainly():
 
 
 def test_proposer_respects_max_tokens_max_model_len_penalties_and_batch_size():
-    spec = parse_speculative_config({"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_max": 2,
-                                     "disable_by_batch_size": 3})
+    spec = replace(parse_speculative_config({"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_max": 2,
+                                             "disable_by_batch_size": 3}), step_cost=STEP_COST["cpu"])
     proposer = NgramProposer(spec, max_model_len=14)
     s = make_scheduler()
     seq = prefilled(s, [1, 2, 3, 4, 5, 6, 1], max_tokens=3, sampled=2)
@@ -106,3 +108,22 @@ def test_proposer_respects_max_tokens_max_model_len_penalties_and_batch_size():
     seq.params.repetition_penalty = 1.2
     proposer.propose([seq])
     assert seq.spec_token_ids == []
+
+
+def test_adaptive_rule_keeps_drafts_that_pay_for_their_rows():
+    def decoding(accepted: int, trials: int) -> Sequence:
+        seq = Sequence(0, [1, 2, 3], BS, SamplingParams())
+        seq.spec_accepted, seq.spec_trials = accepted, trials
+        return seq
+
+    good, poor = decoding(90, 100), decoding(5, 100)
+    assert acceptance(good) == (90 + 1.4) / 102
+    alone = keep_drafts({good: [7] * 5}, num_seqs=1, num_rows=1, step_cost=(8, 8))
+    assert alone == {good: 5}
+    assert keep_drafts({poor: [7] * 5}, num_seqs=1, num_rows=1, step_cost=(8, 8)) == {poor: 1}
+    # at 64 sequences a step costs 8 + 9 * 64 rows for 64 tokens: a poor draft (0.07) is not worth its row
+    many = {decoding(90, 100): [7] * 5 for _ in range(32)} | {decoding(5, 100): [7] * 5 for _ in range(32)}
+    kept = keep_drafts(many, num_seqs=64, num_rows=64, step_cost=(8, 8))
+    assert sorted(set(kept.values())) == [0, 5] and sum(kept.values()) == 32 * 5
+    # where a row costs as much as the step's fixed part, only drafts likelier than a token per cost are kept
+    assert set(keep_drafts({good: [7] * 5}, num_seqs=64, num_rows=64, step_cost=(0, 0)).values()) == {0}
