@@ -3,6 +3,8 @@ model and the machine."""
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
+from nanovllm.spec_decode.config import SpeculativeConfig, parse_speculative_config
+
 if TYPE_CHECKING:
     import torch
     from transformers import PretrainedConfig
@@ -25,8 +27,9 @@ class Config:
     is allocated to what it holds; a value given explicitly is never lowered.
     Worker processes (tensor-parallel ranks, data-parallel replicas) have `worker_start_timeout_s` to start and set
     up their engine; after that a collective waits at most `distributed_timeout_s` for a rank that stopped answering.
+    `speculative_config` is vLLM's dictionary (see `nanovllm.spec_decode.config`), parsed into `speculative`.
 
-    The fields after `attention_backend` are not settings: `nanovllm.engine.setup.resolve_config` fills them in.
+    The fields after `speculative_config` are not settings: `nanovllm.engine.setup.resolve_config` fills them in.
     """
 
     model: str
@@ -49,6 +52,8 @@ class Config:
     enable_chunked_prefill: bool = True
     scheduling_policy: str = "fcfs"
     attention_backend: str = "auto"
+    speculative_config: dict | None = None
+    speculative: SpeculativeConfig | None = field(init=False)
     hf_config: "PretrainedConfig" = field(init=False, repr=False)
     torch_dtype: "torch.dtype" = field(init=False)
     max_model_len_given: bool = field(init=False, repr=False)
@@ -82,6 +87,7 @@ class Config:
             raise ValueError(f"device must be 'auto', 'cpu' or 'cuda', got {self.device!r}")
         if self.dtype not in DTYPES:
             raise ValueError(f"dtype must be one of {list(DTYPES)}, got {self.dtype!r}")
+        self.speculative = parse_speculative_config(self.speculative_config)
 
     @property
     def blocks_per_sequence(self) -> int:

@@ -7,6 +7,9 @@ from nanovllm.backends.context import Context
 from nanovllm.backends.cpu_kernels import cpu_kernels, paged_decode
 
 _CUDA_KERNELS = [SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH]
+# On CPU a sequence with this many queries or fewer (a decode with drafts to verify, a short chunk) runs each query
+# through the decode kernel: one call for all of them, and each row's result is its decode's.
+SHORT_QUERIES = 16
 
 
 def _sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor, scale: float) -> torch.Tensor:
@@ -124,7 +127,7 @@ class TorchBackend:
     def attend(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, ctx: Context, scale: float, *,
                window: int = 0, softcap: float = 0.0) -> torch.Tensor:
         """One sequence at a time, except single-query sequences (decodes): on CUDA a pure decode step is one batched
-        masked SDPA; on CPU every single-query sequence of a step goes through one compiled-kernel call
+        masked SDPA; on CPU every query of a sequence with few queries goes through one compiled-kernel call
         (`cpu_kernels.paged_decode`; where it cannot be built, SDPA over its K/V in place, one call each). With a
         sliding `window` only the blocks the window covers are read."""
         cpu = q.device.type == "cpu"
@@ -136,12 +139,12 @@ class TorchBackend:
         o = torch.zeros_like(q)
         cu_q, lengths = ctx.cu_seqlens_q.tolist(), ctx.context_lens.tolist()
         tables = ctx.block_tables.tolist() if cpu else ctx.block_tables
-        decoded = cpu and _decode_single_rows(q, k_cache, v_cache, ctx, cu_q, scale, o, window, softcap)
+        decoded = cpu and _decode_short_rows(q, k_cache, v_cache, ctx, cu_q, lengths, scale, o, window, softcap)
         block_size = k_cache.size(1)
         for i, length in enumerate(lengths):
             rows = slice(cu_q[i], cu_q[i + 1])
             single = cu_q[i + 1] - cu_q[i] == 1
-            if not length or decoded and single:  # rows padding a batch attend to nothing
+            if not length or decoded and cu_q[i + 1] - cu_q[i] <= SHORT_QUERIES:  # padding rows attend to nothing
                 continue
             if single and cpu and not softcap:
                 o[rows] = _decode_in_place(q[cu_q[i]], k_cache, v_cache, tables[i], length, scale, window)
@@ -154,17 +157,24 @@ class TorchBackend:
         return o
 
 
-def _decode_single_rows(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, ctx: Context, cu_q: list[int],
-                        scale: float, o: torch.Tensor, window: int, softcap: float) -> bool:
-    """The single-query sequences of a CPU step (decodes in a mixed step) in one compiled-kernel call, into `o`;
-    False (nothing done) without the kernel."""
-    single = [i for i in range(len(cu_q) - 1) if cu_q[i + 1] - cu_q[i] == 1]
-    if not single:
+def _decode_short_rows(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, ctx: Context, cu_q: list[int],
+                       lengths: list[int], scale: float, o: torch.Tensor, window: int, softcap: float) -> bool:
+    """The query rows of every CPU sequence with at most `SHORT_QUERIES` queries (decodes, drafts being verified,
+    short chunks) in one compiled-kernel call, into `o`: row r of a sequence with n queries and context length L is a
+    single query over its first L - n + 1 + r tokens, computed exactly as that token's decode would be. False
+    (nothing done) without the kernel."""
+    sequences, rows, context_lens = [], [], []
+    for i, length in enumerate(lengths):
+        n = cu_q[i + 1] - cu_q[i]
+        if n <= SHORT_QUERIES:
+            sequences += [i] * n
+            rows += range(cu_q[i], cu_q[i + 1])
+            context_lens += range(length - n + 1, length + 1)
+    if not rows:
         return True
-    index = torch.tensor(single)
-    rows = torch.tensor([cu_q[i] for i in single])
-    out = paged_decode(q[rows], k_cache, v_cache, ctx.block_tables[index], ctx.context_lens[index], scale, window,
-                       softcap)
+    rows = torch.tensor(rows)
+    out = paged_decode(q[rows], k_cache, v_cache, ctx.block_tables[torch.tensor(sequences)],
+                       torch.tensor(context_lens, dtype=torch.int32), scale, window, softcap)
     if out is None:
         return False
     o[rows] = out

@@ -23,7 +23,12 @@ directory or a .gguf file (converted once, see `nanovllm convert`).
     python bench.py --scheduling chunked --sampling plain,all  # the sampler's cost with every option on
     python bench.py --attention-backend triton,flash-attn-4,torch   # one row per backend, same workload
     python bench.py --attention-micro            # decode attention us per call, every backend that runs here
+    python bench.py --model DIR --workload grounded --speculative ngram --num-seqs 1   # n-gram speculation, on/off
     python -m nanovllm bench ...                 # the same, from an installed nanovllm
+
+`--workload grounded` asks the model (through its chat template) to repeat, rewrite or annotate given passages and
+code, greedy, each request ending at EOS or its max_tokens; `--speculative` runs every row again with speculative
+decoding and prints its acceptance figures and whether its outputs equal the row's without speculation.
 """
 import argparse
 import os
@@ -67,9 +72,13 @@ def parse_args(argv: list[str] | None, prog: str | None = None) -> argparse.Name
     p.add_argument("--repeat", type=int, default=1,
                    help="run every row this many times, interleaved (nanovllm, baseline, nanovllm, ...); report "
                         "each row's median")
-    p.add_argument("--workload", choices=["nano-vllm", "vllm-cpu"], default="nano-vllm",
+    p.add_argument("--workload", choices=["nano-vllm", "vllm-cpu", "grounded"], default="nano-vllm",
                    help="'vllm-cpu': the CPU comparison with vLLM (100-512 prompt tokens, 64-256 output, greedy); "
-                        "flags given explicitly still win")
+                        "'grounded': chat prompts to repeat, rewrite or annotate a given text (needs --model with a "
+                        "tokenizer; greedy, up to 256 output tokens, ends at EOS); flags given explicitly still win")
+    p.add_argument("--speculative", help="also run every row with speculative decoding: 'ngram' (prompt lookup, "
+                                         "n-grams of 4 down to 2 tokens)")
+    p.add_argument("--num-speculative-tokens", type=int, default=5, help="tokens proposed per step (default 5)")
     p.add_argument("--hf-batch-size", type=int, default=32,
                    help="requests per transformers generate call (padded, each group runs to its longest request)")
     p.add_argument("--threads", type=int, help="torch CPU threads (default: torch's choice)")
@@ -111,7 +120,7 @@ def parse_args(argv: list[str] | None, prog: str | None = None) -> argparse.Name
         p.error(f"--attention-backend: unknown {', '.join(unknown)}; choose from {', '.join(ATTENTION_BACKENDS)}, all")
     for name in ("num_seqs", "min_input_len", "max_input_len", "min_output_len", "max_output_len",
                  "hf_batch_size", "threads", "data_parallel_size", "repeat", "kvcache_block_size",
-                 "max_num_batched_tokens", "micro_batch", "host_batch", "micro_max_context"):
+                 "max_num_batched_tokens", "micro_batch", "host_batch", "micro_max_context", "num_speculative_tokens"):
         value = getattr(args, name)
         if value is not None and value < 1:
             p.error(f"--{name.replace('_', '-')} must be a positive integer, got {value}")
@@ -120,6 +129,11 @@ def parse_args(argv: list[str] | None, prog: str | None = None) -> argparse.Name
         unknown = [value for value in getattr(args, flag) if value not in choices]
         if unknown:
             p.error(f"--{flag} {unknown} unknown; choose from {sorted(choices)}")
+    if args.speculative not in (None, "ngram"):
+        p.error(f"--speculative must be 'ngram', got {args.speculative!r} (draft models are not supported yet)")
+    if args.workload == "grounded" and (args.model is None or args.baseline != "none"):
+        p.error("--workload grounded needs --model (a model with a tokenizer and a chat template) and no --baseline "
+                "(the baselines run every request to its max_tokens)")
     if not args.request_rate > 0:
         p.error(f"--request-rate must be positive, got {args.request_rate}")
     if args.model is not None and not (os.path.isdir(args.model) or
@@ -136,6 +150,9 @@ def resolve_workload(args: argparse.Namespace, device: str) -> None:
     defaults = DEVICE_DEFAULTS[device]
     if args.workload == "vllm-cpu":
         defaults = (32, 100, 512, 64, 256, defaults[-1])
+        args.temperature = 0.0
+    if args.workload == "grounded":  # the prompts are given: the input lengths are not used
+        defaults = (defaults[0], 1, 1, 256, 256, defaults[-1])
         args.temperature = 0.0
     for name, default in zip(names, defaults):
         if getattr(args, name) is None:

@@ -4,6 +4,7 @@ The workload, the flags and what is measured: `nanovllm.benchmarks.options`.
 """
 import argparse
 import gc
+import hashlib
 import json
 import os
 import shutil
@@ -51,12 +52,15 @@ def attention_backends(names: list[str], cfg, device: str, dtype: torch.dtype, b
     return list(dict.fromkeys(expanded))
 
 
-def serve(llm: LLM, requests: Requests, params: list[SamplingParams]) -> tuple[list[float], list[float], int]:
+def serve(llm: LLM, requests: Requests,
+          params: list[SamplingParams]) -> tuple[list[float], list[float], int, list[list[int]]]:
     """Feed the requests to the engine at their arrival times through `add_request`/`step`; returns each
-    request's time to first token, every inter-token latency (seconds) and the output tokens."""
+    request's time to first token, every inter-token latency (seconds; a step that brings a request several tokens,
+    as speculative decoding does, is one), the output tokens and each request's token ids."""
     start = time.perf_counter()
     pending = list(range(len(requests.prompts)))[::-1]
     index, arrived, last, ttft, itl, tokens = {}, {}, {}, [], [], 0
+    token_ids: list[list[int]] = [[] for _ in requests.prompts]
     with tqdm(total=len(pending), desc="nanovllm", dynamic_ncols=True) as pbar:
         while pending or not llm.is_finished():
             now = time.perf_counter() - start
@@ -74,9 +78,10 @@ def serve(llm: LLM, requests: Requests, params: list[SamplingParams]) -> tuple[l
                 i = index[out.request_id]
                 (itl if i in last else ttft).append(now - last.get(i, arrived[i]))
                 last[i] = now
-                tokens += 1
+                tokens += len(out["token_ids"]) - len(token_ids[i])
+                token_ids[i] = out["token_ids"]
                 pbar.update(out.finished)
-    return ttft, itl, tokens
+    return ttft, itl, tokens, token_ids
 
 
 def run_engine(model_dir: str, load_format: str, requests: Requests, args: argparse.Namespace, memory: PeakMemory,
@@ -91,14 +96,14 @@ def run_engine(model_dir: str, load_format: str, requests: Requests, args: argpa
         settings["kvcache_block_size"] = args.kvcache_block_size
     with LLM(model_dir, **settings) as llm:
         options = SAMPLING[sampling]
-        params = [SamplingParams(temperature=args.temperature, max_tokens=n, ignore_eos=True,
+        params = [SamplingParams(temperature=args.temperature, max_tokens=n, ignore_eos=requests.ignore_eos,
                                  **(dict(options, seed=args.seed + i) if options else {}))
                   for i, n in enumerate(requests.max_tokens)]
         llm.generate([requests.prompts[0][:16]], SamplingParams(max_tokens=4), use_tqdm=False)
         synchronize(llm.config.device)
         with memory.watch():
             start = time.perf_counter()
-            ttft, itl, tokens = serve(llm, requests, params)
+            ttft, itl, tokens, outputs = serve(llm, requests, params)
             seconds = time.perf_counter() - start
         stats = llm.stats()
         replicas = args.data_parallel_size
@@ -108,8 +113,10 @@ def run_engine(model_dir: str, load_format: str, requests: Requests, args: argpa
                  "kv_cache_gib": stats["num_blocks"] * kv_block_bytes(llm.config) * llm.config.tensor_parallel_size
                  / 2**30,
                  "max_num_batched_tokens": llm.config.max_num_batched_tokens,
+                 "outputs_digest": hashlib.sha256(repr(outputs).encode()).hexdigest()[:16],
+                 "output_lens": [len(ids) for ids in outputs],
                  **{key: value for key, value in stats.items() if key != "replicas"}}
-    if tokens != sum(requests.max_tokens):
+    if requests.ignore_eos and tokens != sum(requests.max_tokens):
         raise RuntimeError(f"nanovllm produced {tokens} tokens, the requests asked for {sum(requests.max_tokens)}")
     return Served(seconds, tokens, ttft, itl, facts)
 
@@ -165,7 +172,7 @@ def run(args: argparse.Namespace) -> dict:
         from transformers import AutoConfig
 
         cfg = AutoConfig.from_pretrained(model_dir)
-        requests = make_requests(args, cfg.vocab_size)
+        requests = make_requests(args, cfg.vocab_size, model_dir)
         dtype = resolve_dtype(args.dtype, device, cfg)
         num_params = count_parameters(model_dir)  # before any run: its imports must not count in the first run's memory
         runs, baseline_runs = measure(args, device, dtype, cfg, model_dir, load_format, requests)
@@ -177,8 +184,9 @@ def run(args: argparse.Namespace) -> dict:
                      "output_len": [args.min_output_len, args.max_output_len], "prompt_tokens": requests.prompt_tokens,
                      "temperature": args.temperature, "seed": args.seed, "hf_batch_size": args.hf_batch_size,
                      "request_rate": args.request_rate},
-        "engines": {f"{measured[0].served.facts['attention']} {mode} {sampling}{BUSY * busy}":
-                    measured[0].served.facts for (_, mode, sampling, busy), measured in runs.items()},
+        "engines": {f"{measured[0].served.facts['attention']} {mode} {sampling}{BUSY * busy}"
+                    + ("" if spec is None else f" {spec} speculation"):
+                    measured[0].served.facts for (_, mode, sampling, busy, spec), measured in runs.items()},
         "parameters": num_params, "threads": torch.get_num_threads(),
         "matmul_probes_gflops": [p / 1e9 for p in probes], "mfu_probe_below_achieved": probe_low,
         "memory_bound_gib": facts["weights_gib"] + facts["kv_cache_gib"],
@@ -189,6 +197,8 @@ def run(args: argparse.Namespace) -> dict:
           f"{args.repeat} run(s) per row (median shown), nanovllm memory bound {result['memory_bound_gib']:.2f} GiB "
           f"(weights {facts['weights_gib']:.2f} + KV cache {facts['kv_cache_gib']:.2f})")
     print(format_report(rows))
+    for line in speculation_report(runs):
+        print(line)
     if args.compete:
         quiet = {row.engine: row.tokens_per_s for row in rows if not row.engine.endswith(BUSY)}
         print("kept on a busy machine: " + ", ".join(f"{engine} {row.tokens_per_s / quiet[engine]:.0%}"
@@ -229,7 +239,7 @@ def model_under_test(args: argparse.Namespace) -> Iterator[tuple[str, str, str]]
         yield tmp, load_format, Path(args.config).stem + " (random)"
 
 
-Key = tuple[str, str, str, bool]  # attention backend, scheduling, sampling, busy machine
+Key = tuple[str, str, str, bool, str | None]  # attention backend, scheduling, sampling, busy machine, speculative
 
 
 def measure(args: argparse.Namespace, device: str, dtype: torch.dtype, cfg, model_dir: str, load_format: str,
@@ -240,22 +250,48 @@ def measure(args: argparse.Namespace, device: str, dtype: torch.dtype, cfg, mode
                                args.kvcache_block_size or Config.kvcache_block_size)
     vllm_python = find_vllm_python(args.vllm_python, device) if args.baseline == "vllm" else None
     conditions = (False, True) if args.compete else (False,)
-    runs: dict[Key, list[Measured]] = {key: [] for key in product(names, args.scheduling, args.sampling, conditions)}
+    specs = [None] + ([args.speculative] if args.speculative else [])
+    runs: dict[Key, list[Measured]] = {key: [] for key in product(names, args.scheduling, args.sampling, conditions,
+                                                                  specs)}
     baseline_runs: dict[bool, list[Measured]] = {busy: [] for busy in conditions}
     for _ in range(args.repeat):
         for busy in conditions:
             with competing_process() if busy else nullcontext():
-                for name, mode, sampling in product(names, args.scheduling, args.sampling):
+                for name, mode, sampling, spec in product(names, args.scheduling, args.sampling, specs):
                     probe, mem = matmul_peak(device, dtype, seconds=0.5), PeakMemory(device)
                     served = run_engine(model_dir, load_format, requests, args, mem, sampling,
-                                        attention_backend=name, enable_chunked_prefill=SCHEDULING[mode])
-                    runs[name, mode, sampling, busy].append(Measured(served.seconds, served.tokens, probe, mem.gib,
-                                                                     served))
+                                        attention_backend=name, enable_chunked_prefill=SCHEDULING[mode],
+                                        speculative_config=speculative_config(spec, args.num_speculative_tokens))
+                    runs[name, mode, sampling, busy, spec].append(Measured(served.seconds, served.tokens, probe,
+                                                                           mem.gib, served))
                     gc.collect()
                 if args.baseline != "none":
                     baseline_runs[busy].append(run_baseline(args, device, dtype, model_dir, load_format, requests,
                                                             vllm_python))
     return runs, baseline_runs
+
+
+def speculative_config(spec: str | None, num_speculative_tokens: int) -> dict | None:
+    """The engine's `speculative_config` for `--speculative`."""
+    if spec is None:
+        return None
+    return {"method": "ngram", "num_speculative_tokens": num_speculative_tokens, "prompt_lookup_max": 4,
+            "prompt_lookup_min": 2}
+
+
+def speculation_report(runs: dict[Key, list[Measured]]) -> list[str]:
+    """For each speculative row: its acceptance figures, and whether every output equals the row's without it."""
+    lines = []
+    for key, measured in runs.items():
+        if key[4] is None:
+            continue
+        facts, plain = median(measured).served.facts, median(runs[(*key[:4], None)]).served.facts
+        same = "identical to" if facts["outputs_digest"] == plain["outputs_digest"] else "DIFFERENT from"
+        lines.append(f"{key[4]} speculation ({key[1]}, {key[2]}): {facts['num_accepted_tokens']} of "
+                     f"{facts['num_draft_tokens']} proposed tokens accepted ({facts['spec_acceptance_rate']:.0%}), "
+                     f"{facts['spec_mean_accepted_length']:.2f} tokens per verified decode; outputs {same} those "
+                     "without speculation")
+    return lines
 
 
 def make_rows(args: argparse.Namespace, runs: dict[Key, list[Measured]], baseline_runs: dict[bool, list[Measured]],
@@ -269,12 +305,13 @@ def make_rows(args: argparse.Namespace, runs: dict[Key, list[Measured]], baselin
     rows, probe_low = [], []
     for busy, baseline_measured in baseline_runs.items():
         start = len(rows)
-        for (_, mode, sampling, _), measured in ((k, v) for k, v in runs.items() if k[3] == busy):
+        for (_, mode, sampling, _, spec), measured in ((k, v) for k, v in runs.items() if k[3] == busy):
             m = median(measured)
             facts = m.served.facts
-            row_mfu, low = mfu(run_flops(cfg, prompt_lens, requests.max_tokens, facts["num_cached_tokens"]), m.seconds,
+            row_mfu, low = mfu(run_flops(cfg, prompt_lens, facts["output_lens"], facts["num_cached_tokens"]), m.seconds,
                                m.probe)
-            label = f"nanovllm {mode}{dp}" + ("" if sampling == "plain" else f", {sampling} sampling")
+            label = (f"nanovllm {mode}{dp}" + ("" if sampling == "plain" else f", {sampling} sampling")
+                     + ("" if spec is None else f", {spec} speculation"))
             rows.append(Row(label + BUSY * busy, facts["attention"], model_name, facts["device"], dtype_name,
                             len(requests.prompts), m.tokens, m.seconds, m.tokens / m.seconds, None, row_mfu,
                             m.peak_mem_gib, percentiles(m.served.ttft), percentiles(m.served.itl)))

@@ -4,31 +4,42 @@ import random
 from dataclasses import dataclass
 
 import torch
+from transformers import AutoTokenizer
+
+from nanovllm.benchmarks.grounded import grounded_prompts
 
 
 @dataclass
 class Requests:
+    """The prompts, their max_tokens and arrival times; with `ignore_eos` every request produces its max_tokens."""
+
     prompts: list[list[int]]
     max_tokens: list[int]
     arrivals: list[float]
+    ignore_eos: bool = True
 
     @property
     def prompt_tokens(self) -> int:
         return sum(map(len, self.prompts))
 
 
-def make_requests(args: argparse.Namespace, vocab_size: int) -> Requests:
-    """nano-vLLM's workload: token ids uniform in [0, 10000], lengths uniform in the given ranges."""
+def make_requests(args: argparse.Namespace, vocab_size: int, model_dir: str | None = None) -> Requests:
+    """nano-vLLM's workload: token ids uniform in [0, 10000], lengths uniform in the given ranges; or with
+    `--workload grounded` the chat prompts of `nanovllm.benchmarks.grounded` (tokenized by `model_dir`'s tokenizer),
+    ending at EOS."""
     rng = random.Random(args.seed)
     top = min(10000, vocab_size - 1)
-    prompts = [[rng.randint(0, top) for _ in range(rng.randint(args.min_input_len, args.max_input_len))]
-               for _ in range(args.num_seqs)]
+    if args.workload == "grounded":
+        prompts = grounded_prompts(AutoTokenizer.from_pretrained(model_dir), args.num_seqs)
+    else:
+        prompts = [[rng.randint(0, top) for _ in range(rng.randint(args.min_input_len, args.max_input_len))]
+                   for _ in range(args.num_seqs)]
     max_tokens = [rng.randint(args.min_output_len, args.max_output_len) for _ in range(args.num_seqs)]
     arrivals, t = [], 0.0
     for _ in range(args.num_seqs):
         arrivals.append(t)
         t += rng.expovariate(args.request_rate) if args.request_rate != float("inf") else 0.0
-    return Requests(prompts, max_tokens, arrivals)
+    return Requests(prompts, max_tokens, arrivals, ignore_eos=args.workload != "grounded")
 
 
 def count_parameters(model_dir: str) -> int:

@@ -113,6 +113,15 @@ class BlockManager:
             seq.block_table.append(block_id)
         for _ in range(num_new_blocks):
             seq.block_table.append(self._allocate_block(next(iter(self.free_block_ids))).block_id)
+        self._name(seq, start, min(end, len(seq)))
+        if self.sliding_window:
+            self._release_outside_window(seq, start, end)
+        self.peak_used_blocks = max(self.peak_used_blocks, len(self.blocks) - self.num_free_blocks)
+        return True
+
+    def _name(self, seq: Sequence, start: int, end: int) -> None:
+        """Name the blocks that tokens `start..end-1` fill. Tokens past `len(seq)` (proposed drafts) are never named:
+        `settle` names what was accepted of them."""
         for i in range(start // self.block_size, end // self.block_size):
             block = self.blocks[seq.block_table[i]]
             if block.hash == -1:
@@ -120,10 +129,17 @@ class BlockManager:
                 token_ids = seq.block(i)
                 block.update(self.compute_hash(token_ids, prefix), token_ids)
                 self.hash_to_block_id[block.hash] = block.block_id
-        if self.sliding_window:
-            self._release_outside_window(seq, start, end)
-        self.peak_used_blocks = max(self.peak_used_blocks, len(self.blocks) - self.num_free_blocks)
-        return True
+
+    def settle(self, seq: Sequence) -> None:
+        """After a verification step: name the blocks its accepted drafts filled (those before
+        `num_computed_tokens`) and free the blocks past `seq.num_blocks`, which only rejected drafts used."""
+        first_unnamed = len(seq.block_table)
+        while first_unnamed and seq.block_table[first_unnamed - 1] != -1 and \
+                self.blocks[seq.block_table[first_unnamed - 1]].hash == -1:
+            first_unnamed -= 1
+        self._name(seq, first_unnamed * self.block_size, seq.num_computed_tokens)
+        while len(seq.block_table) > seq.num_blocks:
+            self._release(seq.block_table.pop())
 
     def _release_outside_window(self, seq: Sequence, start: int, end: int) -> None:
         """Free the blocks before the window of this step's first query (position `start`). The block before the

@@ -27,35 +27,39 @@ class SchedulerConfig:
 class ScheduledBatch:
     """One step's work: sequence i computes its tokens `starts[i]` to `starts[i] + num_tokens[i]`
     (the tokens before are in its KV cache); `samples[i]`: that reaches its end, so it samples.
-    `finished_seq_ids`: sequences that ended since the last step, whose sampling state can go."""
+    `drafts[i]`: proposed tokens after its last one (speculative decoding), the chunk's final tokens, verified in
+    this step. `finished_seq_ids`: sequences that ended since the last step, whose sampling state can go."""
 
     seqs: list[Sequence] = field(default_factory=list)
     starts: list[int] = field(default_factory=list)
     num_tokens: list[int] = field(default_factory=list)
     samples: list[bool] = field(default_factory=list)
+    drafts: list[list[int]] = field(default_factory=list)
     finished_seq_ids: list[int] = field(default_factory=list)
 
     def __len__(self) -> int:
         return len(self.seqs)
 
-    def add(self, seq: Sequence, num_tokens: int) -> None:
+    def add(self, seq: Sequence, num_tokens: int, drafts: list[int] = ()) -> None:
         self.seqs.append(seq)
         self.starts.append(seq.num_computed_tokens)
         self.num_tokens.append(num_tokens)
+        self.drafts.append(list(drafts))
         seq.num_computed_tokens += num_tokens
-        self.samples.append(seq.num_computed_tokens == len(seq.token_ids))
+        self.samples.append(seq.num_computed_tokens == len(seq.token_ids) + len(drafts))
 
     def remove(self, seq: Sequence) -> int:
         """Take `seq` out again (it was preempted later in the same pass); returns its token count."""
         i = self.seqs.index(seq)
-        del self.seqs[i], self.starts[i], self.samples[i]
+        del self.seqs[i], self.starts[i], self.samples[i], self.drafts[i]
         return self.num_tokens.pop(i)
 
     @property
     def num_decode_tokens(self) -> int:
-        """Sequences computing just their last sampled token: decodes (re-prefills of preempted ones are not)."""
-        return sum(n == 1 and start >= seq.num_prompt_tokens
-                   for seq, start, n in zip(self.seqs, self.starts, self.num_tokens))
+        """Tokens of sequences computing just their last sampled token and its drafts: decodes (re-prefills of
+        preempted ones are not)."""
+        return sum(n for seq, start, n, drafts in zip(self.seqs, self.starts, self.num_tokens, self.drafts)
+                   if n == 1 + len(drafts) and start >= seq.num_prompt_tokens)
 
     @property
     def num_prefill_tokens(self) -> int:
@@ -122,6 +126,7 @@ class Scheduler:
         self.in_flight = ScheduledBatch()
         self.num_preemptions = self.num_cached_tokens = 0
         self.num_steps = self.num_chunked_steps = self.num_mixed_steps = 0
+        self.num_draft_tokens = self.num_accepted_tokens = self.num_spec_rows = 0
 
     def is_finished(self) -> bool:
         return not self.waiting and not self.running
@@ -161,6 +166,11 @@ class Scheduler:
             if seq.status != SequenceStatus.RUNNING:  # preempted earlier in this pass
                 continue
             num_tokens = min(len(seq.token_ids) - seq.num_computed_tokens, budget)
+            drafts = seq.spec_token_ids[:budget - 1] if num_tokens == 1 else []
+            if drafts and self.block_manager.allocate(seq, 1 + len(drafts)):
+                batch.add(seq, 1 + len(drafts), drafts)
+                budget -= 1 + len(drafts)
+                continue
             while not self.block_manager.allocate(seq, num_tokens):
                 victim = max(self.running, key=self.waiting.key)
                 self.preempt(victim)
@@ -218,11 +228,38 @@ class Scheduler:
     def postprocess(self, batch: ScheduledBatch, token_ids: list[int]) -> list[Sequence]:
         """Append each sampled token (one per sequence that samples, in batch order); returns those sequences.
         Whether one ends there is the engine's call (see `nanovllm.core.stopping`), carried out by `finish`."""
-        self.in_flight = ScheduledBatch()
-        sampled = [seq for seq, samples in zip(batch.seqs, batch.samples) if samples]
-        for seq, token_id in zip(sampled, token_ids):
+        sampled = self.new_tokens(batch, token_ids)
+        for seq, (token_id,) in sampled:
             seq.append_token(token_id)
+        return [seq for seq, _ in sampled]
+
+    def new_tokens(self, batch: ScheduledBatch, token_ids: list[int],
+                   num_accepted: list[int] | None = None) -> list[tuple[Sequence, list[int]]]:
+        """Each sequence that samples, in batch order, with its new tokens, not yet appended: one sampled token
+        each, or with `num_accepted` (speculative decoding) its first `num_accepted[i]` drafts and the token
+        sampled after them (`token_ids` flat over all of them). The engine appends them one at a time, since it may
+        end a sequence at any of them, then calls `settle` on the others. The K/V of rejected drafts stop counting
+        as computed here."""
+        self.in_flight = ScheduledBatch()
+        sampled, offset = [], 0
+        rows = [(seq, drafts) for seq, drafts, samples in zip(batch.seqs, batch.drafts, batch.samples) if samples]
+        for i, (seq, drafts) in enumerate(rows):
+            n = 1 if num_accepted is None else num_accepted[i] + 1
+            sampled.append((seq, token_ids[offset:offset + n]))
+            offset += n
+            if drafts:
+                seq.num_computed_tokens -= len(drafts) - (n - 1)
+                seq.spec_trials += min(n, len(drafts))
+                seq.spec_accepted += n - 1
+                self.num_draft_tokens += len(drafts)
+                self.num_accepted_tokens += n - 1
+                self.num_spec_rows += 1
         return sampled
+
+    def settle(self, seq: Sequence) -> None:
+        """After `seq` took a verification step's tokens: name the blocks its accepted tokens filled (prefix caching
+        registers accepted tokens only) and free the blocks that only rejected drafts used."""
+        self.block_manager.settle(seq)
 
     def finish(self, seq: Sequence, reason: str, stop_reason: int | str | None = None) -> None:
         """End `seq` wherever it is (running, waiting or preempted) and free its blocks."""

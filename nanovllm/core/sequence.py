@@ -18,6 +18,9 @@ class Sequence:
     tokens have their K/V in the cache, or are being computed in the step just scheduled. A
     prompt is being prefilled while it is below `num_prompt_tokens`; a sequence samples its next
     token in a step that brings it to `len(seq)`. Preemption resets it to 0 (recompute).
+    `spec_token_ids`: tokens proposed to follow it (speculative decoding), verified in its next decode step;
+    `spec_trials` and `spec_accepted`: drafts it has verified up to and including the first rejected one, and of
+    those the accepted ones (its per-draft acceptance, which decides how many it proposes).
     """
 
     def __init__(self, seq_id: int, token_ids: list[int], block_size: int, params: SamplingParams,
@@ -34,6 +37,8 @@ class Sequence:
         self.priority = priority
         self.finish_reason: str | None = None
         self.stop_reason: int | str | None = None
+        self.spec_token_ids: list[int] = []
+        self.spec_trials = self.spec_accepted = 0
 
     def __len__(self) -> int:
         return len(self.token_ids)

@@ -19,6 +19,8 @@ from nanovllm.execution.model_runner import ModelRunner
 from nanovllm.models import kv_sliding_window
 from nanovllm.outputs import RequestOutput, TokenLogprobs
 from nanovllm.sampling_params import SamplingParams
+from nanovllm.spec_decode.proposer import NgramProposer
+from nanovllm.spec_decode.stats import spec_decode_stats
 
 _TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "vocab.json", "tokenizer.model")
 
@@ -55,6 +57,8 @@ class LLMEngine(PromptFrontend):
             enable_chunked_prefill=config.enable_chunked_prefill, scheduling_policy=config.scheduling_policy,
             sliding_window=kv_sliding_window(config.hf_config),
             enable_prefix_caching=not self.model_runner.model.rope_needs_lengths))
+        self.proposer = None if config.speculative is None else NgramProposer(config.speculative,
+                                                                               config.max_model_len)
         self._seq_ids, self._request_ids = count(), count()
         self._requests: dict[str, Request] = {}
         self._completions: dict[int, tuple[Request, Completion]] = {}
@@ -166,21 +170,31 @@ class LLMEngine(PromptFrontend):
         """One step: schedule, run, append the sampled tokens, detokenize and apply stop strings. Returns the
         step's batch and the requests that got a token in it. A request whose output processing fails is aborted
         (and logged) on its own; the others go on."""
+        if self.proposer is not None:
+            self.proposer.propose(self.scheduler.running)
         batch = self.scheduler.schedule()
         if not batch:
             return batch, []
         output = self.model_runner.run(batch)
         for seq_id, (first, logprobs) in (output.prompt_logprobs or {}).items():
             self._completions[seq_id][0].add_prompt_logprobs(first, logprobs)
-        sampled = self.scheduler.postprocess(batch, output.token_ids)
+        sampled = self.scheduler.new_tokens(batch, output.token_ids, output.num_accepted)
         updated: dict[str, Request] = {}
         ended: list[Request] = []
         now = time.time()
-        for seq, logprobs in zip(sampled, output.logprobs or [None] * len(sampled)):
+        all_logprobs = iter(output.logprobs or [None] * len(output.token_ids))
+        for seq, token_ids in sampled:
             request, completion = self._completions[seq.seq_id]
             updated[request.request_id] = request
+            logprobs = [next(all_logprobs) for _ in token_ids]
             try:
-                self._advance(seq, completion, logprobs)
+                for token_id, token_logprobs in zip(token_ids, logprobs):
+                    seq.append_token(token_id)
+                    self._advance(seq, completion, token_logprobs)
+                    if seq.is_finished:
+                        break
+                if output.num_accepted is not None and not seq.is_finished:
+                    self.scheduler.settle(seq)
             except Exception:
                 logger.exception("request %s: processing its output failed; it is aborted, the others go on",
                                  request.request_id)
@@ -229,20 +243,24 @@ class LLMEngine(PromptFrontend):
     def is_finished(self) -> bool:
         return self.scheduler.is_finished()
 
-    def stats(self) -> dict[str, int]:
+    def stats(self) -> dict[str, int | float]:
         """Counters since the engine started: prompt tokens served from the prefix cache, steps (with a
         prompt chunk that did not finish its prompt; with decodes and prefill chunks together),
-        preemptions, and KV blocks (released outside a sliding window; the most in use at once)."""
+        preemptions, KV blocks (released outside a sliding window; the most in use at once), and with speculative
+        decoding `spec_decode_stats`."""
         s, bm = self.scheduler, self.scheduler.block_manager
-        return {"num_cached_tokens": s.num_cached_tokens,
-                "num_steps": s.num_steps,
-                "num_chunked_steps": s.num_chunked_steps,
-                "num_mixed_steps": s.num_mixed_steps,
-                "num_preemptions": s.num_preemptions,
-                "num_free_blocks": bm.num_free_blocks,
-                "num_blocks": len(bm.blocks),
-                "num_released_blocks": bm.num_released_blocks,
-                "peak_used_blocks": bm.peak_used_blocks}
+        stats = {"num_cached_tokens": s.num_cached_tokens,
+                 "num_steps": s.num_steps,
+                 "num_chunked_steps": s.num_chunked_steps,
+                 "num_mixed_steps": s.num_mixed_steps,
+                 "num_preemptions": s.num_preemptions,
+                 "num_free_blocks": bm.num_free_blocks,
+                 "num_blocks": len(bm.blocks),
+                 "num_released_blocks": bm.num_released_blocks,
+                 "peak_used_blocks": bm.peak_used_blocks}
+        if self.proposer is not None:
+            stats.update(spec_decode_stats(s.num_draft_tokens, s.num_accepted_tokens, s.num_spec_rows))
+        return stats
 
     def _abort_all(self, error: BaseException) -> None:
         """After a step failed: every unfinished request ends as aborted, frees its blocks and carries the error."""

@@ -2,7 +2,7 @@
 its Hugging Face config, the device, the dtype, the attention backend and `max_model_len`."""
 import json
 import os
-from dataclasses import fields
+from dataclasses import fields, replace
 
 import torch
 from transformers import AutoConfig, PretrainedConfig
@@ -14,6 +14,8 @@ from nanovllm.layers.prepack import native_bfloat16
 from nanovllm.models import model_class
 from nanovllm.models.hf_config import head_dim
 from nanovllm.models.loader import find_weight_files
+from nanovllm.spec_decode.config import STEP_COST
+from nanovllm.spec_decode.draft_check import check_same_vocabulary
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -44,7 +46,22 @@ def resolve_config(model: str | None, settings: dict) -> Config:
                                               config.kvcache_block_size, head_dim(cfg))
     _resolve_max_model_len(config)
     _check_tensor_parallel(config)
+    _resolve_speculative(config)
     return config
+
+
+def _resolve_speculative(config: Config) -> None:
+    """The device's step cost model for the adaptive draft count; a draft model's vocabulary checked against the
+    target's."""
+    spec = config.speculative
+    if spec is None:
+        return
+    config.speculative = replace(spec, step_cost=STEP_COST[config.device])
+    if spec.method == "draft_model":
+        draft = resolve_model(spec.model)
+        check_same_vocabulary(config.model, config.hf_config, draft, load_hf_config(draft))
+        raise ValueError("speculative_config with a draft model is not implemented yet in nanovllm; use "
+                         "{'method': 'ngram', 'num_speculative_tokens': k}")
 
 
 def _resolve_max_model_len(config: Config) -> None:

@@ -20,6 +20,7 @@ from nanovllm.layers.prepack import can_prepack, prepack_linear_weights
 from nanovllm.models import build_model
 from nanovllm.models.loader import init_dummy_weights, load_model
 from nanovllm.parallel.tensor_parallel import WorkerGroup, started
+from nanovllm.spec_decode.verifier import verify
 
 
 @contextmanager
@@ -116,15 +117,17 @@ class ModelRunner:
     def prepare(self, batch: ScheduledBatch) -> tuple[torch.Tensor, torch.Tensor, list[PromptRows]]:
         """Set the attention context for one varlen step (sequence i computes its tokens `starts[i]` to
         `starts[i] + num_tokens[i]`; the tokens before are already in its KV cache) and return the
-        input ids and positions. Logits are taken at the last row of each sequence that samples, then at the
-        prompt rows of sequences that asked for prompt logprobs (returned, in that order)."""
+        input ids and positions. Logits are taken at the last row of each sequence that samples (and at the rows
+        before it that verify its drafts), then at the prompt rows of sequences that asked for prompt logprobs
+        (returned, in that order)."""
         input_ids, positions, slot_mapping, context_lens, logits_indices = [], [], [], [], []
         rope_lengths = [] if self.model.rope_needs_lengths else None
         cu_seqlens_q, cu_seqlens_k = [0], [0]
         prompt_rows: list[PromptRows] = []
-        for seq, start, num_tokens, samples in zip(batch.seqs, batch.starts, batch.num_tokens, batch.samples):
+        for seq, start, num_tokens, samples, drafts in zip(batch.seqs, batch.starts, batch.num_tokens, batch.samples,
+                                                           batch.drafts):
             end = start + num_tokens
-            input_ids.extend(seq[start:end])
+            input_ids.extend(seq[start:end - len(drafts)] + drafts)
             positions.extend(range(start, end))
             if rope_lengths is not None:
                 rope_lengths.extend(max(p + 1, seq.num_prompt_tokens) for p in range(start, end))
@@ -136,7 +139,7 @@ class ModelRunner:
             cu_seqlens_k.append(cu_seqlens_k[-1] + end)
             context_lens.append(end)
             if samples:
-                logits_indices.append(cu_seqlens_q[-1] - 1)
+                logits_indices.extend(range(cu_seqlens_q[-1] - 1 - len(drafts), cu_seqlens_q[-1]))
         logits_indices += [row for rows in prompt_rows for row in rows.rows]
         set_context(cu_seqlens_q=self._tensor(cu_seqlens_q, torch.int32),
                     cu_seqlens_k=self._tensor(cu_seqlens_k, torch.int32),
@@ -164,7 +167,8 @@ class ModelRunner:
         return self.model.compute_logits(hidden_states[ctx.logits_indices])
 
     def run(self, batch: ScheduledBatch) -> SamplerOutput | None:
-        """Run one scheduled step; rank 0 returns a sampled token for each sequence that samples, in batch order."""
+        """Run one scheduled step; rank 0 returns a sampled token for each sequence that samples, in batch order
+        (with drafts to verify: its accepted drafts and the token after them, see `nanovllm.spec_decode.verifier`)."""
         if self.rank == 0:
             self.sampler.release(batch.finished_seq_ids)
         input_ids, positions, prompt_rows = self.prepare(batch)
@@ -173,8 +177,12 @@ class ModelRunner:
         reset_context()
         if self.rank != 0:
             return None
-        sampling = [seq for seq, samples in zip(batch.seqs, batch.samples) if samples]
-        output = self.sampler(logits[:len(sampling)], sampling) if sampling else SamplerOutput([])
+        sampling = [(seq, drafts) for seq, drafts, samples in zip(batch.seqs, batch.drafts, batch.samples) if samples]
+        num_rows = len(sampling) + sum(len(drafts) for _, drafts in sampling)
+        if num_rows > len(sampling):
+            output = verify(self.sampler, logits[:num_rows], sampling)
+        else:
+            output = self.sampler(logits[:num_rows], [seq for seq, _ in sampling]) if sampling else SamplerOutput([])
         if prompt_rows:
-            output.prompt_logprobs = self.sampler.prompt_logprobs(logits[len(sampling):], prompt_rows)
+            output.prompt_logprobs = self.sampler.prompt_logprobs(logits[num_rows:], prompt_rows)
         return output

@@ -40,11 +40,14 @@ class PromptRows:
 @dataclass
 class SamplerOutput:
     """One sampled token id per row; with `logprobs` (one entry per row, None where not asked) when any row asked;
-    `prompt_logprobs`: per sequence id, the first prompt position scored in this step and its tokens' logprobs."""
+    `prompt_logprobs`: per sequence id, the first prompt position scored in this step and its tokens' logprobs.
+    With `num_accepted` (speculative decoding), sequence i has `num_accepted[i] + 1` tokens (its accepted drafts and
+    the token after them), consecutive in `token_ids` and `logprobs`."""
 
     token_ids: list[int]
     logprobs: list[TokenLogprobs | None] | None = None
     prompt_logprobs: dict[int, tuple[int, list[TokenLogprobs]]] | None = None
+    num_accepted: list[int] | None = None
 
 
 def num_completion_tokens(seq: SamplingRow) -> int:

@@ -187,3 +187,23 @@ def test_compete_runs_every_row_again_beside_a_busy_process_and_reports_what_it_
     printed = capsys.readouterr().out
     assert f"nanovllm chunked {busy['tokens_per_s'] / quiet['tokens_per_s']:.0%}" in printed
     assert "kept on a busy machine" in printed and "torch.randn" in compete.LOOP
+
+
+def test_bench_runs_each_row_with_and_without_speculation(tied_model, capsys):
+    result = bench.main(["--model", tied_model, "--device", "cpu", "--num-seqs", "2", "--min-input-len", "30",
+                         "--max-input-len", "40", "--min-output-len", "24", "--max-output-len", "24",
+                         "--temperature", "0", "--scheduling", "chunked", "--speculative", "ngram"])
+    plain, speculative = result["rows"]
+    assert speculative["engine"] == "nanovllm chunked, ngram speculation" and plain["engine"] == "nanovllm chunked"
+    assert plain["tokens"] == speculative["tokens"] == 48
+    assert speculative["ratio"] == pytest.approx(speculative["tokens_per_s"] / plain["tokens_per_s"])
+    facts = result["engines"]["torch chunked plain ngram speculation"]
+    assert facts["outputs_digest"] == result["engines"]["torch chunked plain"]["outputs_digest"]
+    assert facts["spec_mean_accepted_length"] >= 1 and facts["num_draft_tokens"] >= facts["num_accepted_tokens"]
+    assert "outputs identical to those without speculation" in capsys.readouterr().out
+
+
+def test_bench_grounded_workload_needs_a_model_and_no_baseline(tied_model):
+    for flags in (["--workload", "grounded"], ["--workload", "grounded", "--model", tied_model, "--baseline", "hf"]):
+        with pytest.raises(SystemExit):
+            bench.parse_args(flags)

@@ -9,12 +9,13 @@ PACKAGE = Path(__file__).resolve().parents[2] / "nanovllm"
 
 FLOORS = [
     ("bookkeeping, tensor-free", ["nanovllm.sampling_params", "nanovllm.outputs", "nanovllm.core", "nanovllm.config",
-                                  "nanovllm.cache", "nanovllm.progress", "nanovllm.parallel.supervisor"]),
+                                  "nanovllm.cache", "nanovllm.progress", "nanovllm.parallel.supervisor",
+                                  "nanovllm.spec_decode"]),
     ("the tensor-parallel group", ["nanovllm.parallel.process_group"]),
     ("kernels and layers", ["nanovllm.backends", "nanovllm.layers"]),
     ("models and their weights", ["nanovllm.models", "nanovllm.gguf_import"]),
-    ("running a model", ["nanovllm.execution", "nanovllm.parallel.tensor_parallel"]),
-    ("the engine", ["nanovllm.engine"]),
+    ("running a model", ["nanovllm.execution", "nanovllm.parallel.tensor_parallel", "nanovllm.spec_decode.verifier"]),
+    ("the engine", ["nanovllm.engine", "nanovllm.spec_decode.draft_check"]),
     ("entry points", ["nanovllm", "nanovllm.llm", "nanovllm.parallel", "nanovllm.ray", "nanovllm.smollm2",
                       "nanovllm.cli", "nanovllm.__main__", "nanovllm.program", "nanovllm.benchmarks"]),
 ]

@@ -1,0 +1,37 @@
+"""Input-grounded requests: repeat, edit or annotate a given passage or piece of code, as chat prompts. Most of such
+an answer is in its prompt, which is where prompt-lookup speculation pays (`bench.py --workload grounded`)."""
+from transformers import PreTrainedTokenizerBase
+
+PASSAGES = [
+    "The river wound slowly through the valley, past the old mill and the stone bridge, where children gathered "
+    "every summer to fish and swim. In autumn the leaves turned red and gold, and the farmers brought their harvest "
+    "to the market in the square. The baker opened his shop before dawn, and the smell of fresh bread filled the "
+    "narrow streets long before the church bells rang.",
+    "def merge_sorted(left, right):\n    result = []\n    i = j = 0\n    while i < len(left) and j < len(right):\n"
+    "        if left[i] <= right[j]:\n            result.append(left[i])\n            i += 1\n        else:\n"
+    "            result.append(right[j])\n            j += 1\n    result.extend(left[i:])\n"
+    "    result.extend(right[j:])\n    return result\n",
+    "Our meeting is scheduled for Tuesday at ten in the morning in the large conference room on the third floor. "
+    "Please bring the quarterly report, the updated budget and your notes from the customer visits. We will review "
+    "the sales figures first, then discuss the hiring plan for the next quarter, and finish with open questions.",
+    "class Stack:\n    def __init__(self):\n        self.items = []\n\n    def push(self, item):\n"
+    "        self.items.append(item)\n\n    def pop(self):\n        return self.items.pop()\n\n"
+    "    def peek(self):\n        return self.items[-1]\n\n    def is_empty(self):\n        return not self.items\n",
+]
+TASKS = [
+    "Repeat the following text exactly, word for word.\n\n{passage}",
+    "Rewrite the following text with every sentence or line kept in the same order, changing as little as "
+    "possible.\n\n{passage}",
+    "Copy the following text and add a short comment after it.\n\n{passage}",
+]
+
+
+def grounded_prompts(tokenizer: PreTrainedTokenizerBase, num_prompts: int) -> list[list[int]]:
+    """`num_prompts` chat prompts cycling through the tasks and passages, as token ids (the model's chat template)."""
+    prompts = []
+    for i in range(num_prompts):
+        task, passage = TASKS[i % len(TASKS)], PASSAGES[i // len(TASKS) % len(PASSAGES)]
+        messages = [{"role": "user", "content": task.format(passage=passage)}]
+        prompts.append(tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True,
+                                                     return_dict=False))
+    return prompts

@@ -1,0 +1,74 @@
+"""What each running sequence proposes before a step (pure bookkeeping: no tensors), and how many of its proposed
+tokens it keeps: the adaptive rule that turns speculation down where it stops paying."""
+from nanovllm.core.sequence import Sequence
+from nanovllm.spec_decode.config import SpeculativeConfig
+from nanovllm.spec_decode.ngram import ngram_proposal
+
+# A sequence's per-draft acceptance before it has verified any: PRIOR_ACCEPTED of PRIOR_TRIALS.
+PRIOR_ACCEPTED, PRIOR_TRIALS = 1.4, 2.0
+
+
+def speculates(seq: Sequence) -> bool:
+    """Whether `seq`'s sampling can verify drafts: not under penalties, whose counts the sampler keeps per sequence
+    on the device and would not see the drafts."""
+    return not seq.params.uses_penalties
+
+
+def acceptance(seq: Sequence) -> float:
+    """The chance that `seq`'s next draft is accepted, estimated from its history (smoothed by the prior)."""
+    return (seq.spec_accepted + PRIOR_ACCEPTED) / (seq.spec_trials + PRIOR_TRIALS)
+
+
+def keep_drafts(proposals: dict[Sequence, list[int]], num_seqs: int, num_rows: int,
+                step_cost: tuple[int, int]) -> dict[Sequence, int]:
+    """How many of its proposed drafts each sequence keeps, so that the step's expected tokens per unit of cost are
+    highest. With `step_cost` (fixed, per_sequence), a step of `num_seqs` sequences and `num_rows` rows costs
+    fixed + per_sequence * num_seqs + num_rows, plus one per draft; each sequence yields a token, and the j-th draft
+    of a sequence with acceptance a yields a**j more on average (all j must be accepted). Drafts are taken best
+    first while one adds more than the step's current tokens per cost: at small batch every likely draft, at large
+    batch only likely ones, and none for a sequence whose drafts are mostly rejected."""
+    candidates = sorted(((acceptance(seq) ** j, i, seq) for i, (seq, drafts) in enumerate(proposals.items())
+                         for j in range(1, len(drafts) + 1)), key=lambda c: (-c[0], c[1]))
+    fixed, per_sequence = step_cost
+    expected, cost = float(num_seqs), fixed + per_sequence * num_seqs + num_rows
+    kept = dict.fromkeys(proposals, 0)
+    for gain, _, seq in candidates:
+        if gain * cost <= expected:
+            break
+        kept[seq] += 1
+        expected, cost = expected + gain, cost + 1
+    return kept
+
+
+class NgramProposer:
+    """Sets `spec_token_ids` of every running sequence before the scheduler runs: prompt-lookup proposals for those
+    about to decode, as many as `keep_drafts` finds worth it; none for the others or when `disable_by_batch_size`
+    sequences or more run. A proposal never runs past `max_tokens` or `max_model_len`."""
+
+    def __init__(self, spec: SpeculativeConfig, max_model_len: int):
+        self.spec = spec
+        self.max_model_len = max_model_len
+
+    def propose(self, running: list[Sequence]) -> None:
+        limit = self.spec.disable_by_batch_size
+        enabled = limit is None or len(running) < limit
+        proposals = {}
+        for seq in running:
+            seq.spec_token_ids = []
+            if enabled and len(seq.token_ids) - seq.num_computed_tokens == 1 and speculates(seq):
+                drafts = ngram_proposal(seq.token_ids, self.spec.prompt_lookup_min, self.spec.prompt_lookup_max,
+                                        self._room(seq))
+                if drafts:
+                    proposals[seq] = drafts
+        if not proposals:
+            return
+        num_rows = sum(len(seq.token_ids) - seq.num_computed_tokens for seq in running)
+        for seq, count in keep_drafts(proposals, len(running), num_rows, self.spec.step_cost).items():
+            seq.spec_token_ids = proposals[seq][:count]
+
+    def _room(self, seq: Sequence) -> int:
+        """How many drafts `seq` can use: a step yields at most one token more than it verifies."""
+        room = min(self.spec.num_speculative_tokens, self.max_model_len - len(seq.token_ids))
+        if seq.params.max_tokens is not None:
+            room = min(room, seq.params.max_tokens - seq.num_completion_tokens - 1)
+        return max(room, 0)
