@@ -149,3 +149,20 @@ def test_draft_model_with_another_vocabulary_is_refused(tied_model, tmp_path):
     draft = make_checkpoint(str(tmp_path / "draft"), vocab_size=320)
     with pytest.raises(ValueError, match="vocabulary of 320 tokens, the target .* 384"):
         LLM(tied_model, speculative_config={"model": draft, "num_speculative_tokens": 3})
+
+
+@pytest.mark.parametrize("family", ["mistral", "gemma2"])
+def test_sliding_windows_and_soft_capping_stay_exact(tmp_path, family):
+    """Drafts verified over a window whose early blocks are released (Mistral, window 24, blocks of 16), and over
+    alternating windows with capped scores (Gemma 2): transformers' greedy output still."""
+    from checkpoints import make_family_checkpoint
+
+    path = make_family_checkpoint(str(tmp_path / family), family, tie_word_embeddings=True)
+    prompts = [p[:60] for p in grounded_prompts([30, 45])] + random_prompts([7], seed=3)
+    expected = hf_greedy(path, prompts, MAX_TOKENS)
+    with spec_llm(path, max_model_len=256, max_num_batched_tokens=64) as llm:
+        assert [o["token_ids"] for o in llm.generate(prompts, GREEDY, use_tqdm=False)] == expected
+        assert_drafts_accepted(llm)
+        if family == "mistral":
+            assert llm.stats()["num_released_blocks"] > 0
+        assert_all_blocks_free(llm)
