@@ -10,6 +10,7 @@ reports: AVX-512 (VNNI) where present, else AVX2, else portable C++; `NANOVLLM_C
 a lower one, e.g. to test the AVX2 path on an AVX-512 machine. Elsewhere, or without the compiled kernels, the
 reference runs: gguf-py's numpy dequantizer, then a float matmul.
 """
+import functools
 import os
 
 import numpy as np
@@ -50,7 +51,7 @@ def row_bytes(qtype: int, in_features: int) -> int:
 
 def kernel_isa() -> int:
     """The compiled kernels' path to run: the best this CPU has, or the one `NANOVLLM_CPU_ISA` names."""
-    best = cpu_kernels().ggml_isa()
+    best = _best_isa()
     name = os.environ.get(ISA_ENV, "").strip().lower()
     if not name:
         return best
@@ -60,6 +61,11 @@ def kernel_isa() -> int:
         raise ValueError(f"{ISA_ENV}={name} but this CPU (or the kernels' build) only has "
                          f"{next(k for k, v in ISAS.items() if v == best)}")
     return ISAS[name]
+
+
+@functools.cache
+def _best_isa() -> int:
+    return cpu_kernels().ggml_isa()
 
 
 def ggml_dequantize(weight: torch.Tensor, qtype: int, in_features: int,

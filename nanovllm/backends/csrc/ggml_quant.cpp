@@ -12,6 +12,9 @@
 //
 // F32, F16 and BF16 weights take a float dot product for a few rows, and the weight as a float matrix through
 // at::matmul for more.
+// A row's result must not depend on how many rows share its call: with contraction off, the scalar arithmetic rounds
+// the same in every row-tile instantiation (explicit FMA intrinsics stay FMAs).
+#pragma GCC optimize("fp-contract=off")
 #include <ATen/Dispatch.h>
 #include <ATen/Parallel.h>
 #include <ATen/core/Tensor.h>
@@ -475,15 +478,17 @@ inline float hsum(__m256 v) {
   return _mm_cvtss_f32(s);
 }
 
+// Two accumulators per row (even and odd blocks) so that consecutive blocks' FMAs do not wait on each other.
 template <class T, int ISA, int R>
 void simd_rows(const uint8_t* w, int64_t blocks, const XBlock* x, int64_t stride, float* out) {
-  __m256 acc[R];
-  float offset[R];
-  for (int r = 0; r < R; ++r) {
-    acc[r] = _mm256_setzero_ps();
-    offset[r] = 0.f;
-  }
-  for (int64_t i = 0; i < blocks; ++i) {
+  __m256 acc[2][R];
+  float offset[2][R];
+  for (int e = 0; e < 2; ++e)
+    for (int r = 0; r < R; ++r) {
+      acc[e][r] = _mm256_setzero_ps();
+      offset[e][r] = 0.f;
+    }
+  auto block = [&](int64_t i, __m256* sum, float* off) {
     const XBlock* xi = x + i * (T::kValues / 32);
     T::simd(w + i * T::kBytes, [&](int c, __m256i u, float a0, float a1, float b0, float b1) {
       for (int r = 0; r < R; ++r) {
@@ -498,16 +503,22 @@ void simd_rows(const uint8_t* w, int64_t blocks, const XBlock* x, int64_t stride
         __m256 scale;
         if constexpr (T::kGroup16) {
           scale = _mm256_set_m128(_mm_set1_ps(a1 * blk.d), _mm_set1_ps(a0 * blk.d));
-          offset[r] += blk.d * (b0 * blk.sum[0] + b1 * blk.sum[1]);
+          off[r] += blk.d * (b0 * blk.sum[0] + b1 * blk.sum[1]);
         } else {
           scale = _mm256_set1_ps(a0 * blk.d);
-          if constexpr (!T::kSigned) offset[r] += b0 * blk.s;
+          if constexpr (!T::kSigned) off[r] += b0 * blk.s;
         }
-        acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(p), scale, acc[r]);
+        sum[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(p), scale, sum[r]);
       }
     });
+  };
+  int64_t i = 0;
+  for (; i + 2 <= blocks; i += 2) {
+    block(i, acc[0], offset[0]);
+    block(i + 1, acc[1], offset[1]);
   }
-  for (int r = 0; r < R; ++r) out[r] = hsum(acc[r]) + offset[r];
+  if (i < blocks) block(i, acc[0], offset[0]);
+  for (int r = 0; r < R; ++r) out[r] = hsum(_mm256_add_ps(acc[0][r], acc[1][r])) + offset[0][r] + offset[1][r];
 }
 #endif
 

@@ -1,5 +1,5 @@
-"""Random GGML-quantized weights for the kernel tests: random bytes with sane float16 scales, so every bit pattern
-of the quantized values occurs while the dequantized weights stay small."""
+"""Random GGML-quantized weights for the kernels' tests and benchmark: random bytes with sane float16 scales, so
+every bit pattern of the quantized values occurs while the dequantized weights stay small."""
 import numpy as np
 import torch
 
@@ -13,7 +13,7 @@ NAMES = {0: "F32", 1: "F16", 2: "Q4_0", 3: "Q4_1", 6: "Q5_0", 7: "Q5_1", 8: "Q8_
          12: "Q4_K", 13: "Q5_K", 14: "Q6_K", 30: "BF16"}
 
 
-def random_weight(qtype: int, rows: int, in_features: int, seed: int = 0) -> torch.Tensor:
+def random_ggml_weight(qtype: int, rows: int, in_features: int, seed: int = 0) -> torch.Tensor:
     """A uint8 `[rows, row_bytes]` weight of type `qtype` (values of magnitude ~0.1 or less)."""
     rng = np.random.default_rng(seed)
     if qtype in FLOAT_TYPES:

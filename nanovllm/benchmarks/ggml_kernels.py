@@ -1,0 +1,82 @@
+"""Kernel benchmark of `ggml_linear` (compiled CPU kernels) at SmolLM2-135M's shapes, beside oneDNN's F.linear on
+the same weights dequantized (bfloat16 and float32, prepacked as `layers/prepack.py` packs them).
+
+    python -m nanovllm.benchmarks.ggml_kernels [--types Q4_1,Q8_0] [--rows 1,8,32,128] [--threads 2]
+
+Prints, per shape (in -> out features) and activation rows, the best time per call of a few rounds (interleaved)
+and the effective bandwidth (the weight's bytes in its own format over the time).
+"""
+import argparse
+import time
+from functools import partial
+
+import torch
+
+from nanovllm.benchmarks.report import markdown_table
+from nanovllm.quantization.ggml_ops import BLOCK, ggml_dequantize, ggml_linear, kernel_isa
+from nanovllm.quantization.ggml_random import NAMES, random_ggml_weight
+
+SHAPES = [(576, 576), (576, 192), (576, 1536), (1536, 576), (576, 49152)]  # in -> out; the last is the LM head
+TYPES = {name: qtype for qtype, name in NAMES.items()}
+
+
+def time_call(fn, budget_s: float) -> float:
+    """Seconds per call: calls batched until `budget_s` passes, at least 3."""
+    fn()
+    calls, start = 0, time.perf_counter()
+    while calls < 3 or time.perf_counter() - start < budget_s:
+        fn()
+        calls += 1
+    return (time.perf_counter() - start) / calls
+
+
+def bench(types: list[str], rows: list[int], rounds: int, budget_s: float) -> list[list[str]]:
+    """Rows of the table; shapes whose input is not whole blocks of a type (576 values and the 256-value K-quants)
+    leave that type out."""
+    table = []
+    for k, n in SHAPES:
+        fit = [t for t in types if k % BLOCK[TYPES[t]][0] == 0]
+        weights = {t: random_ggml_weight(TYPES[t], n, k) for t in fit}
+        dense = ggml_dequantize(weights[fit[0]], TYPES[fit[0]], k) if fit else torch.randn(n, k) * 0.05
+        packed = {dtype: torch.ops.mkldnn._reorder_linear_weight(dense.to(dtype))
+                  for dtype in (torch.bfloat16, torch.float32)}
+        for m in rows:
+            x = torch.randn(m, k)
+            calls = {t: (partial(ggml_linear, x, weights[t], TYPES[t], k), weights[t].numel()) for t in fit}
+            for dtype, w in packed.items():
+                name = f"oneDNN {str(dtype).removeprefix('torch.')}"
+                calls[name] = (partial(torch.ops.mkldnn._linear_pointwise, x.to(dtype), w, None, "none", [], ""),
+                               n * k * dtype.itemsize)
+            times = {name: [] for name in calls}
+            for _ in range(rounds):
+                for name, (fn, _) in calls.items():
+                    times[name].append(time_call(fn, budget_s))
+            for name, (_, size) in calls.items():
+                t = min(times[name])
+                table.append([f"{k}->{n}", str(m), name, f"{t * 1e6:.1f}", f"{size / t / 1e9:.1f}"])
+    return table
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--types", default="Q4_1,Q8_0,Q4_0,Q4_K,Q6_K",
+                        help=f"GGML types, comma-separated, of {', '.join(TYPES)}")
+    parser.add_argument("--rows", default="1,8,32,128", help="activation rows per call, comma-separated")
+    parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--budget", type=float, default=0.1, help="seconds per timing")
+    args = parser.parse_args()
+    types = [t.strip().upper() for t in args.types.split(",")]
+    unknown = [t for t in types if t not in TYPES]
+    if unknown:
+        parser.error(f"unknown GGML types {unknown}; choose from {', '.join(TYPES)}")
+    torch.set_num_threads(args.threads)
+    isa = {0: "portable", 1: "AVX2", 2: "AVX-512 VNNI"}[kernel_isa()]
+    print(f"{args.threads} threads, ggml path {isa}")
+    with torch.no_grad():
+        table = bench(types, [int(r) for r in args.rows.split(",")], args.rounds, args.budget)
+    print(markdown_table(["shape", "rows", "kernel", "us/call", "GB/s"], table))
+
+
+if __name__ == "__main__":
+    main()
