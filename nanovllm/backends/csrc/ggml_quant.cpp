@@ -10,8 +10,8 @@
 // runs it. Threads split the output rows (`at::parallel_for`); an output tile reuses each unpacked weight block for
 // up to `MAX_ROWS` activation rows.
 //
-// F32, F16 and BF16 weights take a float dot product for a few rows, and the weight as a float matrix through
-// at::matmul for more.
+// F32, F16 and BF16 weights take float32 dot products through the same row tiles (their own kernels, not oneDNN's:
+// one reduction order whatever the number of rows).
 // A row's result must not depend on how many rows share its call: with contraction off, the scalar arithmetic rounds
 // the same in every row-tile instantiation (explicit FMA intrinsics stay FMAs).
 #pragma GCC optimize("fp-contract=off")
@@ -20,6 +20,7 @@
 #include <ATen/core/Tensor.h>
 #include <c10/util/Optional.h>
 
+#include <type_traits>
 #include <vector>
 
 #include "cpu_math.h"
@@ -50,7 +51,6 @@ constexpr int64_t supported_isa() {
 constexpr int MAX_ROWS = 4;          // activation rows one pass over a weight row serves
 constexpr int64_t TILE = 16;         // weight rows reused from cache across the activation rows
 constexpr int64_t MIN_TASK = 1 << 15;  // weight bytes x rows below which another thread costs more than it saves
-constexpr int64_t FLOAT_GEMV_ROWS = 4;  // float weights: more rows than this go through at::matmul
 
 struct XBlock {
   float d;          // q * d ~ x
@@ -569,15 +569,12 @@ int64_t grain(int64_t row_bytes, int64_t rows) {
   return std::max<int64_t>(TILE, MIN_TASK / std::max<int64_t>(row_bytes * rows, 1));
 }
 
-template <typename T>
-void quantized_matmul(const Kernel& k, const T* x, int64_t M, int64_t K, const uint8_t* w, int64_t w_stride,
-                      int64_t N, const T* bias, T* out) {
-  const int64_t xs = K / 32, blocks = K / k.values;
-  std::vector<XBlock> xq(M * xs);
-  at::parallel_for(0, M, std::max<int64_t>(1, MIN_TASK / std::max<int64_t>(K, 1)), [&](int64_t begin, int64_t end) {
-    for (int64_t m = begin; m < end; ++m) quantize_row(x + m * K, xq.data() + m * xs, xs);
-  });
-  const XBlock* xb = xq.data();
+// out[M, N] = x[M] . w[N] + bias: threads over tiles of weight rows; each weight row serves up to MAX_ROWS activation
+// rows (`rows[R - 1]`) per pass while its tile stays in cache. Activation row m starts at x + m * x_stride.
+template <typename A, typename T>
+void tiled_matmul(void (*const* rows)(const uint8_t*, int64_t, const A*, int64_t, float*), int64_t depth,
+                  const A* x, int64_t x_stride, int64_t M, const uint8_t* w, int64_t w_stride, int64_t N,
+                  const T* bias, T* out) {
   at::parallel_for(0, N, grain(w_stride, M), [&](int64_t n0, int64_t n1) {
     float res[MAX_ROWS];
     for (int64_t t0 = n0; t0 < n1; t0 += TILE) {
@@ -585,7 +582,7 @@ void quantized_matmul(const Kernel& k, const T* x, int64_t M, int64_t K, const u
       for (int64_t m = 0; m < M; m += MAX_ROWS) {
         const int R = static_cast<int>(std::min<int64_t>(MAX_ROWS, M - m));
         for (int64_t n = t0; n < t1; ++n) {
-          k.rows[R - 1](w + n * w_stride, blocks, xb + m * xs, xs, res);
+          rows[R - 1](w + n * w_stride, depth, x + m * x_stride, x_stride, res);
           const float add = bias ? to_float(bias[n]) : 0.f;
           for (int r = 0; r < R; ++r) out[(m + r) * N + n] = from_float<T>(res[r] + add);
         }
@@ -594,50 +591,95 @@ void quantized_matmul(const Kernel& k, const T* x, int64_t M, int64_t K, const u
   });
 }
 
-// ---- float weights ----
+template <typename T>
+void quantized_matmul(const Kernel& k, const T* x, int64_t M, int64_t K, const uint8_t* w, int64_t w_stride,
+                      int64_t N, const T* bias, T* out) {
+  const int64_t xs = K / 32;
+  std::vector<XBlock> xq(M * xs);
+  at::parallel_for(0, M, std::max<int64_t>(1, MIN_TASK / std::max<int64_t>(K, 1)), [&](int64_t begin, int64_t end) {
+    for (int64_t m = begin; m < end; ++m) quantize_row(x + m * K, xq.data() + m * xs, xs);
+  });
+  tiled_matmul(k.rows, K / k.values, xq.data(), xs, M, w, w_stride, N, bias, out);
+}
 
-template <typename W>
-float dot_float(const W* w, const float* x, int64_t K) {
-  float acc = 0.f;
-#pragma omp simd reduction(+ : acc)
-  for (int64_t i = 0; i < K; ++i) acc += to_float(w[i]) * x[i];
-  return acc;
+// ---- float weights (F32, F16, BF16): dot products in float32 ----
+
+using FloatRowsFn = void (*)(const uint8_t* w, int64_t K, const float* x, int64_t stride, float* out);
+
+template <typename W, int R>
+void portable_float_rows(const uint8_t* wb, int64_t K, const float* x, int64_t stride, float* out) {
+  const W* w = reinterpret_cast<const W*>(wb);
+  for (int r = 0; r < R; ++r) {
+    const float* xr = x + r * stride;
+    float acc = 0.f;
+    for (int64_t i = 0; i < K; ++i) acc += to_float(w[i]) * xr[i];
+    out[r] = acc;
+  }
 }
 
 #ifdef NV_AVX2
-template <>
-float dot_float<c10::Half>(const c10::Half* w, const float* x, int64_t K) {
-  __m256 acc = _mm256_setzero_ps();
-  int64_t i = 0;
-  for (; i + 8 <= K; i += 8) {
-    const __m256 wf = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(w + i)));
-    acc = _mm256_fmadd_ps(wf, _mm256_loadu_ps(x + i), acc);
+template <typename W>
+inline __m256 load8(const W* p) {
+  if constexpr (std::is_same_v<W, float>) {
+    return _mm256_loadu_ps(p);
+  } else if constexpr (std::is_same_v<W, c10::Half>) {
+    return _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
+  } else {
+    const __m256i wide = _mm256_cvtepu16_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
+    return _mm256_castsi256_ps(_mm256_slli_epi32(wide, 16));
   }
-  float total = hsum(acc);
-  for (; i < K; ++i) total += static_cast<float>(w[i]) * x[i];
-  return total;
+}
+
+template <typename W, int R>
+void simd_float_rows(const uint8_t* wb, int64_t K, const float* x, int64_t stride, float* out) {
+  const W* w = reinterpret_cast<const W*>(wb);
+  __m256 acc[2][R];
+  for (int e = 0; e < 2; ++e)
+    for (int r = 0; r < R; ++r) acc[e][r] = _mm256_setzero_ps();
+  int64_t i = 0;
+  for (; i + 16 <= K; i += 16) {
+    const __m256 w0 = load8(w + i), w1 = load8(w + i + 8);
+    for (int r = 0; r < R; ++r) {
+      acc[0][r] = _mm256_fmadd_ps(w0, _mm256_loadu_ps(x + r * stride + i), acc[0][r]);
+      acc[1][r] = _mm256_fmadd_ps(w1, _mm256_loadu_ps(x + r * stride + i + 8), acc[1][r]);
+    }
+  }
+  for (int r = 0; r < R; ++r) {
+    float total = hsum(_mm256_add_ps(acc[0][r], acc[1][r]));
+    for (int64_t j = i; j < K; ++j) total += to_float(w[j]) * x[r * stride + j];
+    out[r] = total;
+  }
 }
 #endif
 
-template <typename W, typename T>
-void float_gemv(const W* w, int64_t w_stride, int64_t N, const T* x, int64_t M, int64_t K, const T* bias, T* out) {
-  std::vector<float> xf(M * K);
-  for (int64_t i = 0; i < M * K; ++i) xf[i] = to_float(x[i]);
-  at::parallel_for(0, N, grain(w_stride * static_cast<int64_t>(sizeof(W)), M), [&](int64_t n0, int64_t n1) {
-    for (int64_t n = n0; n < n1; ++n) {
-      const float add = bias ? to_float(bias[n]) : 0.f;
-      for (int64_t m = 0; m < M; ++m) out[m * N + n] = from_float<T>(dot_float(w + n * w_stride, xf.data() + m * K, K) + add);
-    }
-  });
+template <typename W>
+void float_kernels(int64_t isa, FloatRowsFn* rows) {
+#ifdef NV_AVX2
+  if (isa != PORTABLE) {
+    const FloatRowsFn simd[] = {simd_float_rows<W, 1>, simd_float_rows<W, 2>, simd_float_rows<W, 3>,
+                                simd_float_rows<W, 4>};
+    std::copy(simd, simd + MAX_ROWS, rows);
+    return;
+  }
+#endif
+  const FloatRowsFn portable[] = {portable_float_rows<W, 1>, portable_float_rows<W, 2>, portable_float_rows<W, 3>,
+                                  portable_float_rows<W, 4>};
+  std::copy(portable, portable + MAX_ROWS, rows);
 }
 
-at::ScalarType float_weight_type(int64_t qtype) {
-  switch (qtype) {
-    case 0: return at::kFloat;
-    case 1: return at::kHalf;
-    case 30: return at::kBFloat16;
-    default: return at::ScalarType::Undefined;
-  }
+// The element size of a float GGML type, 0 for the block types.
+int64_t float_size(int64_t qtype) { return qtype == 0 ? 4 : qtype == 1 || qtype == 30 ? 2 : 0; }
+
+template <typename T>
+void float_matmul(int64_t qtype, int64_t isa, const T* x, int64_t M, int64_t K, const uint8_t* w, int64_t w_stride,
+                  int64_t N, const T* bias, T* out) {
+  FloatRowsFn rows[MAX_ROWS];
+  if (qtype == 0) float_kernels<float>(isa, rows);
+  if (qtype == 1) float_kernels<c10::Half>(isa, rows);
+  if (qtype == 30) float_kernels<c10::BFloat16>(isa, rows);
+  std::vector<float> xf(M * K);
+  for (int64_t i = 0; i < M * K; ++i) xf[i] = to_float(x[i]);
+  tiled_matmul(rows, K, xf.data(), K, M, w, w_stride, N, bias, out);
 }
 
 }  // namespace
@@ -665,26 +707,13 @@ at::Tensor ggml_linear(at::Tensor x, at::Tensor weight, int64_t qtype, int64_t i
     TORCH_CHECK(bias->numel() == N, "ggml_linear: the bias has ", bias->numel(), " values for ", N, " outputs");
     b = bias->to(dtype).contiguous();
   }
-  const at::ScalarType float_type = float_weight_type(qtype);
-  if (float_type != at::ScalarType::Undefined) {
-    const int64_t size = at::elementSize(float_type);
+  auto out = x2.new_empty({M, N});
+  if (const int64_t size = float_size(qtype)) {
     TORCH_CHECK(weight.size(1) == K * size, "ggml_linear: a row of ", K, " values takes ", K * size, " bytes, not ",
                 weight.size(1));
-    auto w = weight.view(float_type);
-    if (M > FLOAT_GEMV_ROWS) {
-      auto out = x2.matmul(w.to(dtype).t());
-      if (b) out.add_(*b);
-      return out.view(out_sizes);
-    }
-    auto out = x2.new_empty({M, N});
     AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, dtype, "ggml_linear_float", [&] {
-      const scalar_t* bp = b ? b->const_data_ptr<scalar_t>() : nullptr;
-      const scalar_t* xp = x2.const_data_ptr<scalar_t>();
-      scalar_t* op = out.data_ptr<scalar_t>();
-      if (float_type == at::kFloat) float_gemv(w.const_data_ptr<float>(), w.stride(0), N, xp, M, K, bp, op);
-      if (float_type == at::kHalf) float_gemv(w.const_data_ptr<c10::Half>(), w.stride(0), N, xp, M, K, bp, op);
-      if (float_type == at::kBFloat16)
-        float_gemv(w.const_data_ptr<c10::BFloat16>(), w.stride(0), N, xp, M, K, bp, op);
+      float_matmul(qtype, isa, x2.const_data_ptr<scalar_t>(), M, K, weight.const_data_ptr<uint8_t>(),
+                   weight.stride(0), N, b ? b->const_data_ptr<scalar_t>() : nullptr, out.data_ptr<scalar_t>());
     });
     return out.view(out_sizes);
   }
@@ -693,7 +722,6 @@ at::Tensor ggml_linear(at::Tensor x, at::Tensor weight, int64_t qtype, int64_t i
   TORCH_CHECK(K % k.values == 0 && weight.size(1) == K / k.values * k.bytes, "ggml_linear: a row of ", K,
               " values of GGML type ", qtype, " takes ", K / k.values * k.bytes, " bytes (whole blocks of ",
               k.values, "), not ", weight.size(1));
-  auto out = x2.new_empty({M, N});
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, dtype, "ggml_linear", [&] {
     quantized_matmul(k, x2.const_data_ptr<scalar_t>(), M, K, weight.const_data_ptr<uint8_t>(), weight.stride(0), N,
                      b ? b->const_data_ptr<scalar_t>() : nullptr, out.data_ptr<scalar_t>());
