@@ -50,6 +50,7 @@ constexpr int64_t supported_isa() {
 
 constexpr int MAX_ROWS = 4;          // activation rows one pass over a weight row serves
 constexpr int64_t TILE = 16;         // weight rows reused from cache across the activation rows
+constexpr int64_t X_TILE = 32;       // activation rows reused from cache across the weight rows
 constexpr int64_t MIN_TASK = 1 << 15;  // weight bytes x rows below which another thread costs more than it saves
 
 struct XBlock {
@@ -570,22 +571,28 @@ int64_t grain(int64_t row_bytes, int64_t rows) {
 }
 
 // out[M, N] = x[M] . w[N] + bias: threads over tiles of weight rows; each weight row serves up to MAX_ROWS activation
-// rows (`rows[R - 1]`) per pass while its tile stays in cache. Activation row m starts at x + m * x_stride.
+// rows (`rows[R - 1]`) per pass, while its tile stays in L1 and a tile of X_TILE activation rows in L2. Activation row
+// m starts at x + m * x_stride.
 template <typename A, typename T>
 void tiled_matmul(void (*const* rows)(const uint8_t*, int64_t, const A*, int64_t, float*), int64_t depth,
                   const A* x, int64_t x_stride, int64_t M, const uint8_t* w, int64_t w_stride, int64_t N,
                   const T* bias, T* out) {
   at::parallel_for(0, N, grain(w_stride, M), [&](int64_t n0, int64_t n1) {
-    float res[MAX_ROWS];
-    for (int64_t t0 = n0; t0 < n1; t0 += TILE) {
-      const int64_t t1 = std::min(t0 + TILE, n1);
-      for (int64_t m = 0; m < M; m += MAX_ROWS) {
-        const int R = static_cast<int>(std::min<int64_t>(MAX_ROWS, M - m));
-        for (int64_t n = t0; n < t1; ++n) {
-          rows[R - 1](w + n * w_stride, depth, x + m * x_stride, x_stride, res);
-          const float add = bias ? to_float(bias[n]) : 0.f;
-          for (int r = 0; r < R; ++r) out[(m + r) * N + n] = from_float<T>(res[r] + add);
+    float res[MAX_ROWS], tile[X_TILE][TILE];  // a tile of results, written out row by row
+    for (int64_t m0 = 0; m0 < M; m0 += X_TILE) {
+      const int64_t m1 = std::min(m0 + X_TILE, M);
+      for (int64_t t0 = n0; t0 < n1; t0 += TILE) {
+        const int64_t t1 = std::min(t0 + TILE, n1);
+        for (int64_t m = m0; m < m1; m += MAX_ROWS) {
+          const int R = static_cast<int>(std::min<int64_t>(MAX_ROWS, m1 - m));
+          for (int64_t n = t0; n < t1; ++n) {
+            rows[R - 1](w + n * w_stride, depth, x + m * x_stride, x_stride, res);
+            for (int r = 0; r < R; ++r) tile[m - m0 + r][n - t0] = res[r];
+          }
         }
+        for (int64_t m = m0; m < m1; ++m)
+          for (int64_t n = t0; n < t1; ++n)
+            out[m * N + n] = from_float<T>(tile[m - m0][n - t0] + (bias ? to_float(bias[n]) : 0.f));
       }
     }
   });
