@@ -6,9 +6,9 @@ file does: the kernels only read it, and need only each row contiguous).
 
 On the CPU `ggml_linear` runs the compiled kernels (`backends/csrc/ggml_quant.cpp`): each activation row quantized
 per 32 values to int8, then integer dot products per block, as llama.cpp computes them. The path follows what the CPU
-reports: AVX-512 (VNNI) where present, else AVX2, else portable C++; `NANOVLLM_CPU_ISA=avx2` (or `portable`) forces
-a lower one, e.g. to test the AVX2 path on an AVX-512 machine. Elsewhere, or without the compiled kernels, the
-reference runs: gguf-py's numpy dequantizer, then a float matmul.
+reports: AVX-512 (VNNI) where present, else AVX2, else portable C++; `NANOVLLM_CPU_ISA=avx2` (or `portable`),
+read at the first call, forces a lower one, e.g. to test the AVX2 path on an AVX-512 machine. Elsewhere, or without
+the compiled kernels, the reference runs: gguf-py's numpy dequantizer, then a float matmul.
 """
 import functools
 import os
@@ -49,9 +49,11 @@ def row_bytes(qtype: int, in_features: int) -> int:
     return in_features // values * size
 
 
+@functools.cache
 def kernel_isa() -> int:
-    """The compiled kernels' path to run: the best this CPU has, or the one `NANOVLLM_CPU_ISA` names."""
-    best = _best_isa()
+    """The compiled kernels' path to run: the best this CPU has, or the one `NANOVLLM_CPU_ISA` names (read once;
+    `kernel_isa.cache_clear()` reads it again)."""
+    best = cpu_kernels().ggml_isa()
     name = os.environ.get(ISA_ENV, "").strip().lower()
     if not name:
         return best
@@ -61,11 +63,6 @@ def kernel_isa() -> int:
         raise ValueError(f"{ISA_ENV}={name} but this CPU (or the kernels' build) only has "
                          f"{next(k for k, v in ISAS.items() if v == best)}")
     return ISAS[name]
-
-
-@functools.cache
-def _best_isa() -> int:
-    return cpu_kernels().ggml_isa()
 
 
 def ggml_dequantize(weight: torch.Tensor, qtype: int, in_features: int,
@@ -80,8 +77,9 @@ def ggml_dequantize(weight: torch.Tensor, qtype: int, in_features: int,
 def ggml_linear(x: torch.Tensor, weight: torch.Tensor, qtype: int, in_features: int,
                 bias: torch.Tensor | None = None) -> torch.Tensor:
     """`x @ W.T + bias` for x `[..., in_features]` and a quantized W, in x's dtype."""
-    if x.device.type == "cpu" and weight.device.type == "cpu" and cpu_kernels() is not None:
-        return cpu_kernels().ggml_linear(x, weight, qtype, in_features, bias, kernel_isa())
+    kernels = cpu_kernels()
+    if kernels is not None and x.device.type == "cpu":
+        return kernels.ggml_linear(x, weight, qtype, in_features, bias, kernel_isa())
     return F.linear(x, ggml_dequantize(weight, qtype, in_features, x.dtype).to(x.device), bias)
 
 

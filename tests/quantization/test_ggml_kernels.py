@@ -145,20 +145,35 @@ def test_bad_weights_are_refused():
         kernels().ggml_linear(torch.randn(1, 32), weight, 3, 64, None, 0)
 
 
-def test_the_isa_follows_the_environment(monkeypatch):
-    best = kernels().ggml_isa()
+@pytest.fixture
+def environment(monkeypatch):
+    """Set NANOVLLM_CPU_ISA (None: unset) and have `kernel_isa` read it again."""
+    def set_isa(name: str | None) -> None:
+        if name is None:
+            monkeypatch.delenv(ISA_ENV, raising=False)
+        else:
+            monkeypatch.setenv(ISA_ENV, name)
+        kernel_isa.cache_clear()
+
+    yield set_isa
     monkeypatch.delenv(ISA_ENV, raising=False)
+    kernel_isa.cache_clear()
+
+
+def test_the_isa_follows_the_environment(environment):
+    best = kernels().ggml_isa()
+    environment(None)
     assert kernel_isa() == best
-    monkeypatch.setenv(ISA_ENV, "portable")
+    environment("portable")
     assert kernel_isa() == 0
-    monkeypatch.setenv(ISA_ENV, "avx3")
+    environment("avx3")
     with pytest.raises(ValueError, match="avx3"):
         kernel_isa()
     if best < 2:
-        monkeypatch.setenv(ISA_ENV, "avx512")
+        environment("avx512")
         with pytest.raises(ValueError, match="only has"):
             kernel_isa()
-    monkeypatch.setenv(ISA_ENV, "avx2" if best >= 1 else "portable")
+    environment("avx2" if best >= 1 else "portable")
     weight = random_ggml_weight(8, 16, 64)
     x = torch.randn(3, 64)
     assert torch.equal(ggml_linear(x, weight, 8, 64), run(x, weight, 8, min(best, 1)))

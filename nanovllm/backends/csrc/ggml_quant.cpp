@@ -698,6 +698,7 @@ int64_t ggml_isa() { return supported_isa(); }
 at::Tensor ggml_linear(at::Tensor x, at::Tensor weight, int64_t qtype, int64_t in_features,
                        std::optional<at::Tensor> bias, int64_t isa) {
   TORCH_CHECK(isa >= PORTABLE && isa <= supported_isa(), "ggml_linear: path ", isa, " is not built for this CPU");
+  TORCH_CHECK(x.device().is_cpu() && weight.device().is_cpu(), "ggml_linear: x and the weight must be on the CPU");
   TORCH_CHECK(weight.scalar_type() == at::kByte && weight.dim() == 2 && weight.stride(1) == 1,
               "ggml_linear: the weight must be a uint8 [out_features, row_bytes] tensor with contiguous rows");
   TORCH_CHECK(x.size(-1) == in_features, "ggml_linear: x has ", x.size(-1), " features, the weight ", in_features);
