@@ -3,10 +3,12 @@ the same weights dequantized (bfloat16 and float32, prepacked as `layers/prepack
 
     python -m nanovllm.benchmarks.ggml_kernels [--types Q4_1,Q8_0] [--rows 1,8,32,128] [--threads 2]
 
-Prints, per shape (in -> out features) and activation rows, the best time per call of a few rounds (interleaved)
-and the effective bandwidth (the weight's bytes in its own format over the time).
+Prints, per shape (in -> out features) and activation rows, the best and the median time of the calls of a few
+interleaved rounds, and the effective bandwidth at the best (the weight's bytes in its own format over the time). On a
+loaded machine the best is the figure to compare: a parallel region waits for its slowest thread.
 """
 import argparse
+import statistics
 import time
 from functools import partial
 
@@ -20,14 +22,15 @@ SHAPES = [(576, 576), (576, 192), (576, 1536), (1536, 576), (576, 49152)]  # in 
 TYPES = {name: qtype for qtype, name in NAMES.items()}
 
 
-def time_call(fn, budget_s: float) -> float:
-    """Seconds per call: calls batched until `budget_s` passes, at least 3."""
+def time_calls(fn, budget_s: float) -> list[float]:
+    """Seconds of each call, calls repeated until `budget_s` passes (at least 3)."""
     fn()
-    calls, start = 0, time.perf_counter()
-    while calls < 3 or time.perf_counter() - start < budget_s:
+    times, end = [], time.perf_counter() + budget_s
+    while len(times) < 3 or time.perf_counter() < end:
+        start = time.perf_counter()
         fn()
-        calls += 1
-    return (time.perf_counter() - start) / calls
+        times.append(time.perf_counter() - start)
+    return times
 
 
 def bench(types: list[str], rows: list[int], rounds: int, budget_s: float) -> list[list[str]]:
@@ -50,10 +53,11 @@ def bench(types: list[str], rows: list[int], rounds: int, budget_s: float) -> li
             times = {name: [] for name in calls}
             for _ in range(rounds):
                 for name, (fn, _) in calls.items():
-                    times[name].append(time_call(fn, budget_s))
+                    times[name] += time_calls(fn, budget_s)
             for name, (_, size) in calls.items():
-                t = min(times[name])
-                table.append([f"{k}->{n}", str(m), name, f"{t * 1e6:.1f}", f"{size / t / 1e9:.1f}"])
+                best, median = min(times[name]), statistics.median(times[name])
+                table.append([f"{k}->{n}", str(m), name, f"{best * 1e6:.1f}", f"{median * 1e6:.1f}",
+                              f"{size / best / 1e9:.1f}"])
     return table
 
 
@@ -75,7 +79,7 @@ def main() -> None:
     print(f"{args.threads} threads, ggml path {isa}")
     with torch.no_grad():
         table = bench(types, [int(r) for r in args.rows.split(",")], args.rounds, args.budget)
-    print(markdown_table(["shape", "rows", "kernel", "us/call", "GB/s"], table))
+    print(markdown_table(["shape", "rows", "kernel", "best us/call", "median us/call", "GB/s (best)"], table))
 
 
 if __name__ == "__main__":

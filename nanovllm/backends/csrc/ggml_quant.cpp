@@ -38,6 +38,11 @@ namespace {
 
 enum Isa : int64_t { PORTABLE = 0, AVX2 = 1, AVX512 = 2 };
 
+// The SIMD paths' block decoders and the per-chunk products they call: inlined whole, so that the accumulators stay in
+// registers (a K-quant decoder, 8 chunks times the rows, is past GCC's own inlining limits: 3x slower out of line).
+#define ALWAYS_INLINE inline __attribute__((always_inline))
+#define LAMBDA_INLINE __attribute__((always_inline))
+
 constexpr int64_t supported_isa() {
 #if defined(NV_AVX512)
   return AVX512;
@@ -54,9 +59,9 @@ constexpr int64_t X_TILE = 32;       // activation rows reused from cache across
 constexpr int64_t MIN_TASK = 1 << 15;  // weight bytes x rows below which another thread costs more than it saves
 
 struct XBlock {
-  float d;          // q * d ~ x
-  float s;          // d * sum(q)
-  int16_t sum[2];   // sum(q) over each 16 values
+  float d;      // q * d ~ x
+  float s;      // d * sum(q)
+  float ds[2];  // d * sum(q) over each 16 values
   int8_t q[32];
 };
 
@@ -136,7 +141,7 @@ struct Q4_0 {
   }
 #ifdef NV_AVX2
   template <class F>
-  static void simd(const uint8_t* p, F&& f) {
+  ALWAYS_INLINE static void simd(const uint8_t* p, F&& f) {
     const float d = half_at(p);
     f(0, nibbles16(p + 2), d, d, -8.f * d, -8.f * d);
   }
@@ -157,7 +162,7 @@ struct Q4_1 {
   }
 #ifdef NV_AVX2
   template <class F>
-  static void simd(const uint8_t* p, F&& f) {
+  ALWAYS_INLINE static void simd(const uint8_t* p, F&& f) {
     const float d = half_at(p), m = half_at(p + 2);
     f(0, nibbles16(p + 4), d, d, m, m);
   }
@@ -179,7 +184,7 @@ struct Q5_0 {
   }
 #ifdef NV_AVX2
   template <class F>
-  static void simd(const uint8_t* p, F&& f) {
+  ALWAYS_INLINE static void simd(const uint8_t* p, F&& f) {
     const float d = half_at(p);
     f(0, _mm256_or_si256(nibbles16(p + 6), bits_to_bytes(u32_at(p + 2), 16)), d, d, -16.f * d, -16.f * d);
   }
@@ -201,7 +206,7 @@ struct Q5_1 {
   }
 #ifdef NV_AVX2
   template <class F>
-  static void simd(const uint8_t* p, F&& f) {
+  ALWAYS_INLINE static void simd(const uint8_t* p, F&& f) {
     const float d = half_at(p), m = half_at(p + 2);
     f(0, _mm256_or_si256(nibbles16(p + 8), bits_to_bytes(u32_at(p + 4), 16)), d, d, m, m);
   }
@@ -218,7 +223,7 @@ struct Q8_0 {
   }
 #ifdef NV_AVX2
   template <class F>
-  static void simd(const uint8_t* p, F&& f) {
+  ALWAYS_INLINE static void simd(const uint8_t* p, F&& f) {
     const float d = half_at(p);
     f(0, load32(p + 2), d, d, 0.f, 0.f);
   }
@@ -242,10 +247,12 @@ struct Q2_K {  // scales[16] (4-bit scale | 4-bit min), qs[64] (2 bits), d, dmin
   }
 #ifdef NV_AVX2
   template <class F>
-  static void simd(const uint8_t* p, F&& f) {
+  ALWAYS_INLINE static void simd(const uint8_t* p, F&& f) {
     const float d = half_at(p + 80), dmin = half_at(p + 82);
+#pragma GCC unroll 2
     for (int n = 0; n < 2; ++n) {
       const __m256i raw = load32(p + 16 + 32 * n);
+#pragma GCC unroll 4
       for (int j = 0; j < 4; ++j) {
         const int c = 4 * n + j, s0 = p[2 * c], s1 = p[2 * c + 1];
         f(c, _mm256_and_si256(srl16(raw, 2 * j), bytes(3)), d * (s0 & 15), d * (s1 & 15), -dmin * (s0 >> 4),
@@ -275,13 +282,15 @@ struct Q3_K {  // hmask[32] (high bit), qs[64] (low 2 bits), scales[12] (16 x 6 
   }
 #ifdef NV_AVX2
   template <class F>
-  static void simd(const uint8_t* p, F&& f) {
+  ALWAYS_INLINE static void simd(const uint8_t* p, F&& f) {
     const float d = half_at(p + 108);
     int sc[16];
     scales_q3k(p + 96, sc);
     const __m256i hmask = load32(p);
+#pragma GCC unroll 2
     for (int n = 0; n < 2; ++n) {
       const __m256i raw = load32(p + 32 + 32 * n);
+#pragma GCC unroll 4
       for (int j = 0; j < 4; ++j) {
         const int c = 4 * n + j;
         const __m256i u = _mm256_or_si256(_mm256_and_si256(srl16(raw, 2 * j), bytes(3)), bit_to_bytes(hmask, c, 4));
@@ -314,8 +323,9 @@ struct Q4_K {  // d, dmin, scales[12] (8 x 6-bit scale and min), qs[128] (4 bits
   }
 #ifdef NV_AVX2
   template <class F>
-  static void simd(const uint8_t* p, F&& f) {
+  ALWAYS_INLINE static void simd(const uint8_t* p, F&& f) {
     const float d = half_at(p), dmin = half_at(p + 2);
+#pragma GCC unroll 4
     for (int j = 0; j < 4; ++j) {
       const __m256i raw = load32(p + 16 + 32 * j);
       int sc, m;
@@ -350,9 +360,10 @@ struct Q5_K {  // d, dmin, scales[12], qh[32] (5th bits), qs[128]
   }
 #ifdef NV_AVX2
   template <class F>
-  static void simd(const uint8_t* p, F&& f) {
+  ALWAYS_INLINE static void simd(const uint8_t* p, F&& f) {
     const float d = half_at(p), dmin = half_at(p + 2);
     const __m256i qh = load32(p + 16);
+#pragma GCC unroll 4
     for (int j = 0; j < 4; ++j) {
       const __m256i raw = load32(p + 48 + 32 * j);
       int sc, m;
@@ -390,10 +401,11 @@ struct Q6_K {  // ql[128] (low 4 bits), qh[64] (high 2 bits), scales[16] (int8),
   }
 #ifdef NV_AVX2
   template <class F>
-  static void simd(const uint8_t* p, F&& f) {
+  ALWAYS_INLINE static void simd(const uint8_t* p, F&& f) {
     const float d = half_at(p + 208);
     const int8_t* sc = reinterpret_cast<const int8_t*>(p + 192);
     const __m256i low = bytes(15), high = bytes(0x30);
+#pragma GCC unroll 2
     for (int n = 0; n < 2; ++n) {
       const __m256i l0 = load32(p + 64 * n), l1 = load32(p + 64 * n + 32), h = load32(p + 128 + 32 * n);
       const __m256i u[4] = {
@@ -402,6 +414,7 @@ struct Q6_K {  // ql[128] (low 4 bits), qh[64] (high 2 bits), scales[16] (int8),
           _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(l0, 4), low), _mm256_and_si256(h, high)),
           _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(l1, 4), low),
                           _mm256_and_si256(_mm256_srli_epi16(h, 2), high))};
+#pragma GCC unroll 4
       for (int k = 0; k < 4; ++k) {
         const int c = 4 * n + k;
         const float a0 = d * sc[2 * c], a1 = d * sc[2 * c + 1];
@@ -432,8 +445,8 @@ void quantize_row(const T* x, XBlock* out, int64_t blocks) {
     }
     b.d = d;
     b.s = d * static_cast<float>(s0 + s1);
-    b.sum[0] = static_cast<int16_t>(s0);
-    b.sum[1] = static_cast<int16_t>(s1);
+    b.ds[0] = d * static_cast<float>(s0);
+    b.ds[1] = d * static_cast<float>(s1);
   }
 }
 
@@ -455,7 +468,7 @@ void portable_rows(const uint8_t* w, int64_t blocks, const XBlock* x, int64_t st
         const int h = g % 2;
         int32_t s = 0;
         for (int l = 0; l < 16; ++l) s += v[16 * g + l] * blk.q[16 * h + l];
-        acc[r] += blk.d * (a[g] * static_cast<float>(s) + b[g] * static_cast<float>(blk.sum[h]));
+        acc[r] += a[g] * blk.d * static_cast<float>(s) + b[g] * blk.ds[h];
       }
     }
   }
@@ -479,19 +492,23 @@ inline float hsum(__m256 v) {
   return _mm_cvtss_f32(s);
 }
 
-// Two accumulators per row (even and odd blocks) so that consecutive blocks' FMAs do not wait on each other.
+template <int R>
+struct Sums {
+  __m256 v[R];   // sum of the scaled integer products
+  float o[R];    // sum of the offsets' terms (scale and offset per 32 values)
+  __m128 o2[R];  // sums of the offsets' terms of each 16 (scales and offsets per 16 values)
+};
+
 template <class T, int ISA, int R>
 void simd_rows(const uint8_t* w, int64_t blocks, const XBlock* x, int64_t stride, float* out) {
-  __m256 acc[2][R];
-  float offset[2][R];
-  for (int e = 0; e < 2; ++e)
-    for (int r = 0; r < R; ++r) {
-      acc[e][r] = _mm256_setzero_ps();
-      offset[e][r] = 0.f;
-    }
-  auto block = [&](int64_t i, __m256* sum, float* off) {
+  // Even chunks of block i add to `first`, odd ones to `second`: two independent chains of FMAs.
+  auto block = [&](int64_t i, Sums<R>& first, Sums<R>& second) LAMBDA_INLINE {
     const XBlock* xi = x + i * (T::kValues / 32);
-    T::simd(w + i * T::kBytes, [&](int c, __m256i u, float a0, float a1, float b0, float b1) {
+    T::simd(w + i * T::kBytes, [&](int c, __m256i u, float a0, float a1, float b0, float b1) LAMBDA_INLINE {
+      [[maybe_unused]] const __m256 scales = _mm256_set_m128(_mm_set1_ps(a1), _mm_set1_ps(a0));
+      [[maybe_unused]] const __m128 offsets = _mm_setr_ps(b0, b1, 0.f, 0.f);
+      Sums<R>& a = c % 2 ? second : first;
+#pragma GCC unroll 8
       for (int r = 0; r < R; ++r) {
         const XBlock& blk = xi[r * stride + c];
         const __m256i q = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(blk.q));
@@ -503,23 +520,36 @@ void simd_rows(const uint8_t* w, int64_t blocks, const XBlock* x, int64_t stride
         }
         __m256 scale;
         if constexpr (T::kGroup16) {
-          scale = _mm256_set_m128(_mm_set1_ps(a1 * blk.d), _mm_set1_ps(a0 * blk.d));
-          off[r] += blk.d * (b0 * blk.sum[0] + b1 * blk.sum[1]);
+          scale = _mm256_mul_ps(scales, _mm256_broadcast_ss(&blk.d));
+          const __m128 ds = _mm_castpd_ps(_mm_load_sd(reinterpret_cast<const double*>(blk.ds)));
+          a.o2[r] = _mm_fmadd_ps(offsets, ds, a.o2[r]);
         } else {
           scale = _mm256_set1_ps(a0 * blk.d);
-          if constexpr (!T::kSigned) off[r] += b0 * blk.s;
+          if constexpr (!T::kSigned) a.o[r] += b0 * blk.s;
         }
-        sum[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(p), scale, sum[r]);
+        a.v[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(p), scale, a.v[r]);
       }
     });
   };
+  Sums<R> even, odd;
+#pragma GCC unroll 8
+  for (int r = 0; r < R; ++r) {
+    even.v[r] = odd.v[r] = _mm256_setzero_ps();
+    even.o[r] = odd.o[r] = 0.f;
+    even.o2[r] = odd.o2[r] = _mm_setzero_ps();
+  }
   int64_t i = 0;
   for (; i + 2 <= blocks; i += 2) {
-    block(i, acc[0], offset[0]);
-    block(i + 1, acc[1], offset[1]);
+    block(i, even, odd);
+    block(i + 1, odd, even);
   }
-  if (i < blocks) block(i, acc[0], offset[0]);
-  for (int r = 0; r < R; ++r) out[r] = hsum(_mm256_add_ps(acc[0][r], acc[1][r])) + offset[0][r] + offset[1][r];
+  if (i < blocks) block(i, even, odd);
+#pragma GCC unroll 8
+  for (int r = 0; r < R; ++r) {
+    const __m128 o2 = _mm_add_ps(even.o2[r], odd.o2[r]);
+    out[r] = hsum(_mm256_add_ps(even.v[r], odd.v[r])) + even.o[r] + odd.o[r] + _mm_cvtss_f32(_mm_add_ss(o2,
+                                                                                                      _mm_movehdup_ps(o2)));
+  }
 }
 #endif
 
