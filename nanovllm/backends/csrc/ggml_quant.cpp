@@ -1,6 +1,6 @@
 // Matmuls over weights in GGML's block formats (GGUF tensor types), read byte for byte as the file holds them.
 //
-// As llama.cpp does, each activation row is first quantized per 32 values to int8 (`XBlock`: scale d, the int sums
+// As llama.cpp does, each activation row is first quantized per 32 values to int8 (`XBlock`: scale d, d * the sums
 // per 16 values); a weight block is then unpacked to unsigned bytes u with a float scale a and offset b per 16 or 32
 // values (w = a * u + b; Q8_0 keeps signed bytes), and the product is an integer dot per 32 values:
 //   sum w * x = d * (a * sum(u * q) + b * sum(q)).
@@ -8,12 +8,16 @@
 // (`maddubs`: u8 x s8 pairs into int16) and AVX512 (AVX512-VNNI `vpdpbusd`, u8 x s8 quads into int32). The AVX2 and
 // AVX512 paths share the unpacking of each type; the build is -march=native, so a path exists only where this CPU
 // runs it. Threads split the output rows (`at::parallel_for`); an output tile reuses each unpacked weight block for
-// up to `MAX_ROWS` activation rows.
+// up to `MAX_ROWS` activation rows. Every size of prompt goes through these integer products: dequantizing to bf16
+// for oneDNN measured ~3x faster per matmul at 32+ rows, but a path chosen by the number of rows would make a row's
+// result depend on its batch mates.
 //
 // F32, F16 and BF16 weights take float32 dot products through the same row tiles (their own kernels, not oneDNN's:
 // one reduction order whatever the number of rows).
-// A row's result must not depend on how many rows share its call: with contraction off, the scalar arithmetic rounds
-// the same in every row-tile instantiation (explicit FMA intrinsics stay FMAs).
+//
+// A row's result never depends on how many rows share its call: each row's arithmetic is the same sequence in every
+// row-tile instantiation, and contraction is off so that the compiler rounds the scalar parts alike in each
+// (explicit FMA intrinsics stay FMAs).
 #pragma GCC optimize("fp-contract=off")
 #include <ATen/Dispatch.h>
 #include <ATen/Parallel.h>
@@ -53,7 +57,10 @@ constexpr int64_t supported_isa() {
 #endif
 }
 
-constexpr int MAX_ROWS = 4;          // activation rows one pass over a weight row serves
+constexpr int MAX_ROWS = 8;          // activation rows one pass over a weight row serves: 8 with AVX-512's 32
+                                     // vector registers, 4 with AVX2, 1 portable (`rows_per_pass`); passes take
+                                     // 1, 2, 4 or 8 rows (`RowsFn rows[log2 R]`: fewer variants to compile)
+constexpr int ROW_VARIANTS = 4;
 constexpr int64_t TILE = 16;         // weight rows reused from cache across the activation rows
 constexpr int64_t X_TILE = 32;       // activation rows reused from cache across the weight rows
 constexpr int64_t MIN_TASK = 1 << 15;  // weight bytes x rows below which another thread costs more than it saves
@@ -554,19 +561,21 @@ void simd_rows(const uint8_t* w, int64_t blocks, const XBlock* x, int64_t stride
 #endif
 
 struct Kernel {
-  RowsFn rows[MAX_ROWS];
+  RowsFn rows[ROW_VARIANTS];
+  int rows_per_pass;
   int64_t values, bytes;
 };
 
 template <class T, int ISA>
 Kernel kernel_for() {
 #ifdef NV_AVX2
-  if constexpr (ISA != PORTABLE)
-    return {{simd_rows<T, ISA, 1>, simd_rows<T, ISA, 2>, simd_rows<T, ISA, 3>, simd_rows<T, ISA, 4>},
-            T::kValues, T::kBytes};
+  if constexpr (ISA == AVX512)
+    return {{simd_rows<T, ISA, 1>, simd_rows<T, ISA, 2>, simd_rows<T, ISA, 4>, simd_rows<T, ISA, 8>}, 8, T::kValues,
+            T::kBytes};
+  if constexpr (ISA == AVX2)
+    return {{simd_rows<T, ISA, 1>, simd_rows<T, ISA, 2>, simd_rows<T, ISA, 4>}, 4, T::kValues, T::kBytes};
 #endif
-  return {{portable_rows<T, 1>, portable_rows<T, 2>, portable_rows<T, 3>, portable_rows<T, 4>}, T::kValues,
-          T::kBytes};
+  return {{portable_rows<T, 1>}, 1, T::kValues, T::kBytes};
 }
 
 template <int ISA>
@@ -600,11 +609,12 @@ int64_t grain(int64_t row_bytes, int64_t rows) {
   return std::max<int64_t>(TILE, MIN_TASK / std::max<int64_t>(row_bytes * rows, 1));
 }
 
-// out[M, N] = x[M] . w[N] + bias: threads over tiles of weight rows; each weight row serves up to MAX_ROWS activation
-// rows (`rows[R - 1]`) per pass, while its tile stays in L1 and a tile of X_TILE activation rows in L2. Activation row
-// m starts at x + m * x_stride.
+// out[M, N] = x[M] . w[N] + bias: threads over tiles of weight rows; each weight row serves up to `per_pass` activation
+// rows (R = 2^level rows: `rows[level]`) per pass, while its tile stays in L1 and a tile of X_TILE activation rows in
+// L2. Activation row m starts at x + m * x_stride.
 template <typename A, typename T>
-void tiled_matmul(void (*const* rows)(const uint8_t*, int64_t, const A*, int64_t, float*), int64_t depth,
+void tiled_matmul(void (*const* rows)(const uint8_t*, int64_t, const A*, int64_t, float*), int per_pass,
+                  int64_t depth,
                   const A* x, int64_t x_stride, int64_t M, const uint8_t* w, int64_t w_stride, int64_t N,
                   const T* bias, T* out) {
   at::parallel_for(0, N, grain(w_stride, M), [&](int64_t n0, int64_t n1) {
@@ -613,10 +623,12 @@ void tiled_matmul(void (*const* rows)(const uint8_t*, int64_t, const A*, int64_t
       const int64_t m1 = std::min(m0 + X_TILE, M);
       for (int64_t t0 = n0; t0 < n1; t0 += TILE) {
         const int64_t t1 = std::min(t0 + TILE, n1);
-        for (int64_t m = m0; m < m1; m += MAX_ROWS) {
-          const int R = static_cast<int>(std::min<int64_t>(MAX_ROWS, m1 - m));
+        for (int64_t m = m0, R; m < m1; m += R) {
+          int level = 0;  // the most rows a pass takes, at most those left
+          while ((2 << level) <= std::min<int64_t>(per_pass, m1 - m)) ++level;
+          R = int64_t{1} << level;
           for (int64_t n = t0; n < t1; ++n) {
-            rows[R - 1](w + n * w_stride, depth, x + m * x_stride, x_stride, res);
+            rows[level](w + n * w_stride, depth, x + m * x_stride, x_stride, res);
             for (int r = 0; r < R; ++r) tile[m - m0 + r][n - t0] = res[r];
           }
         }
@@ -636,7 +648,7 @@ void quantized_matmul(const Kernel& k, const T* x, int64_t M, int64_t K, const u
   at::parallel_for(0, M, std::max<int64_t>(1, MIN_TASK / std::max<int64_t>(K, 1)), [&](int64_t begin, int64_t end) {
     for (int64_t m = begin; m < end; ++m) quantize_row(x + m * K, xq.data() + m * xs, xs);
   });
-  tiled_matmul(k.rows, K / k.values, xq.data(), xs, M, w, w_stride, N, bias, out);
+  tiled_matmul(k.rows, k.rows_per_pass, K / k.values, xq.data(), xs, M, w, w_stride, N, bias, out);
 }
 
 // ---- float weights (F32, F16, BF16): dot products in float32 ----
@@ -690,18 +702,17 @@ void simd_float_rows(const uint8_t* wb, int64_t K, const float* x, int64_t strid
 #endif
 
 template <typename W>
-void float_kernels(int64_t isa, FloatRowsFn* rows) {
+int float_kernels(int64_t isa, FloatRowsFn* rows) {
 #ifdef NV_AVX2
   if (isa != PORTABLE) {
-    const FloatRowsFn simd[] = {simd_float_rows<W, 1>, simd_float_rows<W, 2>, simd_float_rows<W, 3>,
-                                simd_float_rows<W, 4>};
-    std::copy(simd, simd + MAX_ROWS, rows);
-    return;
+    rows[0] = simd_float_rows<W, 1>;
+    rows[1] = simd_float_rows<W, 2>;
+    rows[2] = simd_float_rows<W, 4>;
+    return 4;
   }
 #endif
-  const FloatRowsFn portable[] = {portable_float_rows<W, 1>, portable_float_rows<W, 2>, portable_float_rows<W, 3>,
-                                  portable_float_rows<W, 4>};
-  std::copy(portable, portable + MAX_ROWS, rows);
+  rows[0] = portable_float_rows<W, 1>;
+  return 1;
 }
 
 // The element size of a float GGML type, 0 for the block types.
@@ -710,13 +721,13 @@ int64_t float_size(int64_t qtype) { return qtype == 0 ? 4 : qtype == 1 || qtype 
 template <typename T>
 void float_matmul(int64_t qtype, int64_t isa, const T* x, int64_t M, int64_t K, const uint8_t* w, int64_t w_stride,
                   int64_t N, const T* bias, T* out) {
-  FloatRowsFn rows[MAX_ROWS];
-  if (qtype == 0) float_kernels<float>(isa, rows);
-  if (qtype == 1) float_kernels<c10::Half>(isa, rows);
-  if (qtype == 30) float_kernels<c10::BFloat16>(isa, rows);
+  FloatRowsFn rows[ROW_VARIANTS];
+  const int per_pass = qtype == 0   ? float_kernels<float>(isa, rows)
+                       : qtype == 1 ? float_kernels<c10::Half>(isa, rows)
+                                    : float_kernels<c10::BFloat16>(isa, rows);
   std::vector<float> xf(M * K);
   for (int64_t i = 0; i < M * K; ++i) xf[i] = to_float(x[i]);
-  tiled_matmul(rows, K, xf.data(), K, M, w, w_stride, N, bias, out);
+  tiled_matmul(rows, per_pass, K, xf.data(), K, M, w, w_stride, N, bias, out);
 }
 
 }  // namespace
