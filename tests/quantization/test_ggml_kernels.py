@@ -135,6 +135,19 @@ def test_a_row_does_not_depend_on_its_batch(name):
         assert torch.equal(together, alone), NAMES[qtype]
 
 
+def test_a_weight_read_in_place_from_a_read_only_buffer_with_padded_rows():
+    """As a view of a memory-mapped file can be: rows contiguous but apart, memory not writable."""
+    weight = random_ggml_weight(3, OUT, 96, seed=5)
+    padded = np.zeros((OUT, weight.shape[1] + 7), dtype=np.uint8)
+    padded[:, :weight.shape[1]] = weight.numpy()
+    padded.flags.writeable = False
+    with pytest.warns(UserWarning, match="not writable"):
+        view = torch.from_numpy(padded)[:, :weight.shape[1]]
+    x = torch.randn(5, 96)
+    assert view.stride(0) == weight.shape[1] + 7
+    assert torch.equal(run(x, view, 3, kernels().ggml_isa()), run(x, weight, 3, kernels().ggml_isa()))
+
+
 def test_bad_weights_are_refused():
     weight = random_ggml_weight(3, 8, 64)
     with pytest.raises(RuntimeError, match="takes 40 bytes"):
