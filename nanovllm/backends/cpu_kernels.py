@@ -84,7 +84,7 @@ def build_progress(directory: Path) -> Progress:
     finish together: elapsed time is all there is to say), and how long it took."""
     progress = Progress("built the CPU kernels", every=PROGRESS_EVERY_S)
     progress("building the CPU kernels", detail=f" into {directory}, {len(SOURCES)} C++ files in parallel (once per "
-             "torch version, CPU and source; about 20 s on 2 cores)")
+             "torch version, CPU and source; about 40 s on 2 cores)")
     return progress
 
 
