@@ -2,7 +2,8 @@
 the CPU, into nanovllm's cache directory, per torch version, CPU (`-march=native` code runs only where it was built)
 and source: `paged_decode`, every single-query row of a step in one call, and the decoder's small ops fused
 (`csrc/fused_ops.cpp`: RMSNorm with the residual add, rotary, SiLU-and-mul, the KV-cache store; the layers reach
-them through `layers.fused.fused_op`).
+them through `layers.fused.fused_op`), and matmuls over GGML-quantized weights (`csrc/ggml_quant.cpp`, reached
+through `quantization.ggml_ops`).
 
 They are torch operators (`torch.ops.nanovllm.*`, registered by `csrc/module.cpp`) in a plain shared library, not a
 Python extension module: the sources include only ATen's headers, not `<torch/extension.h>` with pybind11 and the C++
@@ -32,7 +33,7 @@ from nanovllm.progress import Progress
 logger = logging.getLogger("nanovllm")
 NAME = "nanovllm_cpu_kernels"
 CSRC = Path(__file__).with_name("csrc")
-SOURCES = [CSRC / "module.cpp", CSRC / "paged_decode.cpp", CSRC / "fused_ops.cpp"]
+SOURCES = [CSRC / "module.cpp", CSRC / "paged_decode.cpp", CSRC / "fused_ops.cpp", CSRC / "ggml_quant.cpp"]
 CFLAGS = ["-O3", "-march=native", "-fopenmp"]
 BUILD_WAIT_S = 600.0
 PROGRESS_EVERY_S = 10.0
@@ -83,7 +84,7 @@ def build_progress(directory: Path) -> Progress:
     finish together: elapsed time is all there is to say), and how long it took."""
     progress = Progress("built the CPU kernels", every=PROGRESS_EVERY_S)
     progress("building the CPU kernels", detail=f" into {directory}, {len(SOURCES)} C++ files in parallel (once per "
-             "torch version, CPU and source; about 20 s on 2 cores)")
+             "torch version, CPU and source; about 40 s on 2 cores)")
     return progress
 
 

@@ -1,5 +1,6 @@
-// nanovllm's CPU kernels (paged_decode.cpp, fused_ops.cpp) as torch operators, `torch.ops.nanovllm.*`: a plain
-// shared library that torch.ops.load_library loads, with no pybind11 and no Python headers to compile.
+// nanovllm's CPU kernels (paged_decode.cpp, fused_ops.cpp, ggml_quant.cpp) as torch operators,
+// `torch.ops.nanovllm.*`: a plain shared library that torch.ops.load_library loads, with no pybind11 and no Python
+// headers to compile.
 #include <ATen/core/Tensor.h>
 #include <torch/library.h>
 
@@ -11,6 +12,9 @@ std::tuple<at::Tensor, at::Tensor> apply_rotary(at::Tensor positions, at::Tensor
                                                 at::Tensor cos_sin_cache);
 at::Tensor silu_and_mul(at::Tensor x);
 void store_kvcache(at::Tensor k, at::Tensor v, at::Tensor k_cache, at::Tensor v_cache, at::Tensor slot_mapping);
+int64_t ggml_isa();
+at::Tensor ggml_linear(at::Tensor x, at::Tensor weight, int64_t qtype, int64_t in_features,
+                       std::optional<at::Tensor> bias, int64_t isa);
 
 TORCH_LIBRARY(nanovllm, m) {
   m.def("paged_decode(Tensor q, Tensor k_cache, Tensor v_cache, Tensor block_tables, Tensor context_lens, "
@@ -22,4 +26,7 @@ TORCH_LIBRARY(nanovllm, m) {
   m.def("silu_and_mul(Tensor x) -> Tensor", &silu_and_mul);
   m.def("store_kvcache(Tensor k, Tensor v, Tensor(a!) k_cache, Tensor(b!) v_cache, Tensor slot_mapping) -> ()",
         &store_kvcache);
+  m.def("ggml_isa() -> int", &ggml_isa);
+  m.def("ggml_linear(Tensor x, Tensor weight, int qtype, int in_features, Tensor? bias, int isa) -> Tensor",
+        &ggml_linear);
 }
