@@ -4,13 +4,19 @@ from transformers import PretrainedConfig
 from nanovllm.models.decoder import DecoderForCausalLM
 from nanovllm.models.hf_config import rope_scaling
 from nanovllm.models.llama import LlamaForCausalLM
+from nanovllm.models.mixtral import MixtralForCausalLM
 from nanovllm.models.qwen2 import Qwen2ForCausalLM
+from nanovllm.models.qwen2_moe import Qwen2MoeForCausalLM
 from nanovllm.models.qwen3 import Qwen3ForCausalLM
+from nanovllm.models.qwen3_moe import Qwen3MoeForCausalLM
 
 MODEL_REGISTRY: dict[str, type[DecoderForCausalLM]] = {
     "LlamaForCausalLM": LlamaForCausalLM,
     "Qwen2ForCausalLM": Qwen2ForCausalLM,
     "Qwen3ForCausalLM": Qwen3ForCausalLM,
+    "MixtralForCausalLM": MixtralForCausalLM,
+    "Qwen2MoeForCausalLM": Qwen2MoeForCausalLM,
+    "Qwen3MoeForCausalLM": Qwen3MoeForCausalLM,
 }
 
 

@@ -2,6 +2,7 @@
 
 A family (`llama.py`, `qwen2.py`, `qwen3.py`) only says which of the `DecoderOptions` its checkpoints use.
 """
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -20,12 +21,15 @@ from nanovllm.parallel.process_group import tp_rank_and_size
 
 @dataclass(frozen=True)
 class DecoderOptions:
-    """Where the families differ: RMSNorm on each query/key head before rope, and which projections have a bias."""
+    """Where the families differ: RMSNorm on each query/key head before rope, which projections have a bias, and
+    `mlp(config, options, layer_index)`, which builds a layer's MLP in place of the dense `DecoderMLP` (the
+    mixture-of-experts families)."""
 
     qk_norm: bool = False
     qkv_bias: bool = False
     o_bias: bool = False
     mlp_bias: bool = False
+    mlp: Callable[[PretrainedConfig, "DecoderOptions", int], nn.Module] | None = None
 
 
 class DecoderAttention(nn.Module):
@@ -60,11 +64,12 @@ class DecoderAttention(nn.Module):
 
 
 class DecoderMLP(nn.Module):
-    def __init__(self, config: PretrainedConfig, options: DecoderOptions):
+    def __init__(self, config: PretrainedConfig, options: DecoderOptions, intermediate_size: int | None = None):
         super().__init__()
-        self.gate_up_proj = MergedColumnParallelLinear(config.hidden_size, [config.intermediate_size] * 2,
+        intermediate_size = intermediate_size or config.intermediate_size
+        self.gate_up_proj = MergedColumnParallelLinear(config.hidden_size, [intermediate_size] * 2,
                                                        bias=options.mlp_bias)
-        self.down_proj = RowParallelLinear(config.intermediate_size, config.hidden_size, bias=options.mlp_bias)
+        self.down_proj = RowParallelLinear(intermediate_size, config.hidden_size, bias=options.mlp_bias)
         self.act_fn = SiluAndMul()
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -72,10 +77,11 @@ class DecoderMLP(nn.Module):
 
 
 class DecoderLayer(nn.Module):
-    def __init__(self, config: PretrainedConfig, options: DecoderOptions, rotary_emb: RotaryEmbedding):
+    def __init__(self, config: PretrainedConfig, options: DecoderOptions, rotary_emb: RotaryEmbedding,
+                 layer_index: int):
         super().__init__()
         self.self_attn = DecoderAttention(config, options, rotary_emb)
-        self.mlp = DecoderMLP(config, options)
+        self.mlp = options.mlp(config, options, layer_index) if options.mlp else DecoderMLP(config, options)
         self.input_layernorm = RMSNorm(config.hidden_size, eps=config.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, eps=config.rms_norm_eps)
 
@@ -96,8 +102,8 @@ class DecoderModel(nn.Module):
         self.embed_tokens = VocabParallelEmbedding(config.vocab_size, config.hidden_size)
         rotary_emb = RotaryEmbedding(head_dim(config), config.max_position_embeddings, rope_theta(config),
                                      rope_scaling(config))
-        self.layers = nn.ModuleList([DecoderLayer(config, options, rotary_emb)
-                                     for _ in range(config.num_hidden_layers)])
+        self.layers = nn.ModuleList([DecoderLayer(config, options, rotary_emb, i)
+                                     for i in range(config.num_hidden_layers)])
         self.norm = RMSNorm(config.hidden_size, eps=config.rms_norm_eps)
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
