@@ -7,6 +7,9 @@ weights are prepacked for oneDNN like every other linear weight (see `layers/pre
 touches every expert with a few rows each, where the plain product spends more time re-packing the weight than
 multiplying.
 
+On CUDA the experts run as two Triton kernels over the same sorted pairs (`backends/triton_moe.py`), with no host
+sync, so CUDA graphs capture the decode step.
+
 Tensor parallel splits every expert's intermediate dimension (gate/up rows, down columns), like the dense MLP, so
 each rank computes a partial sum of every token's output and one all-reduce completes it.
 """
@@ -70,6 +73,14 @@ class FusedMoE(nn.Module):
         self.down_proj = nn.Parameter(torch.empty(num_experts, hidden_size, self.intermediate), requires_grad=False)
         self.gate_up_proj.weight_loader = self.gate_up_loader
         self.down_proj.weight_loader = self.down_loader
+        self.compute = grouped_experts
+        if self.gate_up_proj.is_cuda:
+            try:
+                from nanovllm.backends.triton_moe import fused_experts  # Triton: only where there is a GPU
+            except ImportError:
+                raise ValueError("mixture-of-experts models on CUDA compute their experts with Triton, which does "
+                                 "not import here; install it (pip install triton)") from None
+            self.compute = fused_experts
 
     def _rank_slice(self, weight: torch.Tensor, dim: int) -> torch.Tensor:
         return weight.narrow(dim, self.tp_rank * self.intermediate, self.intermediate)
@@ -101,7 +112,7 @@ class FusedMoE(nn.Module):
 
     def forward(self, x: torch.Tensor, router_logits: torch.Tensor) -> torch.Tensor:
         weights, ids = select_experts(router_logits, self.top_k, self.renormalize)
-        y = grouped_experts(x, weights, ids, self.gate_up_proj, self.down_proj)
+        y = self.compute(x, weights, ids, self.gate_up_proj, self.down_proj)
         if self.tp_size > 1:
             dist.all_reduce(y)
         return y

@@ -113,3 +113,16 @@ def test_configs_it_cannot_run_are_refused(checkpoint, tmp_path, name, change, m
     (path / "config.json").write_text(json.dumps({**config, **change}))
     with pytest.raises(ValueError, match=message):
         LLM(str(path), **CPU)
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("enforce_eager", [True, False])
+def test_triton_experts_match_transformers_on_the_gpu(tmp_path, enforce_eager):
+    """The Triton experts, eager and under CUDA graphs, float32 against transformers on the same GPU."""
+    path = make_checkpoint(str(tmp_path / "qwen2-moe-gpu"), hidden_size=128, head_dim=64, intermediate_size=256,
+                           **{**CHECKPOINTS["qwen2_moe"], "moe_intermediate_size": 96})
+    prompts = random_prompts([1, 7, 33, 150], seed=5)
+    expected = hf_greedy(path, prompts, MAX_TOKENS, device="cuda")
+    with LLM(path, device="cuda", dtype="float32", max_model_len=512, enforce_eager=enforce_eager) as llm:
+        assert token_ids(llm.generate(prompts, GREEDY, use_tqdm=False)) == expected
+        assert_all_blocks_free(llm)
