@@ -19,4 +19,4 @@ class MixtralForCausalLM(DecoderForCausalLM):
                              "Mixtral with full attention only (sliding_window null)")
         moe = MoeOptions(num_experts=config.num_local_experts, top_k=config.num_experts_per_tok,
                          intermediate_size=config.intermediate_size, renormalize=True)
-        return DecoderOptions(mlp=moe.mlp)
+        return DecoderOptions(mlp=moe)

@@ -15,4 +15,4 @@ class Qwen2MoeForCausalLM(DecoderForCausalLM):
         if getattr(config, "use_sliding_window", False):
             raise ValueError("this Qwen2-MoE config sets use_sliding_window=true; nanovllm runs full attention only")
         return DecoderOptions(qkv_bias=bool(getattr(config, "qkv_bias", True)),
-                              mlp=qwen_moe_options(config, shared_expert=True).mlp)
+                              mlp=qwen_moe_options(config, shared_expert=True))

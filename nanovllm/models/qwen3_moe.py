@@ -16,4 +16,4 @@ class Qwen3MoeForCausalLM(DecoderForCausalLM):
             raise ValueError("this Qwen3-MoE config sets use_sliding_window=true; nanovllm runs full attention only")
         bias = bool(getattr(config, "attention_bias", False))
         return DecoderOptions(qk_norm=True, qkv_bias=bias, o_bias=bias,
-                              mlp=qwen_moe_options(config, shared_expert=False).mlp)
+                              mlp=qwen_moe_options(config, shared_expert=False))

@@ -16,8 +16,9 @@ QWEN_EXPERT_MODULES = {"gate_proj": ("gate_up_proj", 0), "up_proj": ("gate_up_pr
 
 @dataclass(frozen=True)
 class MoeOptions:
-    """A family's experts: how many, how many per token, their size, whether the top-k weights are renormalized to
-    sum to 1, the shared expert's size (0: none) and which layers keep the dense MLP instead."""
+    """A family's experts, and the `DecoderOptions.mlp` that builds them: how many, how many per token, their size,
+    whether the top-k weights are renormalized to sum to 1, the shared expert's size (0: none) and which layers keep
+    the dense MLP instead."""
 
     num_experts: int
     top_k: int
@@ -31,11 +32,17 @@ class MoeOptions:
             raise ValueError(f"num_experts_per_tok={self.top_k} in the model config must be between 1 and the number "
                              f"of experts ({self.num_experts})")
 
-    def mlp(self, config: PretrainedConfig, options: DecoderOptions, layer_index: int) -> nn.Module:
-        """`DecoderOptions.mlp`: layer `layer_index`'s MLP."""
+    def __call__(self, config: PretrainedConfig, options: DecoderOptions, layer_index: int) -> nn.Module:
+        """As `DecoderOptions.mlp`: layer `layer_index`'s MLP."""
         if layer_index in self.dense_layers:
             return DecoderMLP(config, options)
         return SparseMoeBlock(config, options, self)
+
+    def active_intermediate_size(self, config: PretrainedConfig, layer_index: int) -> int:
+        """The MLP width one token of layer `layer_index` computes: its k experts' and the shared expert's."""
+        if layer_index in self.dense_layers:
+            return config.intermediate_size
+        return self.top_k * self.intermediate_size + self.shared_expert_intermediate_size
 
 
 class SparseMoeBlock(nn.Module):
