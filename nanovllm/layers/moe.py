@@ -67,6 +67,7 @@ class FusedMoE(nn.Module):
         super().__init__()
         self.tp_rank, self.tp_size = tp_rank_and_size()
         self.top_k, self.renormalize = top_k, renormalize
+        self.num_experts, self.hidden_size, self.full_intermediate = num_experts, hidden_size, intermediate_size
         self.intermediate = intermediate_size // self.tp_size
         self.gate_up_proj = nn.Parameter(torch.empty(num_experts, 2 * self.intermediate, hidden_size),
                                          requires_grad=False)
@@ -85,19 +86,32 @@ class FusedMoE(nn.Module):
     def _rank_slice(self, weight: torch.Tensor, dim: int) -> torch.Tensor:
         return weight.narrow(dim, self.tp_rank * self.intermediate, self.intermediate)
 
+    def _check(self, loaded: torch.Tensor, expected: tuple[int, ...], what: str, expert: int = 0) -> None:
+        if tuple(loaded.shape) != expected or expert >= self.num_experts:
+            found = f"has shape {tuple(loaded.shape)}" if expert < self.num_experts else "is in the checkpoint"
+            raise ValueError(f"{what} {found}, but the model config implies {self.num_experts} experts of shape "
+                             f"{expected} (hidden size {self.hidden_size}, expert intermediate size "
+                             f"{self.full_intermediate}). The checkpoint and its config.json do not match; fix "
+                             "config.json or use the config the weights were saved with.")
+
     def gate_up_loader(self, param: nn.Parameter, loaded: torch.Tensor, shard: tuple[int, int] | None = None) -> None:
+        experts, hidden, full = self.num_experts, self.hidden_size, self.full_intermediate
         if shard is None:
-            experts, _, hidden = loaded.shape
+            self._check(loaded, (experts, 2 * full, hidden), "the stacked experts' gate/up projection")
             param.data.copy_(self._rank_slice(loaded.view(experts, 2, -1, hidden), 2).reshape(param.shape))
         else:
             expert, half = shard
+            self._check(loaded, (full, hidden), f"expert {expert}'s {('gate', 'up')[half]} projection", expert)
             param.data[expert].narrow(0, half * self.intermediate, self.intermediate).copy_(
                 self._rank_slice(loaded, 0))
 
     def down_loader(self, param: nn.Parameter, loaded: torch.Tensor, shard: tuple[int, int] | None = None) -> None:
+        experts, hidden, full = self.num_experts, self.hidden_size, self.full_intermediate
         if shard is None:
+            self._check(loaded, (experts, hidden, full), "the stacked experts' down projection")
             param.data.copy_(self._rank_slice(loaded, 2))
         else:
+            self._check(loaded, (hidden, full), f"expert {shard[0]}'s down projection", shard[0])
             param.data[shard[0]].copy_(self._rank_slice(loaded, 1))
 
     @torch.no_grad()

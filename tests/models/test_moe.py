@@ -103,6 +103,17 @@ def test_a_missing_expert_is_named(checkpoint, tmp_path):
         LLM(str(path), **CPU)
 
 
+def test_an_expert_of_the_wrong_shape_is_named(checkpoint, tmp_path):
+    path = shutil.copytree(checkpoint("mixtral"), tmp_path / "narrow-expert")
+    weights = load_file(path / "model.safetensors")
+    name = "model.layers.0.block_sparse_moe.experts.2.w3.weight"
+    weights[name] = weights[name][:-1].contiguous()
+    save_file(weights, path / "model.safetensors")
+    with pytest.raises(ValueError, match=r"expert 2's up projection has shape \(127, 64\), but the model config "
+                                         r"implies 4 experts of shape \(128, 64\) .*expert intermediate size 128"):
+        LLM(str(path), **CPU)
+
+
 @pytest.mark.parametrize("name, change, message", [
     ("qwen3_moe", {"num_experts_per_tok": 9}, r"num_experts_per_tok=9 .* between 1 and the number of experts \(8\)"),
     ("mixtral", {"sliding_window": 64}, r"sliding_window=64; nanovllm runs Mixtral with full attention only"),
