@@ -10,15 +10,22 @@ from transformers import (
     AutoModelForCausalLM,
     LlamaConfig,
     LlamaForCausalLM,
+    MixtralConfig,
+    MixtralForCausalLM,
     PreTrainedTokenizerFast,
     Qwen2Config,
     Qwen2ForCausalLM,
+    Qwen2MoeConfig,
+    Qwen2MoeForCausalLM,
     Qwen3Config,
     Qwen3ForCausalLM,
+    Qwen3MoeConfig,
+    Qwen3MoeForCausalLM,
 )
 
 FAMILIES = {"qwen3": (Qwen3Config, Qwen3ForCausalLM), "qwen2": (Qwen2Config, Qwen2ForCausalLM),
-            "llama": (LlamaConfig, LlamaForCausalLM)}
+            "llama": (LlamaConfig, LlamaForCausalLM), "mixtral": (MixtralConfig, MixtralForCausalLM),
+            "qwen2_moe": (Qwen2MoeConfig, Qwen2MoeForCausalLM), "qwen3_moe": (Qwen3MoeConfig, Qwen3MoeForCausalLM)}
 LLAMA3_ROPE = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
                "original_max_position_embeddings": 64}
 
@@ -47,13 +54,13 @@ def make_checkpoint(path: str, *, family: str = "qwen3", tie_word_embeddings: bo
                     seed: int = 0, initializer_range: float = 0.1, rope_theta: float = 1e6,
                     rope_scaling: dict | None = None, hub_style: bool = True, max_shard_size: str | None = None,
                     tokenizer: bool = True, **family_settings) -> str:
-    """Save a random model of `family` ("qwen3", "qwen2", "llama") as safetensors.
+    """Save a random model of `family` (a key of `FAMILIES`) as safetensors.
 
     Biases are drawn like the weights (transformers initializes them to zero, which would hide a
     missing bias). `rope_scaling` is a rope parameters dict such as `LLAMA3_ROPE`. `hub_style`
     writes config.json as hub checkpoints do (`rope_theta` and `rope_scaling` at the top level);
     otherwise as transformers 5 does (inside `rope_parameters`). `family_settings` go to the config
-    (e.g. `attention_bias`, `mlp_bias`).
+    (e.g. `attention_bias`, `mlp_bias`, a mixture of experts' `num_experts`).
     """
     torch.manual_seed(seed)
     config_class, model_class = FAMILIES[family]

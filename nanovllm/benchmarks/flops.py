@@ -11,14 +11,20 @@ so), so MFU never exceeds 100%.
 """
 from transformers import PretrainedConfig
 
+from nanovllm.models import model_class
 from nanovllm.models.hf_config import head_dim
+from nanovllm.models.sparse_moe import MoeOptions
 
 
 def layer_matmul_flops_per_token(cfg: PretrainedConfig) -> int:
-    """2 x the weights of one token's pass through every decoder layer's projections."""
+    """2 x the weights of one token's pass through every decoder layer's projections (of a mixture of experts, the
+    k experts it is routed to and any shared expert)."""
     d, heads, kv_heads, dim = cfg.hidden_size, cfg.num_attention_heads, cfg.num_key_value_heads, head_dim(cfg)
-    per_layer = d * (heads + 2 * kv_heads) * dim + heads * dim * d + 3 * d * cfg.intermediate_size
-    return 2 * per_layer * cfg.num_hidden_layers
+    attention = d * (heads + 2 * kv_heads) * dim + heads * dim * d
+    mlp = model_class(cfg).options(cfg).mlp
+    widths = [mlp.active_intermediate_size(cfg, i) if isinstance(mlp, MoeOptions) else cfg.intermediate_size
+              for i in range(cfg.num_hidden_layers)]
+    return 2 * (attention * cfg.num_hidden_layers + 3 * d * sum(widths))
 
 
 def attention_flops(cfg: PretrainedConfig, first: int, last: int) -> int:

@@ -79,7 +79,7 @@ def _resolve_max_model_len(config: Config) -> None:
 
 
 def _check_tensor_parallel(config: Config) -> None:
-    """Every rank must own whole query heads, whole KV heads and an equal slice of the MLP.
+    """Every rank must own whole query heads, whole KV heads and an equal slice of the MLP (and of every expert's).
 
     KV heads are never replicated: a size with fewer KV heads than ranks is rejected, which keeps
     each rank's KV cache disjoint (replication would store the same heads on several ranks).
@@ -87,6 +87,8 @@ def _check_tensor_parallel(config: Config) -> None:
     tp, cfg = config.tensor_parallel_size, config.hf_config
     sizes = {"num_attention_heads": cfg.num_attention_heads, "num_key_value_heads": cfg.num_key_value_heads,
              "intermediate_size": cfg.intermediate_size}
+    sizes.update({name: getattr(cfg, name) for name in ("moe_intermediate_size", "shared_expert_intermediate_size")
+                  if getattr(cfg, name, None)})
     if any(size % tp for size in sizes.values()):
         valid = [n for n in range(1, cfg.num_key_value_heads + 1) if not any(size % n for size in sizes.values())]
         shown = ", ".join(f"{name} ({size})" for name, size in sizes.items())

@@ -41,6 +41,10 @@ class LinearBase(nn.Module):
         return linear(x, self.weight, self.bias)
 
 
+class ReplicatedLinear(LinearBase):
+    """The whole weight on every rank (e.g. a mixture-of-experts router)."""
+
+
 class ColumnParallelLinear(LinearBase):
     """Output features split across ranks; each rank holds `output_size / tp_size` rows."""
 

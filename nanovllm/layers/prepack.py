@@ -17,6 +17,7 @@ from torch import nn
 
 from nanovllm.layers.embed_head import ParallelLMHead
 from nanovllm.layers.linear import LinearBase
+from nanovllm.layers.moe import FusedMoE
 
 
 def native_bfloat16() -> bool:
@@ -33,8 +34,11 @@ def can_prepack(dtype: torch.dtype) -> bool:
 
 @torch.no_grad()
 def prepack_linear_weights(model: nn.Module) -> None:
-    """Replace the weight of every linear layer and LM head by its oneDNN-packed form (CPU, see `can_prepack`)."""
-    for module in model.modules():
+    """Replace the weight of every linear layer and LM head, and every expert's, by its oneDNN-packed form (CPU, see
+    `can_prepack`)."""
+    for module in list(model.modules()):
         if isinstance(module, (LinearBase, ParallelLMHead)) and not module.weight.is_mkldnn:
             packed = torch.ops.mkldnn._reorder_linear_weight(module.weight.detach())
             module.weight = nn.Parameter(packed, requires_grad=False)
+        elif isinstance(module, FusedMoE):
+            module.prepack()

@@ -8,15 +8,18 @@ from nanovllm.models.granite import GraniteForCausalLM
 from nanovllm.models.hf_config import layer_types, rope_scaling
 from nanovllm.models.llama import LlamaForCausalLM
 from nanovllm.models.mistral import MistralForCausalLM
+from nanovllm.models.mixtral import MixtralForCausalLM
 from nanovllm.models.olmo2 import Olmo2ForCausalLM
 from nanovllm.models.phi3 import Phi3ForCausalLM
 from nanovllm.models.qwen2 import Qwen2ForCausalLM
+from nanovllm.models.qwen2_moe import Qwen2MoeForCausalLM
 from nanovllm.models.qwen3 import Qwen3ForCausalLM
+from nanovllm.models.qwen3_moe import Qwen3MoeForCausalLM
 
 MODEL_REGISTRY: dict[str, type[DecoderForCausalLM]] = {cls.__name__: cls for cls in (
     LlamaForCausalLM, MistralForCausalLM, Qwen2ForCausalLM, Qwen3ForCausalLM, GemmaForCausalLM, Gemma2ForCausalLM,
     Gemma3ForCausalLM, Phi3ForCausalLM, Olmo2ForCausalLM, GraniteForCausalLM, GPTNeoXForCausalLM,
-    StableLmForCausalLM)}
+    StableLmForCausalLM, MixtralForCausalLM, Qwen2MoeForCausalLM, Qwen3MoeForCausalLM)}
 
 
 def model_class(config: PretrainedConfig) -> type[DecoderForCausalLM]:

@@ -3,7 +3,7 @@
 A family (`llama.py`, `mistral.py`, `gemma.py`, ...) only says which of the `DecoderOptions` its checkpoints use, and,
 where its checkpoint names or fused tensors differ from Llama's, how to read them (`checkpoint_weights`).
 """
-from collections.abc import Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
 
 import torch
@@ -57,6 +57,7 @@ class DecoderOptions:
     logits_divisor: float = 1.0          # Granite's logits_scaling
     layer_windows: tuple[int, ...] = ()
     local_rope: bool = False
+    mlp: Callable[[PretrainedConfig, "DecoderOptions", int], nn.Module] | None = None  # builds layer i's MLP (MoE)
 
 
 def _norm(config: PretrainedConfig, options: DecoderOptions, size: int | None = None) -> nn.Module:
@@ -113,17 +114,18 @@ class DecoderAttention(nn.Module):
 class DecoderMLP(nn.Module):
     """Gated (`gate_up_proj`, act(gate) * up, `down_proj`) or plain (`fc_in`, act, `down_proj`)."""
 
-    def __init__(self, config: PretrainedConfig, options: DecoderOptions):
+    def __init__(self, config: PretrainedConfig, options: DecoderOptions, intermediate_size: int | None = None):
         super().__init__()
+        intermediate_size = intermediate_size or config.intermediate_size
         self.gated = options.gated_mlp
         if self.gated:
-            self.gate_up_proj = MergedColumnParallelLinear(config.hidden_size, [config.intermediate_size] * 2,
+            self.gate_up_proj = MergedColumnParallelLinear(config.hidden_size, [intermediate_size] * 2,
                                                            bias=options.mlp_bias)
             self.act_fn = ActAndMul(options.activation)
         else:
-            self.fc_in = ColumnParallelLinear(config.hidden_size, config.intermediate_size, bias=options.mlp_bias)
+            self.fc_in = ColumnParallelLinear(config.hidden_size, intermediate_size, bias=options.mlp_bias)
             self.act_fn = Activation(options.activation)
-        self.down_proj = RowParallelLinear(config.intermediate_size, config.hidden_size, bias=options.mlp_bias)
+        self.down_proj = RowParallelLinear(intermediate_size, config.hidden_size, bias=options.mlp_bias)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.down_proj(self.act_fn(self.gate_up_proj(x) if self.gated else self.fc_in(x)))
@@ -134,11 +136,11 @@ class DecoderLayer(nn.Module):
     next norm (fused with it where it can), so a layer returns its last block's output unadded."""
 
     def __init__(self, config: PretrainedConfig, options: DecoderOptions, rotary_emb: RotaryEmbedding,
-                 sliding_window: int = 0):
+                 layer_index: int, sliding_window: int = 0):
         super().__init__()
         self.options = options
         self.self_attn = DecoderAttention(config, options, rotary_emb, sliding_window)
-        self.mlp = DecoderMLP(config, options)
+        self.mlp = options.mlp(config, options, layer_index) if options.mlp else DecoderMLP(config, options)
         if options.norm_placement != "post":
             self.input_layernorm = _norm(config, options)
         if options.parallel_residual != "stablelm":
@@ -193,8 +195,8 @@ class DecoderModel(nn.Module):
         types = layer_types(config) if options.local_rope else ["full_attention"] * config.num_hidden_layers
         rotaries = {kind: RotaryEmbedding(head_dim(config), config.max_position_embeddings, rope_theta(config, kind),
                                           rope_scaling(config, kind), rotary_dim(config)) for kind in set(types)}
-        self.layers = nn.ModuleList([DecoderLayer(config, options, rotaries[kind], window)
-                                     for kind, window in zip(types, windows)])
+        self.layers = nn.ModuleList([DecoderLayer(config, options, rotaries[kind], i, window)
+                                     for i, (kind, window) in enumerate(zip(types, windows))])
         self.norm = _norm(config, options)
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:

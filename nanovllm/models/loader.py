@@ -1,7 +1,7 @@
 """Load Hugging Face safetensors checkpoints into nanovllm models (packed and sharded parameters)."""
 import json
 import os
-from collections import Counter
+import re
 from collections.abc import Iterable, Iterator
 
 import torch
@@ -23,39 +23,58 @@ def default_weight_loader(param: nn.Parameter, loaded_weight: torch.Tensor) -> N
     param.data.copy_(loaded_weight)
 
 
+EXPERT_WEIGHT = re.compile(r"\.experts\.(\d+)\.([^.]+)\.weight$")
+
+
 def load_weights(model: nn.Module, weights: Iterable[tuple[str, torch.Tensor]], source: str) -> None:
     """Copy every (checkpoint name, full tensor) into its (possibly packed) parameter; fail on anything missing.
 
     A model's `checkpoint_weights` first turns the checkpoint's names and fused tensors into its own (see
-    `DecoderForCausalLM`). `model.packed_modules_mapping` maps a checkpoint name fragment such as "q_proj" to the fused
-    parameter ("qkv_proj") and the shard it fills. Each parameter's `weight_loader` keeps only
-    this tensor-parallel rank's slice. Tensors with no parameter (a tied `lm_head.weight`,
-    rotary buffers) are ignored.
+    `DecoderForCausalLM`). `model.packed_modules_mapping` maps a checkpoint name fragment such as "q_proj" to the
+    fused parameter ("qkv_proj") and the shard it fills. A mixture-of-experts family stacks its experts:
+    `model.expert_modules_mapping` maps the projection of a per-expert name such as
+    "...experts.3.gate_proj.weight" to the stacked parameter ("...experts.gate_up_proj") and the
+    shard, which goes to its loader with the expert's index; a whole stacked tensor (transformers'
+    own layout) loads as it is. Each parameter's `weight_loader` keeps only this tensor-parallel rank's slice.
+    Tensors with no parameter (a tied `lm_head.weight`, rotary buffers) are ignored.
     """
     if (rename := getattr(model, "checkpoint_weights", None)) is not None:
         weights = rename(weights)
     packed = getattr(model, "packed_modules_mapping", {})
+    experts = getattr(model, "expert_modules_mapping", {})
     params = dict(model.named_parameters())
-    expected = Counter({name: 1 for name in params})
-    for name in params:
+    expected: dict[str, set] = {name: {None} for name in params}
+    for name, param in params.items():
         for fused in {v for v, _ in packed.values()}:
             if f".{fused}." in name:
-                expected[name] = sum(1 for v, _ in packed.values() if v == fused)
-    loaded: Counter = Counter()
+                expected[name] = {shard for v, shard in packed.values() if v == fused}
+        for fused in {v for v, _ in experts.values()}:
+            if name.endswith(f".experts.{fused}"):
+                expected[name] = {(e, shard) for v, shard in experts.values() if v == fused
+                                  for e in range(param.size(0))}
+    loaded: dict[str, set] = {name: set() for name in params}
     for weight_name, tensor in weights:
+        expert = EXPERT_WEIGHT.search(weight_name)
+        if expert and expert.group(2) in experts:
+            fused, shard = experts[expert.group(2)]
+            name = f"{weight_name[:expert.start()]}.experts.{fused}"
+            if name in params:
+                params[name].weight_loader(params[name], tensor, (int(expert.group(1)), shard))
+                loaded[name].add((int(expert.group(1)), shard))
+            continue
         for fragment, (fused, shard_id) in packed.items():
             if f".{fragment}." in weight_name:
                 name = weight_name.replace(f".{fragment}.", f".{fused}.")
                 if name in params:
                     params[name].weight_loader(params[name], tensor, shard_id)
-                    loaded[name] += 1
+                    loaded[name].add(shard_id)
                 break
         else:
             if weight_name in params:
                 param = params[weight_name]
                 getattr(param, "weight_loader", default_weight_loader)(param, tensor)
-                loaded[weight_name] += 1
-    missing = sorted(name for name, count in expected.items() if loaded[name] < count)
+                loaded[weight_name] |= expected[weight_name]
+    missing = sorted(name for name in params if not expected[name] <= loaded[name])
     if missing:
         shown = ", ".join(missing[:5]) + (f" and {len(missing) - 5} more" if len(missing) > 5 else "")
         raise ValueError(f"checkpoint in {source!r} is missing weights for: {shown}")

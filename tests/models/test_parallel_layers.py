@@ -14,6 +14,7 @@ from nanovllm.layers.linear import (
     QKVParallelLinear,
     RowParallelLinear,
 )
+from nanovllm.layers.moe import FusedMoE
 from nanovllm.parallel.process_group import join_tp_group, leave_tp_group, tp_rank_and_size
 
 WORLD = 2
@@ -73,11 +74,39 @@ def _check_vocab_layers(rank: int) -> None:
         assert logits is None, "ParallelLMHead returns None off rank 0"
 
 
+def _check_experts(rank: int) -> None:
+    """Each rank holds every expert's slice of the intermediate dimension, loaded from per-expert tensors or from
+    transformers' stacked ones alike; after the all-reduce each token's output is the whole experts' mixture."""
+    g = torch.Generator().manual_seed(2)
+    experts, hidden, inter, top_k = 4, 8, 6, 2
+    x, logits = torch.randn(7, hidden, generator=g), torch.randn(7, experts, generator=g)
+    gate_up = torch.randn(experts, 2 * inter, hidden, generator=g)
+    down = torch.randn(experts, hidden, inter, generator=g)
+    probs, ids = torch.softmax(logits, -1).topk(top_k, -1)
+    probs = probs / probs.sum(-1, keepdim=True)
+    expected = torch.zeros_like(x)
+    for t in range(len(x)):
+        for w, e in zip(probs[t], ids[t].tolist()):
+            gate, up = F.linear(x[t], gate_up[e]).chunk(2)
+            expected[t] += w * F.linear(F.silu(gate) * up, down[e])
+    stacked, per_expert = (FusedMoE(experts, top_k, hidden, inter, renormalize=True) for _ in range(2))
+    stacked.gate_up_proj.weight_loader(stacked.gate_up_proj, gate_up)
+    stacked.down_proj.weight_loader(stacked.down_proj, down)
+    for e in range(experts):
+        for half, weight in enumerate(gate_up[e].chunk(2)):
+            per_expert.gate_up_proj.weight_loader(per_expert.gate_up_proj, weight, (e, half))
+        per_expert.down_proj.weight_loader(per_expert.down_proj, down[e], (e, 0))
+    assert stacked.down_proj.shape == (experts, hidden, inter // WORLD)
+    assert_close(stacked(x, logits), expected, msg="FusedMoE from stacked weights")
+    assert_close(per_expert(x, logits), expected, msg="FusedMoE from per-expert weights")
+
+
 def _worker(rank: int, store_path: str) -> None:
     join_tp_group("gloo", dist.FileStore(store_path, WORLD), rank, WORLD, timedelta(minutes=2))
     try:
         _check_linear_layers(rank)
         _check_vocab_layers(rank)
+        _check_experts(rank)
     finally:
         leave_tp_group()
 

@@ -122,14 +122,20 @@ def test_bench_with_two_data_parallel_replicas(tied_model):
 
 
 def test_flops_count_what_was_computed_by_hand():
-    from types import SimpleNamespace
+    from transformers import Qwen3Config, Qwen3MoeConfig
 
     from nanovllm.benchmarks.flops import layer_matmul_flops_per_token, mfu, run_flops
 
-    cfg = SimpleNamespace(hidden_size=8, num_attention_heads=2, num_key_value_heads=1, head_dim=4, intermediate_size=16,
-                          num_hidden_layers=3, vocab_size=100)
+    shape = dict(hidden_size=8, num_attention_heads=2, num_key_value_heads=1, head_dim=4, intermediate_size=16,
+                 num_hidden_layers=3, vocab_size=100)
+    cfg = Qwen3Config(architectures=["Qwen3ForCausalLM"], **shape)
     per_layer = 8 * (2 + 2) * 4 + 2 * 4 * 8 + 3 * 8 * 16  # qkv, o, gate/up/down weights
     assert layer_matmul_flops_per_token(cfg) == 2 * per_layer * 3
+    # experts: 2 of 4 of width 6 per token, layer 1 dense (width 16)
+    moe = Qwen3MoeConfig(architectures=["Qwen3MoeForCausalLM"], num_experts=4, num_experts_per_tok=2,
+                         moe_intermediate_size=6, mlp_only_layers=[1], **shape)
+    attention = 8 * (2 + 2) * 4 + 2 * 4 * 8
+    assert layer_matmul_flops_per_token(moe) == 2 * (3 * attention + 3 * 8 * (2 * 6 + 16 + 2 * 6))
     # one request, 5 prompt tokens, 3 generated: 5 + 2 tokens computed; positions 0..6 attend to 1..7 keys
     attention = 4 * (1 + 2 + 3 + 4 + 5 + 6 + 7) * 2 * 4 * 3
     lm_head = 2 * 8 * 100 * 3
