@@ -220,7 +220,8 @@ def cached_metadata(path: str) -> Path:
     the slow part, and an entry becomes visible only when complete (written to a temporary directory, then renamed).
     """
     source, key, cache = os.path.abspath(path), content_key(path), cache_dir() / "gguf-metadata"
-    target = cache / f"{Path(path).stem}-{key}"
+    found = [entry for entry in cache.glob(f"*-{key}") if (entry / TENSORS).is_file()]
+    target = found[0] if found else cache / f"{Path(path).stem}-{key}"
     if not (target / TENSORS).is_file():
         _write_metadata_into(path, target)
     if source not in _read_sources(target):
@@ -237,7 +238,12 @@ def _write_metadata_into(path: str, target: Path) -> None:
         import gguf
 
         progress("reading the GGUF file")
-        table = tensor_table(gguf.GGUFReader(path), path)
+        try:
+            reader = gguf.GGUFReader(path)
+        except (ValueError, IndexError, KeyError, OSError) as e:
+            raise ValueError(f"{path} is not a readable GGUF file ({e}); it may be truncated or corrupt: download or "
+                             "convert it again") from None
+        table = tensor_table(reader, path)
         _reject_scaled_rope(path)
         config = read_gguf_config(path)
         progress("building the tokenizer")

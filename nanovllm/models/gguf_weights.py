@@ -7,6 +7,7 @@ float tensor. llama.cpp stores the llama family's q and k rows permuted (each he
 `gguf_weights` undoes that on the rows themselves, blocks untouched.
 """
 import json
+import mmap
 import os
 from collections.abc import Iterator
 
@@ -93,10 +94,21 @@ def _llama_cpp_order(rows: int, heads: int) -> torch.Tensor:
     return torch.arange(rows).view(heads, rows // heads // 2, 2).transpose(1, 2).reshape(-1)
 
 
-def gguf_weights(path: str, table: dict, hf_config) -> Iterator[tuple[str, torch.Tensor | GGMLTensor]]:
-    """Every tensor of the file at `path` under its parameter name: 2-D ones as `GGMLTensor` views of the mapped
+def map_file(path: str) -> np.memmap:
+    """The file mapped copy-on-write: writable views for torch, and no page of it is ever written."""
+    return np.memmap(path, mode="c")
+
+
+def drop_resident_pages(mapped: np.memmap) -> None:
+    """Once loaded, forget which pages of the file were read: the rows copied at load (fused projections, llama's
+    q/k) are never read again, and those the model still views come back from the page cache on their next use."""
+    mapped._mmap.madvise(mmap.MADV_DONTNEED)
+
+
+def gguf_weights(mapped: np.memmap, table: dict, hf_config) -> Iterator[tuple[str, torch.Tensor | GGMLTensor]]:
+    """Every tensor of the mapped file under its parameter name: 2-D ones as `GGMLTensor` views of the mapped
     file (q/k rows of llama files reordered: a copy), 1-D ones as float32 tensors."""
-    mapped = np.memmap(path, mode="c").view(np.ndarray)  # copy-on-write: writable views, no page ever written
+    mapped = mapped.view(np.ndarray)  # slicing a plain view costs a third of slicing the np.memmap
     heads = {"attn_q": hf_config.num_attention_heads, "attn_k": hf_config.num_key_value_heads}
     permuted = table["architecture"] in PERMUTED_QK
     for name, qtype, shape, offset, nbytes in table["tensors"]:

@@ -14,7 +14,7 @@ from safetensors import SafetensorError, safe_open
 from torch import nn
 from transformers import AutoModelForCausalLM, PretrainedConfig
 
-from nanovllm.models.gguf_weights import gguf_weights
+from nanovllm.models.gguf_weights import drop_resident_pages, gguf_weights, map_file
 from nanovllm.models.hf_config import head_dim
 from nanovllm.quantization.ggml_weight import QUANTIZATION, GGMLTensor, GGMLWeight, quantize
 
@@ -156,8 +156,12 @@ def _safetensors_weights(path: str, hf_config: PretrainedConfig) -> Iterator[tup
 def load_model(model: nn.Module, path: str, hf_config: PretrainedConfig, gguf_table: dict | None = None,
                quantization: str | None = None, keep_ggml: bool = True) -> None:
     """The weights of the model directory or GGUF file (with its tensor table `gguf_table`) at `path`."""
-    weights = gguf_weights(path, gguf_table, hf_config) if gguf_table else _safetensors_weights(path, hf_config)
-    load_weights(model, _as_loaded(weights, quantization, keep_ggml), path)
+    if gguf_table is None:
+        load_weights(model, _as_loaded(_safetensors_weights(path, hf_config), quantization, keep_ggml), path)
+        return
+    mapped = map_file(path)
+    load_weights(model, _as_loaded(gguf_weights(mapped, gguf_table, hf_config), None, keep_ggml), path)
+    drop_resident_pages(mapped)
 
 
 def _dummy_weights(hf_config: PretrainedConfig, seed: int) -> Iterator[tuple[str, torch.Tensor]]:
