@@ -87,9 +87,12 @@ def make_checkpoint(path: str, *, family: str = "qwen3", tie_word_embeddings: bo
 
 
 @torch.inference_mode()
-def hf_greedy(path: str, prompts: list[list[int]], max_tokens: int, device: str = "cpu") -> list[list[int]]:
-    """transformers' greedy continuation of each prompt, one prompt at a time, float32, with its KV cache."""
-    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).to(device).eval()
+def hf_greedy(path: str | torch.nn.Module, prompts: list[list[int]], max_tokens: int,
+              device: str = "cpu") -> list[list[int]]:
+    """transformers' greedy continuation of each prompt, one prompt at a time, float32, with its KV cache (`path`: a
+    model directory, or a transformers model already loaded)."""
+    model = path if isinstance(path, torch.nn.Module) else \
+        AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).to(device).eval()
     outputs = []
     for prompt in prompts:
         ids = torch.tensor([prompt], device=device)
