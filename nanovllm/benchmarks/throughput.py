@@ -25,6 +25,7 @@ from nanovllm.benchmarks.attention import format_micro, run_micro
 from nanovllm.benchmarks.baselines import find_vllm_python, run_baseline
 from nanovllm.benchmarks.compete import competing_process
 from nanovllm.benchmarks.flops import mfu, run_flops
+from nanovllm.benchmarks.llamacpp import compare as compare_with_llamacpp
 from nanovllm.benchmarks.machine import PeakMemory, matmul_peak, synchronize
 from nanovllm.benchmarks.options import SAMPLING, SCHEDULING, parse_args, resolve_workload
 from nanovllm.benchmarks.report import Measured, Row, Served, format_report, markdown_table, median, percentiles
@@ -163,6 +164,8 @@ def run(args: argparse.Namespace) -> dict:
     """Run the benchmark `options.parse_args` describes; print the report and return the results."""
     if args.threads:
         torch.set_num_threads(args.threads)
+    if args.baseline == "llamacpp":
+        return save_json(compare_with_llamacpp(args), args.json)
     try:
         device = resolve_device(args.device)
         if not args.attention_micro:
