@@ -11,7 +11,7 @@ FLOORS = [
     ("bookkeeping, tensor-free", ["nanovllm.sampling_params", "nanovllm.outputs", "nanovllm.core", "nanovllm.config",
                                   "nanovllm.cache", "nanovllm.progress", "nanovllm.parallel.supervisor"]),
     ("the tensor-parallel group", ["nanovllm.parallel.process_group"]),
-    ("kernels and layers", ["nanovllm.backends", "nanovllm.layers"]),
+    ("kernels and layers", ["nanovllm.backends", "nanovllm.quantization", "nanovllm.layers"]),
     ("models and their weights", ["nanovllm.models", "nanovllm.gguf_import"]),
     ("running a model", ["nanovllm.execution", "nanovllm.parallel.tensor_parallel"]),
     ("the engine", ["nanovllm.engine"]),
