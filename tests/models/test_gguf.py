@@ -268,3 +268,14 @@ def test_bad_gguf_inputs(gguf_file, llama_dir, tmp_path, monkeypatch, capsys):
     monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "gguf" else find_spec(name, *a))
     with pytest.raises(ModuleNotFoundError, match=r'needs the gguf package\(s\): pip install "nanovllm\[demo\]"'):
         LLM(gguf_file)
+
+
+def test_tensor_parallel_splits_quantized_rows_and_whole_input_blocks(tied_llama_dir, tmp_path):
+    """tensor_parallel_size=2 on a file with every 2-D weight in Q8_0 (the embedding and LM head split by vocabulary,
+    q/k/v and gate/up by output rows, o and down by whole input blocks): the same greedy tokens as one rank."""
+    path = make_gguf(str(tmp_path / "tp.gguf"), tied_llama_dir, CHAT_TEMPLATE, quantized=("",))
+    settings = dict(device="cpu", dtype="float32", kvcache_block_size=16, num_kvcache_blocks=16, max_model_len=128)
+    with LLM(path, **settings) as llm:
+        expected = [o["token_ids"] for o in llm.generate(PROMPTS[:2], GREEDY, use_tqdm=False)]
+    with LLM(path, tensor_parallel_size=2, **settings) as llm:
+        assert [o["token_ids"] for o in llm.generate(PROMPTS[:2], GREEDY, use_tqdm=False)] == expected
