@@ -219,6 +219,7 @@ def cached_metadata(path: str) -> Path:
     one that no existing file names any more is deleted. The file is checked (architecture, tensor types, size) before
     the slow part, and an entry becomes visible only when complete (written to a temporary directory, then renamed).
     """
+    _require_gguf_support(("gguf",))
     source, key, cache = os.path.abspath(path), content_key(path), cache_dir() / "gguf-metadata"
     found = [entry for entry in cache.glob(f"*-{key}") if (entry / TENSORS).is_file()]
     target = found[0] if found else cache / f"{Path(path).stem}-{key}"
@@ -231,7 +232,6 @@ def cached_metadata(path: str) -> Path:
 
 
 def _write_metadata_into(path: str, target: Path) -> None:
-    _require_gguf_support(("gguf",))
     print(f"nanovllm: reading the config and tokenizer of {path} into {target} (once; later runs reuse them) ...",
           file=sys.stderr)
     with Progress("read the GGUF metadata") as progress, _parsed_once(progress):
