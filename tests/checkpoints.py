@@ -189,7 +189,7 @@ def teacher_forced(llm, token_ids: list[int]) -> tuple[float, list[int]]:
     output = llm.generate([token_ids], SamplingParams(max_tokens=1, prompt_logprobs=1), use_tqdm=False)[0]
     rows = output.prompt_logprobs[1:]
     nll = [-row[token].logprob for row, token in zip(rows, token_ids[1:])]
-    top1 = [next(t for t, lp in row.items() if lp.rank == 1) for row in rows]
+    top1 = [max(row, key=lambda t: row[t].logprob) for row in rows]  # the top-1 entry, or the prompt token tied with it
     return math.exp(sum(nll) / len(nll)), top1
 
 
