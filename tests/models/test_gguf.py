@@ -152,6 +152,13 @@ def test_gguf_file_runs_quantized_and_reads_only_its_metadata_into_the_cache(ggu
     assert "reading the config" not in capsys.readouterr().err
 
 
+def test_a_tokenizer_given_as_vllm_takes_it(gguf_file, llama_dir, tmp_path):
+    with LLM(model=gguf_file, tokenizer=llama_dir, device="cpu", dtype="float32", max_model_len=256) as llm:
+        assert llm.config.tokenizer == llama_dir and llm.tokenizer.chat_template is None
+    with pytest.raises(FileNotFoundError, match="tokenizer directory not found: .*nowhere"):
+        LLM(gguf_file, tokenizer=str(tmp_path / "nowhere"))
+
+
 def test_without_cpu_kernels_gguf_weights_are_dequantized_at_load_and_match_transformers(
         gguf_file, converted, monkeypatch, caplog):
     monkeypatch.setattr(model_runner, "cpu_kernels", lambda: None)
