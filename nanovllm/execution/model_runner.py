@@ -72,9 +72,8 @@ class ModelRunner:
         if config.load_format == "dummy":
             init_dummy_weights(self.model, hf_config, config.seed, config.quantization, keep_ggml)
         else:
-            load_model(self.model, config.model, hf_config, config.gguf_metadata and read_table(config.gguf_metadata),
-                       config.quantization,
-                       keep_ggml)
+            table = read_table(config.gguf_metadata) if config.gguf_metadata else None
+            load_model(self.model, config.model, hf_config, table, config.quantization, keep_ggml)
         self.model.eval()
         if self.device.type == "cpu" and can_prepack(config.torch_dtype):
             prepack_linear_weights(self.model)
