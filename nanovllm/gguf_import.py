@@ -1,9 +1,9 @@
-"""GGUF files as Hugging Face model directories.
+"""What GGUF files need from transformers: their config and tokenizer, and `python -m nanovllm convert`.
 
-transformers' own GGUF reader (with the `gguf` package) parses the file, dequantizes the tensors
-and rebuilds the tokenizer; this module writes the result out as safetensors, config.json and
-tokenizer files, so the engine, and transformers itself, load it like any checkpoint. `LLM` does
-this once per file into a cache directory (`$NANOVLLM_CACHE`, default `~/.cache/nanovllm`).
+`LLM("model.gguf")` reads the weights from the file itself, as they are (`nanovllm.models.gguf_weights`); its config,
+tokenizer and tensor table come from transformers' GGUF reader (with the `gguf` package) once per file, into a small
+directory in the cache (`$NANOVLLM_CACHE`, default `~/.cache/nanovllm`; `cached_metadata`). `convert_gguf` writes a
+whole float32 Hugging Face checkpoint instead, for those who want one (transformers loads it too).
 """
 import contextlib
 import functools
@@ -22,7 +22,7 @@ import xxhash
 from transformers import AutoConfig, PretrainedConfig
 
 from nanovllm.cache import cache_dir
-from nanovllm.models import model_class
+from nanovllm.models.gguf_weights import TENSORS, tensor_table
 from nanovllm.progress import Progress
 
 INSTALL_HINT = 'pip install "nanovllm[demo]" (or: pip install gguf accelerate)'
@@ -42,8 +42,8 @@ def find_gguf(model: str) -> str | None:
     return os.path.join(model, found[0]) if found else None
 
 
-def _require_gguf_support() -> None:
-    missing = [name for name in ("gguf", "accelerate") if importlib.util.find_spec(name) is None]
+def _require_gguf_support(packages: tuple[str, ...] = ("gguf", "accelerate")) -> None:
+    missing = [name for name in packages if importlib.util.find_spec(name) is None]
     if missing:
         raise ModuleNotFoundError(f"reading GGUF files needs the {' and '.join(missing)} package(s): {INSTALL_HINT}")
 
@@ -52,7 +52,7 @@ def read_gguf_config(path: str) -> PretrainedConfig:
     """The model config recorded in a GGUF file (metadata only; no tensor is read), with its `architectures`."""
     from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
 
-    _require_gguf_support()
+    _require_gguf_support(("gguf",))
     config = AutoConfig.from_pretrained(os.path.dirname(os.path.abspath(path)), gguf_file=os.path.basename(path))
     name = MODEL_FOR_CAUSAL_LM_MAPPING_NAMES.get(config.model_type)
     config.architectures = [name] if name else []
@@ -131,7 +131,7 @@ def convert_gguf(path: str, out_dir: str, progress: Progress | None = None) -> N
     _require_gguf_support()
     import gguf
     from safetensors.torch import save_file
-    from transformers import AutoModelForCausalLM, AutoTokenizer
+    from transformers import AutoModelForCausalLM
 
     if progress is None:
         with Progress("converted") as progress, _parsed_once(progress):
@@ -141,7 +141,7 @@ def convert_gguf(path: str, out_dir: str, progress: Progress | None = None) -> N
     source = dict(pretrained_model_name_or_path=os.path.dirname(os.path.abspath(path)),
                   gguf_file=os.path.basename(path))
     progress("building the tokenizer")
-    tokenizer = AutoTokenizer.from_pretrained(**source)
+    tokenizer = _tokenizer(path)
     progress("loading and dequantizing tensors", total=len(gguf.GGUFReader(path).tensors))
     model = AutoModelForCausalLM.from_pretrained(**source, **_dequantized(), dtype=torch.float32)
     config = model.config
@@ -198,15 +198,10 @@ def _write_sources(conversion: Path, sources: list[str]) -> None:
 
 
 def _drop_stale(keep: Path, source: str) -> None:
-    """`source` now converts to `keep`: forget it in every other conversion, and delete the conversions that no
-    existing file converts to any more (and those of the same model name from before conversions named their
-    sources)."""
+    """`source` now reads into `keep`: forget it in every other entry, and delete the entries that no existing file
+    names any more."""
     for other in keep.parent.iterdir():
         if other == keep or not other.is_dir() or other.name.startswith("."):
-            continue
-        if not (other / SOURCES).is_file():
-            if other.name.rsplit("-", 1)[0] == keep.name.rsplit("-", 1)[0]:
-                shutil.rmtree(other, ignore_errors=True)
             continue
         sources = [s for s in _read_sources(other) if s != source and os.path.isfile(s)]
         if sources:
@@ -215,48 +210,59 @@ def _drop_stale(keep: Path, source: str) -> None:
             shutil.rmtree(other, ignore_errors=True)
 
 
-def cached_conversion(path: str) -> str:
-    """The converted directory of the GGUF file at `path`, converting it on first use.
+def cached_metadata(path: str) -> Path:
+    """The directory of the GGUF file at `path`'s config.json, tokenizer files and tensor table (`TENSORS`), written
+    on first use; no weight is ever written.
 
     The cache is keyed by the file's content (`content_key`), so copies of one file (in several virtualenvs, say)
-    share one conversion, and an edited or replaced file is converted again; each conversion records the files it
-    was made from, and one that no existing file converts to any more is deleted. The model's family is checked
-    before any tensor is read, and a conversion becomes visible only when complete (written to a temporary
-    directory, then renamed).
+    share one entry, and an edited or replaced file gets its own; each entry records the files it was made from, and
+    one that no existing file names any more is deleted. The file is checked (architecture, tensor types, size) before
+    the slow part, and an entry becomes visible only when complete (written to a temporary directory, then renamed).
     """
-    source, key, cache = os.path.abspath(path), content_key(path), cache_dir() / "gguf"
-    converted = [found for found in cache.glob(f"*-{key}") if (found / "config.json").is_file()]
-    target = converted[0] if converted else cache / f"{Path(path).stem}-{key}"
-    if not (target / "config.json").is_file():
-        _convert_into(path, target)
+    _require_gguf_support(("gguf",))
+    source, key, cache = os.path.abspath(path), content_key(path), cache_dir() / "gguf-metadata"
+    found = [entry for entry in cache.glob(f"*-{key}") if (entry / TENSORS).is_file()]
+    target = found[0] if found else cache / f"{Path(path).stem}-{key}"
+    if not (target / TENSORS).is_file():
+        _write_metadata_into(path, target)
     if source not in _read_sources(target):
         _write_sources(target, [*_read_sources(target), source])
         _drop_stale(target, source)
-    return str(target)
+    return target
 
 
-def _convert_into(path: str, target: Path) -> None:
-    _require_gguf_support()
-    print(f"nanovllm: converting {path} into {target} (once; later runs reuse it) ...", file=sys.stderr)
-    with Progress("converted") as progress, _parsed_once(progress):
-        progress("reading the GGUF metadata")
+def _write_metadata_into(path: str, target: Path) -> None:
+    print(f"nanovllm: reading the config and tokenizer of {path} into {target} (once; later runs reuse them) ...",
+          file=sys.stderr)
+    with Progress("read the GGUF metadata") as progress, _parsed_once(progress):
+        import gguf
+
+        progress("reading the GGUF file")
         try:
-            model_class(read_gguf_config(path))
-        except ValueError as e:
-            raise ValueError(f"{path}: {e}") from None
+            reader = gguf.GGUFReader(path)
+        except (ValueError, IndexError, KeyError, OSError) as e:
+            raise ValueError(f"{path} is not a readable GGUF file ({e}); it may be truncated or corrupt: download or "
+                             "convert it again") from None
+        table = tensor_table(reader, path)
+        _reject_scaled_rope(path)
+        config = read_gguf_config(path)
+        progress("building the tokenizer")
+        tokenizer = _tokenizer(path)
         target.parent.mkdir(parents=True, exist_ok=True)
-        tmp = tempfile.mkdtemp(prefix=f".{target.name}-", dir=target.parent)
+        tmp = Path(tempfile.mkdtemp(prefix=f".{target.name}-", dir=target.parent))
         try:
-            convert_gguf(path, tmp, progress)
+            config.save_pretrained(tmp)
+            tokenizer.save_pretrained(tmp)
+            (tmp / TENSORS).write_text(json.dumps(table))
             os.rename(tmp, target)
         except OSError:
-            if not (target / "config.json").is_file():
+            if not (target / TENSORS).is_file():
                 raise
         finally:
             shutil.rmtree(tmp, ignore_errors=True)
 
 
-def resolve_model(model: str) -> str:
-    """`model` itself, or the converted directory of the GGUF file it names."""
-    gguf = find_gguf(model)
-    return cached_conversion(gguf) if gguf else model
+def _tokenizer(path: str):
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(os.path.dirname(os.path.abspath(path)), gguf_file=os.path.basename(path))

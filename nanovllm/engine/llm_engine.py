@@ -48,7 +48,7 @@ class LLMEngine(PromptFrontend):
     def __init__(self, config: Config):
         """`config` as `nanovllm.engine.setup.resolve_config` made it."""
         self.config = config
-        self.tokenizer = load_tokenizer(config.model)
+        self.tokenizer = load_tokenizer(config.tokenizer or config.model)
         self.eos_token_ids = self._eos_token_ids()
         self.model_runner = ModelRunner(config, eos_token_ids=self.eos_token_ids)
         self.scheduler = Scheduler(SchedulerConfig(

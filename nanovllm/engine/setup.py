@@ -1,5 +1,5 @@
-"""Settings resolved against the model and the machine, once, in the front: the model's path (a GGUF file converted),
-its Hugging Face config, the device, the dtype, the attention backend and `max_model_len`."""
+"""Settings resolved against the model and the machine, once, in the front: the model's path (a GGUF file's metadata
+read), its Hugging Face config, the device, the dtype, the attention backend and `max_model_len`."""
 import json
 import os
 from dataclasses import fields, replace
@@ -9,11 +9,14 @@ from transformers import AutoConfig, PretrainedConfig
 
 from nanovllm.backends import ATTENTION_BACKENDS, choose_backend
 from nanovllm.config import Config
-from nanovllm.gguf_import import resolve_model
+from nanovllm.gguf_import import cached_metadata, find_gguf
 from nanovllm.layers.prepack import native_bfloat16
 from nanovllm.models import model_class
+from nanovllm.models.gguf_weights import check_table, read_table
 from nanovllm.models.hf_config import head_dim
 from nanovllm.models.loader import find_weight_files
+from nanovllm.quantization.ggml_ops import BLOCK
+from nanovllm.quantization.ggml_weight import QUANTIZATION
 from nanovllm.spec_decode.config import STEP_COST
 from nanovllm.spec_decode.draft_check import check_same_vocabulary
 
@@ -36,16 +39,24 @@ def resolve_config(model: str | None, settings: dict) -> Config:
     if config.attention_backend not in ATTENTION_BACKENDS:
         raise ValueError(f"attention_backend must be one of {list(ATTENTION_BACKENDS)}, "
                          f"got {config.attention_backend!r}")
-    config.model = resolve_model(config.model)
-    config.hf_config = cfg = load_hf_config(config.model)
-    if config.load_format == "auto":
-        find_weight_files(config.model)
+    if config.tokenizer is not None and not os.path.isdir(config.tokenizer):
+        raise FileNotFoundError(f"tokenizer directory not found: {config.tokenizer!r}")
+    gguf = find_gguf(config.model)
+    if gguf:
+        _resolve_gguf(config, gguf)
+    else:
+        config.hf_config = load_hf_config(config.model)
+        if config.load_format == "auto":
+            find_weight_files(config.model)
+    cfg = config.hf_config
     config.device = resolve_device(config.device)
     config.torch_dtype = resolve_dtype(config.dtype, config.device, cfg)
     config.attention_backend = choose_backend(config.attention_backend, config.device, config.torch_dtype,
                                               config.kvcache_block_size, head_dim(cfg))
     _resolve_max_model_len(config)
     _check_tensor_parallel(config)
+    if config.quantization is not None:
+        _check_quantization(config)
     _resolve_speculative(config)
     return config
 
@@ -58,10 +69,36 @@ def _resolve_speculative(config: Config) -> None:
         return
     config.speculative = replace(spec, step_cost=STEP_COST[config.device])
     if spec.method == "draft_model":
-        draft = resolve_model(spec.model)
-        check_same_vocabulary(config.model, config.hf_config, draft, load_hf_config(draft))
+        gguf = find_gguf(spec.model)
+        draft = str(cached_metadata(gguf)) if gguf else spec.model
+        check_same_vocabulary(config.tokenizer or config.model, config.hf_config, draft, load_hf_config(draft))
         raise ValueError("speculative_config with a draft model is not implemented yet in nanovllm; use "
                          "{'method': 'ngram', 'num_speculative_tokens': k}")
+
+
+def _resolve_gguf(config: Config, path: str) -> None:
+    """A GGUF file is the model: its metadata (config, tokenizer, tensor table) read once into the cache."""
+    if config.quantization is not None:
+        raise ValueError(f"quantization={config.quantization!r} quantizes unquantized checkpoints at load; {path} is a "
+                         "GGUF file, whose weights run in the types stored in it: leave quantization unset")
+    config.model = path
+    config.gguf_metadata = str(cached_metadata(path))
+    config.hf_config = load_hf_config(config.gguf_metadata)
+    config.tokenizer = config.tokenizer or config.gguf_metadata
+    check_table(read_table(config.gguf_metadata), path, config.tensor_parallel_size)
+
+
+def _check_quantization(config: Config) -> None:
+    """quantization= splits rows into 32-value blocks: every linear input, and each rank's share of a split one,
+    must be whole blocks."""
+    cfg, tp = config.hf_config, config.tensor_parallel_size
+    values = BLOCK[QUANTIZATION[config.quantization]][0]
+    inputs = {"hidden_size": cfg.hidden_size, "intermediate_size / tensor_parallel_size": cfg.intermediate_size // tp,
+              "num_attention_heads x head_dim / tensor_parallel_size": cfg.num_attention_heads * head_dim(cfg) // tp}
+    bad = [f"{name} = {size}" for name, size in inputs.items() if size % values]
+    if bad:
+        raise ValueError(f"quantization={config.quantization!r} quantizes rows in blocks of {values} values, but "
+                         f"{', '.join(bad)} is not a multiple of {values}")
 
 
 def _resolve_max_model_len(config: Config) -> None:

@@ -1,3 +1,4 @@
+import logging
 from collections.abc import Iterable
 from contextlib import contextmanager, nullcontext
 
@@ -18,9 +19,12 @@ from nanovllm.layers.attention import Attention
 from nanovllm.layers.fused import set_fused_ops
 from nanovllm.layers.prepack import can_prepack, prepack_linear_weights
 from nanovllm.models import build_model
+from nanovllm.models.gguf_weights import read_table
 from nanovllm.models.loader import init_dummy_weights, load_model
 from nanovllm.parallel.tensor_parallel import WorkerGroup, started
 from nanovllm.spec_decode.verifier import verify
+
+logger = logging.getLogger("nanovllm")
 
 
 @contextmanager
@@ -60,10 +64,17 @@ class ModelRunner:
                       cpu_kernels=None if on_gpu else cpu_kernels())
         with default_dtype(config.torch_dtype), self.device:
             self.model = build_model(hf_config)
+        keep_ggml = not on_gpu and cpu_kernels() is not None
+        if (config.gguf_metadata or config.quantization) and not keep_ggml and rank == 0:
+            why = "on CUDA" if on_gpu else "the compiled CPU kernels are unavailable"
+            logger.warning("nanovllm: %s weights are dequantized to %s at load (%s)",
+                           "GGUF" if config.gguf_metadata else config.quantization,
+                           str(config.torch_dtype).removeprefix("torch."), why)
         if config.load_format == "dummy":
-            init_dummy_weights(self.model, hf_config, config.seed)
+            init_dummy_weights(self.model, hf_config, config.seed, config.quantization, keep_ggml)
         else:
-            load_model(self.model, config.model, hf_config)
+            table = read_table(config.gguf_metadata) if config.gguf_metadata else None
+            load_model(self.model, config.model, hf_config, table, config.quantization, keep_ggml)
         self.model.eval()
         if self.device.type == "cpu" and can_prepack(config.torch_dtype):
             prepack_linear_weights(self.model)

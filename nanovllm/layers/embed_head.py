@@ -1,4 +1,7 @@
-"""Vocab-parallel embedding and LM head: each rank owns a contiguous slice of the vocabulary."""
+"""Vocab-parallel embedding and LM head: each rank owns a contiguous slice of the vocabulary.
+
+A GGML embedding (`GGMLTensor`, e.g. a GGUF file's Q8_0 `token_embd`) stays in blocks: a lookup dequantizes the rows
+it gathers, and a tied LM head runs over the same bytes."""
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
@@ -6,6 +9,11 @@ from torch import nn
 
 from nanovllm.layers.linear import linear
 from nanovllm.parallel.process_group import tp_rank_and_size
+from nanovllm.quantization.ggml_weight import GGMLTensor, GGMLWeight
+
+
+def embedding(ids: torch.Tensor, weight: torch.Tensor | GGMLWeight) -> torch.Tensor:
+    return weight.embedding(ids) if isinstance(weight, GGMLWeight) else F.embedding(ids, weight)
 
 
 class VocabParallelEmbedding(nn.Module):
@@ -17,17 +25,21 @@ class VocabParallelEmbedding(nn.Module):
         self.vocab_end_idx = min(self.vocab_start_idx + self.num_embeddings_per_partition, num_embeddings)
         self.weight = nn.Parameter(torch.empty(self.num_embeddings_per_partition, embedding_dim), requires_grad=False)
         self.weight.weight_loader = self.weight_loader
+        self.ggml_parts: list[tuple[int, GGMLTensor]] = []
 
-    def weight_loader(self, param: nn.Parameter, loaded_weight: torch.Tensor) -> None:
+    def weight_loader(self, param: nn.Parameter, loaded_weight: torch.Tensor | GGMLTensor) -> None:
         shard = loaded_weight[self.vocab_start_idx:self.vocab_end_idx]
+        if isinstance(shard, GGMLTensor):
+            self.ggml_parts.append((0, shard.padded(self.num_embeddings_per_partition)))
+            return
         param.data.zero_()
         param.data[:shard.size(0)].copy_(shard)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.tp_size == 1:
-            return F.embedding(x, self.weight)
+            return embedding(x, self.weight)
         mask = (x >= self.vocab_start_idx) & (x < self.vocab_end_idx)
-        y = F.embedding(mask * (x - self.vocab_start_idx), self.weight) * mask.unsqueeze(1)
+        y = embedding(mask * (x - self.vocab_start_idx), self.weight) * mask.unsqueeze(1)
         dist.all_reduce(y)
         return y
 

@@ -1,7 +1,9 @@
 """Linear layers, replicated or sharded over the tensor-parallel group.
 
 Each parameter carries a `weight_loader(param, loaded_weight[, shard_id])` that copies this
-rank's slice of a full checkpoint tensor into it.
+rank's slice of a full checkpoint tensor into it. A weight given as GGML blocks (`GGMLTensor`: a GGUF tensor, or one
+quantized at load) is sliced the same way and kept aside in `ggml_parts`; `nanovllm.models.loader` then makes the
+layer's weight of them (`GGMLWeight`).
 """
 import torch
 import torch.distributed as dist
@@ -9,10 +11,14 @@ import torch.nn.functional as F
 from torch import nn
 
 from nanovllm.parallel.process_group import tp_rank_and_size
+from nanovllm.quantization.ggml_weight import GGMLTensor, GGMLWeight
 
 
-def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
-    """`F.linear`, through oneDNN when the weight was prepacked (see `nanovllm.layers.prepack`)."""
+def linear(x: torch.Tensor, weight: torch.Tensor | GGMLWeight, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """`F.linear`, through oneDNN when the weight was prepacked (see `nanovllm.layers.prepack`), or over GGML
+    blocks."""
+    if isinstance(weight, GGMLWeight):
+        return weight.linear(x, bias)
     if weight.is_mkldnn:
         return torch.ops.mkldnn._linear_pointwise(x, weight, bias, "none", [], "")
     return F.linear(x, weight, bias)
@@ -30,12 +36,20 @@ class LinearBase(nn.Module):
             self.bias.weight_loader = self.weight_loader
         else:
             self.register_parameter("bias", None)
+        self.ggml_parts: list[tuple[int, GGMLTensor]] = []  # (first row, rows) of a weight given as GGML blocks
 
-    def weight_loader(self, param: nn.Parameter, loaded_weight: torch.Tensor) -> None:
+    def store(self, param: nn.Parameter, offset: int, rows: torch.Tensor | GGMLTensor) -> None:
+        """Put `rows` at row `offset` of `param`; GGML rows go to `ggml_parts`."""
+        if isinstance(rows, GGMLTensor):
+            self.ggml_parts.append((offset, rows))
+        else:
+            param.data.narrow(0, offset, rows.size(0)).copy_(rows)
+
+    def weight_loader(self, param: nn.Parameter, loaded_weight: torch.Tensor | GGMLTensor) -> None:
         if self.tp_dim is not None and param.dim() > self.tp_dim and self.tp_size > 1:
             shard = param.size(self.tp_dim)
             loaded_weight = loaded_weight.narrow(self.tp_dim, self.tp_rank * shard, shard)
-        param.data.copy_(loaded_weight)
+        self.store(param, 0, loaded_weight)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return linear(x, self.weight, self.bias)
@@ -60,11 +74,9 @@ class MergedColumnParallelLinear(ColumnParallelLinear):
         self.output_sizes = output_sizes
         super().__init__(input_size, sum(output_sizes), bias)
 
-    def weight_loader(self, param: nn.Parameter, loaded_weight: torch.Tensor, shard_id: int) -> None:
+    def weight_loader(self, param: nn.Parameter, loaded_weight: torch.Tensor | GGMLTensor, shard_id: int) -> None:
         offset = sum(self.output_sizes[:shard_id]) // self.tp_size
-        size = self.output_sizes[shard_id] // self.tp_size
-        target = param.data.narrow(0, offset, size)
-        target.copy_(loaded_weight.chunk(self.tp_size, 0)[self.tp_rank])
+        self.store(param, offset, loaded_weight.chunk(self.tp_size, 0)[self.tp_rank])
 
 
 class QKVParallelLinear(ColumnParallelLinear):
@@ -79,11 +91,10 @@ class QKVParallelLinear(ColumnParallelLinear):
         output_size = (total_num_heads + 2 * total_num_kv_heads) * head_size
         super().__init__(hidden_size, output_size, bias)
 
-    def weight_loader(self, param: nn.Parameter, loaded_weight: torch.Tensor, shard_id: str) -> None:
+    def weight_loader(self, param: nn.Parameter, loaded_weight: torch.Tensor | GGMLTensor, shard_id: str) -> None:
         q_size, kv_size = self.num_heads * self.head_size, self.num_kv_heads * self.head_size
-        offset, size = {"q": (0, q_size), "k": (q_size, kv_size), "v": (q_size + kv_size, kv_size)}[shard_id]
-        target = param.data.narrow(0, offset, size)
-        target.copy_(loaded_weight.chunk(self.tp_size, 0)[self.tp_rank])
+        offset = {"q": 0, "k": q_size, "v": q_size + kv_size}[shard_id]
+        self.store(param, offset, loaded_weight.chunk(self.tp_size, 0)[self.tp_rank])
 
 
 class RowParallelLinear(LinearBase):

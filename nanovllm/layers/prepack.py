@@ -35,9 +35,10 @@ def can_prepack(dtype: torch.dtype) -> bool:
 @torch.no_grad()
 def prepack_linear_weights(model: nn.Module) -> None:
     """Replace the weight of every linear layer and LM head, and every expert's, by its oneDNN-packed form (CPU, see
-    `can_prepack`)."""
+    `can_prepack`); GGML weights stay as they are."""
     for module in list(model.modules()):
-        if isinstance(module, (LinearBase, ParallelLMHead)) and not module.weight.is_mkldnn:
+        if isinstance(module, (LinearBase, ParallelLMHead)) and isinstance(module.weight, nn.Parameter) \
+                and not module.weight.is_mkldnn:
             packed = torch.ops.mkldnn._reorder_linear_weight(module.weight.detach())
             module.weight = nn.Parameter(packed, requires_grad=False)
         elif isinstance(module, FusedMoE):

@@ -1,4 +1,9 @@
-"""Load Hugging Face safetensors checkpoints into nanovllm models (packed and sharded parameters)."""
+"""Load Hugging Face safetensors checkpoints and GGUF files into nanovllm models (packed and sharded parameters).
+
+Weights in GGML blocks (a GGUF file's, or linear weights quantized at load with `quantization=`) stay in blocks: the
+layers keep their rows aside and `install_ggml_weights` makes them the layers' weights. With `keep_ggml=False` (CUDA,
+or no CPU kernels) they are dequantized once here instead, to the model's dtype.
+"""
 import json
 import os
 import re
@@ -9,7 +14,9 @@ from safetensors import SafetensorError, safe_open
 from torch import nn
 from transformers import AutoModelForCausalLM, PretrainedConfig
 
+from nanovllm.models.gguf_weights import drop_resident_pages, gguf_weights, map_file
 from nanovllm.models.hf_config import head_dim
+from nanovllm.quantization.ggml_weight import QUANTIZATION, GGMLTensor, GGMLWeight, quantize
 
 
 def find_weight_files(model: str) -> list[str]:
@@ -78,6 +85,40 @@ def load_weights(model: nn.Module, weights: Iterable[tuple[str, torch.Tensor]], 
     if missing:
         shown = ", ".join(missing[:5]) + (f" and {len(missing) - 5} more" if len(missing) > 5 else "")
         raise ValueError(f"checkpoint in {source!r} is missing weights for: {shown}")
+    install_ggml_weights(model)
+
+
+def install_ggml_weights(model: nn.Module) -> None:
+    """Each layer that was given GGML rows (`ggml_parts`) gets its weight made of them: a `GGMLWeight`, or a float
+    parameter in the model's dtype when every part is F32/F16/BF16 (float weights run on the float path). A weight
+    shared by several layers (a tied LM head) is replaced in all of them."""
+    made = {}
+    for module in model.modules():
+        parts = getattr(module, "ggml_parts", None)
+        if parts:
+            old = module.weight
+            weight = GGMLWeight.assemble(parts, old.size(0), old.dtype)
+            if weight.is_float:
+                weight = nn.Parameter(weight.dequantize(old.dtype), requires_grad=False)
+            made[id(old)] = old, weight
+            parts.clear()
+    for module in model.modules():
+        for name, param in list(module._parameters.items()):
+            if param is not None and id(param) in made:
+                del module._parameters[name]
+                setattr(module, name, made[id(param)][1])
+
+
+def _as_loaded(weights: Iterable[tuple[str, torch.Tensor | GGMLTensor]], quantization: str | None,
+               keep_ggml: bool) -> Iterator[tuple[str, torch.Tensor | GGMLTensor]]:
+    """Linear weights quantized (`quantization`), and GGML weights dequantized unless `keep_ggml`."""
+    qtype = QUANTIZATION[quantization] if quantization else None
+    for name, tensor in weights:
+        if qtype is not None and name.endswith("_proj.weight"):
+            tensor = quantize(tensor, qtype)
+        if not keep_ggml and isinstance(tensor, GGMLTensor):
+            tensor = tensor.dequantize()
+        yield name, tensor
 
 
 def _reference_model(hf_config: PretrainedConfig) -> nn.Module:
@@ -134,8 +175,15 @@ def _safetensors_weights(path: str, hf_config: PretrainedConfig) -> Iterator[tup
                              "download or convert it again") from None
 
 
-def load_model(model: nn.Module, path: str, hf_config: PretrainedConfig) -> None:
-    load_weights(model, _safetensors_weights(path, hf_config), path)
+def load_model(model: nn.Module, path: str, hf_config: PretrainedConfig, gguf_table: dict | None = None,
+               quantization: str | None = None, keep_ggml: bool = True) -> None:
+    """The weights of the model directory or GGUF file (with its tensor table `gguf_table`) at `path`."""
+    if gguf_table is None:
+        load_weights(model, _as_loaded(_safetensors_weights(path, hf_config), quantization, keep_ggml), path)
+        return
+    mapped = map_file(path)
+    load_weights(model, _as_loaded(gguf_weights(mapped, gguf_table, hf_config), None, keep_ggml), path)
+    drop_resident_pages(mapped)
 
 
 def _dummy_weights(hf_config: PretrainedConfig, seed: int) -> Iterator[tuple[str, torch.Tensor]]:
@@ -155,6 +203,8 @@ def _dummy_weights(hf_config: PretrainedConfig, seed: int) -> Iterator[tuple[str
             yield name, torch.randn(param.shape, generator=generator) * std
 
 
-def init_dummy_weights(model: nn.Module, hf_config: PretrainedConfig, seed: int) -> None:
+def init_dummy_weights(model: nn.Module, hf_config: PretrainedConfig, seed: int, quantization: str | None = None,
+                       keep_ggml: bool = True) -> None:
     """Random weights for benchmarks and tests without a checkpoint, identical for every tensor-parallel size."""
-    load_weights(model, _dummy_weights(hf_config, seed), f"dummy weights for {hf_config.model_type}")
+    load_weights(model, _as_loaded(_dummy_weights(hf_config, seed), quantization, keep_ggml),
+                 f"dummy weights for {hf_config.model_type}")

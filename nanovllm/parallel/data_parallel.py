@@ -94,7 +94,7 @@ class DataParallelLLM(PromptFrontend):
     def __init__(self, config: Config, data_parallel_size: int):
         """`config` as `nanovllm.engine.setup.resolve_config` made it; each replica runs an engine of it."""
         self.config = config
-        self.tokenizer = load_tokenizer(config.model)
+        self.tokenizer = load_tokenizer(config.tokenizer or config.model)
         self._lock = threading.RLock()
         self._requests: dict[str, Routed] = {}
         self._next_id = 0

@@ -213,3 +213,50 @@ def test_bench_grounded_workload_needs_a_model_and_no_baseline(tied_model):
     for flags in (["--workload", "grounded"], ["--workload", "grounded", "--model", tied_model, "--baseline", "hf"]):
         with pytest.raises(SystemExit):
             bench.parse_args(flags)
+FAKE_LLAMA_BENCH = """#!/bin/sh
+echo "$@" > "$(dirname "$0")/llama-bench.args"
+echo '[{"n_prompt": 128, "n_gen": 0, "avg_ts": 300.0}, {"n_prompt": 0, "n_gen": 128, "avg_ts": 100.0}]'
+"""
+FAKE_BATCHED_BENCH = """#!/bin/sh
+echo "$@" > "$(dirname "$0")/llama-batched-bench.args"
+echo "main: n_kv_max = 8192"
+echo '{"pp": 128, "tg": 128, "pl": 8, "speed_pp": 280.0, "speed_tg": 200.0}'
+echo '{"pp": 128, "tg": 128, "pl": 32, "speed_pp": 290.0, "speed_tg": 230.0}'
+"""
+
+
+def test_llamacpp_baseline_runs_its_tools_on_the_same_file_and_threads(tmp_path, capsys):
+    """llama.cpp's tools (fakes printing their output formats here) get the file, the thread count and the shapes;
+    each of the six rates appears beside nanovllm's, with the ratio."""
+    from checkpoints import make_checkpoint, make_gguf
+
+    pytest.importorskip("gguf")
+    source = make_checkpoint(str(tmp_path / "llama"), family="llama", seed=8)
+    model = make_gguf(str(tmp_path / "tiny.gguf"), source, "{{ messages[0]['content'] }}")
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    for name, script in (("llama-bench", FAKE_LLAMA_BENCH), ("llama-batched-bench", FAKE_BATCHED_BENCH)):
+        (bin_dir / name).write_text(script)
+        (bin_dir / name).chmod(0o755)
+    result = bench.main(["--model", model, "--baseline", "llamacpp", "--llamacpp-bin", str(bin_dir), "--threads",
+                         "1", "--dtype", "float32"])
+    assert (bin_dir / "llama-bench.args").read_text().split() == ["-m", model, "-t", "1", "-p", "128", "-n", "128",
+                                                                  "-r", "1", "-o", "json"]
+    assert "-npl 8,32" in (bin_dir / "llama-batched-bench.args").read_text()
+    theirs = {(r["rate"], r["batch"]): r["llamacpp"] for r in result["llamacpp"]}
+    assert theirs == {("prompt", 1): 300.0, ("prompt", 8): 280.0, ("prompt", 32): 290.0, ("decode", 1): 100.0,
+                      ("decode", 8): 200.0, ("decode", 32): 230.0}
+    for row in result["llamacpp"]:
+        assert row["nanovllm"] > 0 and row["ratio"] == pytest.approx(row["nanovllm"] / row["llamacpp"])
+    assert "| decode | 32    |" in capsys.readouterr().out
+
+
+def test_llamacpp_baseline_without_its_tools_says_how_to_build_them(tmp_path, monkeypatch):
+    monkeypatch.delenv("LLAMACPP_BIN", raising=False)
+    (tmp_path / "x.gguf").write_bytes(b"")
+    with pytest.raises(SystemExit, match=r"needs --llamacpp-bin DIR.*bash \.\./shared/peers/setup-llamacpp\.sh"):
+        bench.main(["--model", str(tmp_path / "x.gguf"), "--baseline", "llamacpp"])
+    with pytest.raises(SystemExit, match=r"has no llama-bench, llama-batched-bench.*setup-llamacpp\.sh"):
+        bench.main(["--model", str(tmp_path / "x.gguf"), "--baseline", "llamacpp", "--llamacpp-bin", str(tmp_path)])
+    with pytest.raises(SystemExit):
+        bench.main(["--config", "x.json", "--baseline", "llamacpp"])

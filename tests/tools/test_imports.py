@@ -12,7 +12,7 @@ FLOORS = [
                                   "nanovllm.cache", "nanovllm.progress", "nanovllm.parallel.supervisor",
                                   "nanovllm.spec_decode"]),
     ("the tensor-parallel group", ["nanovllm.parallel.process_group"]),
-    ("kernels and layers", ["nanovllm.backends", "nanovllm.layers"]),
+    ("kernels and layers", ["nanovllm.backends", "nanovllm.quantization", "nanovllm.layers"]),
     ("models and their weights", ["nanovllm.models", "nanovllm.gguf_import"]),
     ("running a model", ["nanovllm.execution", "nanovllm.parallel.tensor_parallel", "nanovllm.spec_decode.verifier"]),
     ("the engine", ["nanovllm.engine", "nanovllm.spec_decode.draft_check"]),
