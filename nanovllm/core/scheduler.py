@@ -171,8 +171,12 @@ class Scheduler:
 
     def _schedule_waiting(self, batch: ScheduledBatch, budget: int) -> bool:
         admitted = False
+        compiling = []  # set aside while their grammar compiles; the rest go on
         while self.waiting and budget and len(self.running) < self.max_num_seqs:
             seq = self.waiting.peek()
+            if seq.grammar is not None and not seq.grammar.ready:
+                compiling.append(self.waiting.pop())
+                continue
             cached = [] if seq.params.prompt_logprobs is not None else self.block_manager.cached_prefix(seq)
             num_cached = len(cached) * self.block_manager.block_size
             num_tokens = len(seq) - num_cached
@@ -192,6 +196,8 @@ class Scheduler:
             batch.add(seq, num_tokens)
             budget -= num_tokens
             admitted = True
+        for seq in compiling:
+            self.waiting.push(seq)
         return admitted
 
     def preempt(self, seq: Sequence) -> None:

@@ -34,6 +34,7 @@ class Sequence:
         self.priority = priority
         self.finish_reason: str | None = None
         self.stop_reason: int | str | None = None
+        self.grammar = None  # structured outputs: the engine's GrammarState; not scheduled until `grammar.ready`
 
     def __len__(self) -> int:
         return len(self.token_ids)

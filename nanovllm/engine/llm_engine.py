@@ -18,6 +18,8 @@ from nanovllm.engine.request import Completion, Request
 from nanovllm.execution.model_runner import ModelRunner
 from nanovllm.outputs import RequestOutput, TokenLogprobs
 from nanovllm.sampling_params import SamplingParams
+from nanovllm.structured_output.backends import check_constraint
+from nanovllm.structured_output.manager import StructuredOutputs
 
 _TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "vocab.json", "tokenizer.model")
 
@@ -52,6 +54,9 @@ class LLMEngine(PromptFrontend):
             num_kv_blocks=self.model_runner.kv_cache.num_blocks, block_size=config.kvcache_block_size,
             max_num_seqs=config.max_num_seqs, max_num_batched_tokens=config.max_num_batched_tokens,
             enable_chunked_prefill=config.enable_chunked_prefill, scheduling_policy=config.scheduling_policy))
+        self.structured = StructuredOutputs(config.structured_outputs_backend, self.tokenizer,
+                                            config.hf_config.vocab_size, self.eos_token_ids, config.max_num_seqs,
+                                            pin_memory=config.device == "cuda")
         self._seq_ids, self._request_ids = count(), count()
         self._requests: dict[str, Request] = {}
         self._completions: dict[int, tuple[Request, Completion]] = {}
@@ -89,6 +94,8 @@ class LLMEngine(PromptFrontend):
             if getattr(self, "model_runner", None) is not None:
                 self.model_runner.exit()
                 self.model_runner = None
+            if getattr(self, "structured", None) is not None:
+                self.structured.shutdown()
 
     def __enter__(self):
         return self
@@ -109,6 +116,10 @@ class LLMEngine(PromptFrontend):
         seqs = [Sequence(next(self._seq_ids), checked.token_ids, self.config.kvcache_block_size, sample_params,
                          checked.priority)
                 for sample_params in samples]
+        if params.structured_outputs is not None:
+            spec = check_constraint(params.structured_outputs, self.structured.backend_name)
+            for seq in seqs:
+                seq.grammar = self.structured.state(spec)
         return Request(str(next(self._request_ids)), checked.text, seqs, self.tokenizer)
 
     def _bad_word_ids(self, params: SamplingParams) -> list[list[int]]:
@@ -164,12 +175,16 @@ class LLMEngine(PromptFrontend):
         step's batch and the requests that got a token in it. A request whose output processing fails is aborted
         (and logged) on its own; the others go on."""
         batch = self.scheduler.schedule()
+        if not batch and self.structured.wait_for_compile():  # only requests whose grammar compiles are left
+            batch = self.scheduler.schedule()
         if not batch:
             return batch, []
-        output = self.model_runner.run(batch)
+        allowed = self.structured.bitmask([seq for seq, samples in zip(batch.seqs, batch.samples) if samples])
+        output = self.model_runner.run(batch, allowed)
         for seq_id, (first, logprobs) in (output.prompt_logprobs or {}).items():
             self._completions[seq_id][0].add_prompt_logprobs(first, logprobs)
         sampled = self.scheduler.postprocess(batch, output.token_ids)
+        self.structured.accept(sampled)
         updated: dict[str, Request] = {}
         ended: list[Request] = []
         now = time.time()
@@ -193,10 +208,13 @@ class LLMEngine(PromptFrontend):
 
     def _advance(self, seq: Sequence, completion: Completion, logprobs: TokenLogprobs | None) -> None:
         """Take the token `seq` just got and decide whether it ends there: the one place that decides (EOS, stop
-        tokens, max_tokens and max_model_len by `token_finish`, then stop strings in the detokenized text; aborts
-        come from `abort_request` and failed steps)."""
+        tokens, max_tokens and max_model_len by `token_finish`, a completed structured-output grammar, then stop
+        strings in the detokenized text; aborts come from `abort_request` and failed steps)."""
         ending = token_finish(seq, self.eos_token_ids, self.config.max_model_len)
-        stop_string = completion.update(logprobs, ending)
+        grammar_end = ending is None and seq.grammar is not None and seq.grammar.is_stopped
+        if grammar_end:
+            ending = "stop", None
+        stop_string = completion.update(logprobs, ending, token_is_text=grammar_end)
         if stop_string is not None:
             ending = "stop", stop_string
         if ending is not None:

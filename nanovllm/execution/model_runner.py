@@ -20,6 +20,7 @@ from nanovllm.layers.prepack import can_prepack, prepack_linear_weights
 from nanovllm.models import build_model
 from nanovllm.models.loader import init_dummy_weights, load_model
 from nanovllm.parallel.tensor_parallel import WorkerGroup, started
+from nanovllm.structured_output.bitmask import TokenBitmask
 
 
 @contextmanager
@@ -157,8 +158,9 @@ class ModelRunner:
             return None
         return self.model.compute_logits(hidden_states[ctx.logits_indices])
 
-    def run(self, batch: ScheduledBatch) -> SamplerOutput | None:
-        """Run one scheduled step; rank 0 returns a sampled token for each sequence that samples, in batch order."""
+    def run(self, batch: ScheduledBatch, allowed: TokenBitmask | None = None) -> SamplerOutput | None:
+        """Run one scheduled step; rank 0 returns a sampled token for each sequence that samples, in batch order,
+        within `allowed` (structured outputs) for the rows it names."""
         if self.rank == 0:
             self.sampler.release(batch.finished_seq_ids)
         input_ids, positions, prompt_rows = self.prepare(batch)
@@ -168,7 +170,7 @@ class ModelRunner:
         if self.rank != 0:
             return None
         sampling = [seq for seq, samples in zip(batch.seqs, batch.samples) if samples]
-        output = self.sampler(logits[:len(sampling)], sampling) if sampling else SamplerOutput([])
+        output = self.sampler(logits[:len(sampling)], sampling, allowed) if sampling else SamplerOutput([])
         if prompt_rows:
             output.prompt_logprobs = self.sampler.prompt_logprobs(logits[len(sampling):], prompt_rows)
         return output
