@@ -1,6 +1,7 @@
 """The step's grammar mask applied to the logits: one vectorized operation for every constrained row."""
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
 _BITS = torch.tensor([1 << bit for bit in range(31)] + [-(1 << 31)], dtype=torch.int32)
@@ -9,21 +10,30 @@ _bits_on: dict[torch.device, torch.Tensor] = {}
 
 @dataclass
 class TokenBitmask:
-    """Which tokens the constrained rows may sample: `bitmask[j]` (int32 words; bit b of word w allows token
-    32w + b) for sampling row `rows[j]`."""
+    """Which tokens the constrained rows may sample: `bitmask[j]` (int32 words, on the host; bit b of word w allows
+    token 32w + b) for sampling row `rows[j]`."""
 
     rows: list[int]
     bitmask: torch.Tensor
 
 
-def apply_token_bitmask(logits: torch.Tensor, mask: TokenBitmask) -> torch.Tensor:
-    """`logits` with every token the mask does not allow at -inf (a new tensor; `logits` is unchanged)."""
-    device = logits.device
+def allowed_tokens(mask: TokenBitmask, vocab_size: int, device: torch.device) -> torch.Tensor:
+    """The mask as booleans `[rows, vocab_size]` on `device`: unpacked by numpy on the host for the CPU (a C loop,
+    ~10x faster than torch's shifts there), by torch on the device otherwise (only the bitmask crosses the bus).
+    Words are read in the host's byte order, little-endian, as the grammar backends write them."""
+    if device.type == "cpu":
+        bits = np.unpackbits(mask.bitmask.numpy().view(np.uint8), axis=1, bitorder="little")
+        return torch.from_numpy(bits.view(np.bool_))[:, :vocab_size]
     if device not in _bits_on:
         _bits_on[device] = _BITS.to(device)
     words = mask.bitmask.to(device, non_blocking=True)
-    allowed = ((words.unsqueeze(-1) & _bits_on[device]) != 0).flatten(1)[:, :logits.size(1)]
+    return ((words.unsqueeze(-1) & _bits_on[device]) != 0).flatten(1)[:, :vocab_size]
+
+
+def apply_token_bitmask(logits: torch.Tensor, mask: TokenBitmask) -> torch.Tensor:
+    """`logits` with every token the mask does not allow at -inf (a new tensor; `logits` is unchanged)."""
+    allowed = allowed_tokens(mask, logits.size(1), logits.device)
     if len(mask.rows) == logits.size(0):
-        return logits.masked_fill(~allowed, float("-inf"))
-    index = torch.tensor(mask.rows, dtype=torch.int64).to(device, non_blocking=True)
-    return logits.index_put((index,), logits[index].masked_fill(~allowed, float("-inf")))
+        return torch.where(allowed, logits, float("-inf"))
+    index = torch.tensor(mask.rows, dtype=torch.int64).to(logits.device, non_blocking=True)
+    return logits.index_put((index,), torch.where(allowed, logits[index], float("-inf")))
