@@ -65,6 +65,7 @@ class StructuredOutputs:
         self._backend = None
         self._backend_lock = threading.Lock()
         self._compiler: ThreadPoolExecutor | None = None
+        self._filler: ThreadPoolExecutor | None = None
         self._cache: OrderedDict[GrammarSpec, Future] = OrderedDict()
         self._pending: set[Future] = set()
         self._bitmask: torch.Tensor | None = None
@@ -124,14 +125,20 @@ class StructuredOutputs:
 
     def bitmask(self, seqs: list) -> TokenBitmask | None:
         """The tokens each constrained sequence of `seqs` (a step's sampling rows, in order) may sample next, or None
-        when none is constrained."""
+        when none is constrained. The grammar backend fills it on a thread of its own (the backends work outside the
+        GIL) while the model runs; the sampler waits for it. Nothing may touch the matchers until then."""
         rows = [i for i, seq in enumerate(seqs) if seq.grammar is not None]
         if not rows:
             return None
+        if self._filler is None:
+            self._filler = ThreadPoolExecutor(1, thread_name_prefix="nanovllm-mask")
         bitmask = self._bitmask[:len(rows)]
-        self.backend.fill([seqs[i].grammar.matcher for i in rows], bitmask)
+        filling = self._filler.submit(self._fill, [seqs[i].grammar.matcher for i in rows], bitmask)
+        return TokenBitmask(rows, bitmask, filling)
+
+    def _fill(self, matchers: list, bitmask: torch.Tensor) -> None:
+        self.backend.fill(matchers, bitmask)
         bitmask &= self._known
-        return TokenBitmask(rows, bitmask)
 
     @staticmethod
     def accept(seqs: list) -> None:
@@ -141,6 +148,7 @@ class StructuredOutputs:
                 seq.grammar.accept(seq.token_ids[-1])
 
     def shutdown(self) -> None:
-        if self._compiler is not None:
-            self._compiler.shutdown(wait=False, cancel_futures=True)
-            self._compiler = None
+        for pool in (self._compiler, self._filler):
+            if pool is not None:
+                pool.shutdown(wait=False, cancel_futures=True)
+        self._compiler = self._filler = None
