@@ -13,7 +13,7 @@ FLOORS = [
     ("the tensor-parallel group", ["nanovllm.parallel.process_group"]),
     ("kernels and layers", ["nanovllm.backends", "nanovllm.layers"]),
     ("models and their weights", ["nanovllm.models", "nanovllm.gguf_import"]),
-    ("running a model", ["nanovllm.execution", "nanovllm.parallel.tensor_parallel"]),
+    ("running a model", ["nanovllm.execution", "nanovllm.parallel.tensor_parallel", "nanovllm.structured_output"]),
     ("the engine", ["nanovllm.engine"]),
     ("entry points", ["nanovllm", "nanovllm.llm", "nanovllm.parallel", "nanovllm.ray", "nanovllm.smollm2",
                       "nanovllm.cli", "nanovllm.__main__", "nanovllm.program", "nanovllm.benchmarks"]),
