@@ -241,3 +241,17 @@ def test_bad_constraints_fail_at_submission_and_the_engine_still_serves(llm, tok
         llm.add_request(prompts[1], bad)
     assert llm.stats()["num_steps"] == steps and llm.is_finished()
     assert llm.generate(prompts[:1], good, use_tqdm=False)[0].outputs[0].token_ids == expected
+
+
+@pytest.mark.parametrize("settings", [{"data_parallel_size": 2}, {"tensor_parallel_size": 2}], ids=["dp2", "tp2"])
+def test_data_and_tensor_parallel_give_the_single_engines_tokens(llm, tied_model, tokenizer, settings):
+    pattern = r"([a-z]{1,6} ){3,8}(cat|dog)\."
+    params = [SamplingParams(temperature=t, seed=2, max_tokens=60,
+                             structured_outputs=StructuredOutputsParams(regex=pattern)) for t in (0, 1.0, 0, 1.0)]
+    prompts = prompts_of(tokenizer, 4)
+    expected = [o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
+    with LLM(tied_model, device="cpu", dtype="float32", kvcache_block_size=16, max_model_len=256,
+             **settings) as parallel:
+        outputs = [o.outputs[0] for o in parallel.generate(prompts, params, use_tqdm=False)]
+    assert [c.token_ids for c in outputs] == expected
+    assert all(c.finish_reason == "stop" and regex.fullmatch(pattern, c.text) for c in outputs)
