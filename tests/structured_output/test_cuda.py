@@ -27,7 +27,7 @@ def test_cuda_graphs_keep_constrained_outputs(gpu_model):
                              structured_outputs=StructuredOutputsParams(regex=pattern)) for t in (0, 1.0, 0)]
     tokens = {}
     for eager in (False, True):
-        with LLM(gpu_model, device="cuda", dtype="float32", attention_backend="torch", enforce_eager=eager,
+        with LLM(gpu_model, device="cuda", dtype="float32", attention_backend="triton", enforce_eager=eager,
                  kvcache_block_size=16, max_model_len=256) as llm:
             outputs = [o.outputs[0] for o in llm.generate(prompts, params, use_tqdm=False)]
         assert all(c.finish_reason == "stop" and regex.fullmatch(pattern, c.text) for c in outputs)
