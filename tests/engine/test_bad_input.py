@@ -75,11 +75,11 @@ def test_error_mid_generate_frees_everything(llm, expected, monkeypatch):
     calls = {"n": 0}
     original = llm.model_runner.run
 
-    def failing_run(batch):
+    def failing_run(*args):
         calls["n"] += 1
         if calls["n"] == 3:
             raise RuntimeError("boom")
-        return original(batch)
+        return original(*args)
 
     monkeypatch.setattr(llm.model_runner, "run", failing_run)
     with pytest.raises(RuntimeError, match="boom"):
