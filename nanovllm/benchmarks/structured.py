@@ -36,7 +36,7 @@ def run_structured(args: argparse.Namespace) -> dict:
     cases = json_cases()
     cases = [cases[i % len(cases)] for i in range(args.num_seqs or len(cases))]
     checks = varied_cases()
-    max_tokens = args.max_output_len or 192
+    max_tokens = args.max_output_len or 384
     rows, result = [], {"model": model, "num_requests": len(cases), "max_tokens": max_tokens, "engines": {}}
     for backend in args.structured_backend:
         with LLM(model, device=args.device, dtype=args.dtype, structured_outputs_config={"backend": backend}) as llm:

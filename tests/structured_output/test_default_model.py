@@ -27,7 +27,7 @@ def llm():
 
 def generate(llm: LLM, cases: list[Case], **settings) -> list[str]:
     prompts = [llm.chat_prompt([{"role": "user", "content": case.message}]) for case in cases]
-    params = [SamplingParams(max_tokens=192, structured_outputs=StructuredOutputsParams(**case.constraint), **settings)
+    params = [SamplingParams(max_tokens=384, structured_outputs=StructuredOutputsParams(**case.constraint), **settings)
               for case in cases]
     outputs = llm.generate(prompts, params, use_tqdm=False)
     assert all(o.outputs[0].finish_reason == "stop" for o in outputs), [o.outputs[0].text for o in outputs]
