@@ -6,9 +6,10 @@
 from importlib import import_module
 
 from nanovllm.outputs import CompletionOutput, Logprob, RequestOutput
-from nanovllm.sampling_params import SamplingParams
+from nanovllm.sampling_params import SamplingParams, StructuredOutputsParams
 
-__all__ = ["LLM", "SamplingParams", "RequestOutput", "CompletionOutput", "Logprob", "default_model"]
+__all__ = ["LLM", "SamplingParams", "StructuredOutputsParams", "RequestOutput", "CompletionOutput", "Logprob",
+           "default_model"]
 
 _LAZY = {"LLM": "nanovllm.llm", "default_model": "nanovllm.smollm2"}
 

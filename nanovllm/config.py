@@ -1,5 +1,6 @@
 """The engine's settings as plain data, checked on construction; `nanovllm.engine.setup` resolves them against the
 model and the machine."""
+import importlib.util
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
@@ -11,6 +12,7 @@ if TYPE_CHECKING:
 
 DTYPES = ("auto", "float32", "bfloat16", "float16")
 QUANTIZATIONS = (None, "int8", "int4")
+STRUCTURED_OUTPUT_BACKENDS = ("auto", "guidance", "xgrammar")
 
 
 @dataclass
@@ -32,6 +34,8 @@ class Config:
     Worker processes (tensor-parallel ranks, data-parallel replicas) have `worker_start_timeout_s` to start and set
     up their engine; after that a collective waits at most `distributed_timeout_s` for a rank that stopped answering.
     `speculative_config` is vLLM's dictionary (see `nanovllm.spec_decode.config`), parsed into `speculative`.
+    `structured_outputs_config={"backend": ...}` picks the grammar backend of structured outputs, as vLLM's engine
+    argument: "auto" (llguidance), "guidance" (llguidance) or "xgrammar" (needs `pip install xgrammar`).
 
     The fields after `speculative_config` are not settings: `nanovllm.engine.setup.resolve_config` fills them in.
     """
@@ -60,6 +64,7 @@ class Config:
     quantization: str | None = None
     speculative_config: dict | None = None
     speculative: SpeculativeConfig | None = field(init=False)
+    structured_outputs_config: dict | None = None
     hf_config: "PretrainedConfig" = field(init=False, repr=False)
     gguf_metadata: str | None = field(init=False, default=None)
     torch_dtype: "torch.dtype" = field(init=False)
@@ -97,6 +102,28 @@ class Config:
         if self.dtype not in DTYPES:
             raise ValueError(f"dtype must be one of {list(DTYPES)}, got {self.dtype!r}")
         self.speculative = parse_speculative_config(self.speculative_config)
+        self._check_structured_outputs_config()
+
+    def _check_structured_outputs_config(self) -> None:
+        options = self.structured_outputs_config
+        if options is None:
+            return
+        if not isinstance(options, dict) or set(options) - {"backend"}:
+            raise ValueError("structured_outputs_config must be a dict with one key, 'backend' (one of "
+                             f"{list(STRUCTURED_OUTPUT_BACKENDS)}), got {options!r}")
+        backend = options.get("backend", "auto")
+        if backend not in STRUCTURED_OUTPUT_BACKENDS:
+            raise ValueError(f"structured_outputs_config backend must be one of {list(STRUCTURED_OUTPUT_BACKENDS)}, "
+                             f"got {backend!r}")
+        package = {"guidance": "llguidance", "xgrammar": "xgrammar"}.get(backend, "llguidance")
+        if importlib.util.find_spec(package) is None:
+            raise ValueError(f"structured outputs backend {backend!r} needs the {package} package: pip install "
+                             f"{package}")
+
+    @property
+    def structured_outputs_backend(self) -> str:
+        """The grammar backend's name as given ("auto" unless chosen)."""
+        return (self.structured_outputs_config or {}).get("backend", "auto")
 
     @property
     def blocks_per_sequence(self) -> int:

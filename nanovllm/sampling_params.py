@@ -39,6 +39,56 @@ def _token_ids(name: str, ids) -> list[int]:
     return list(ids)
 
 
+CONSTRAINT_KINDS = ("json", "regex", "choice", "grammar", "json_object", "structural_tag")
+
+
+@dataclass
+class StructuredOutputsParams:
+    """A constraint every completion token must keep to, as vLLM's (exactly one kind): `json`, a JSON schema (dict or
+    its text); `regex`; `choice`, a list of strings (the output is one of them); `grammar`, an EBNF / GBNF / Lark
+    grammar; `json_object=True`, any JSON object; `structural_tag`, vLLM's structural tag (JSON text with
+    `structures` and `triggers`). `disable_any_whitespace` writes JSON without optional whitespace,
+    `disable_additional_properties` closes objects to keys the schema does not name, `whitespace_pattern` is a regex
+    for JSON's optional whitespace. The constraint itself is checked (schema, regex, grammar) when the request is
+    submitted, by the engine's grammar backend."""
+
+    json: str | dict | None = None
+    regex: str | None = None
+    choice: list[str] | None = None
+    grammar: str | None = None
+    json_object: bool | None = None
+    disable_any_whitespace: bool = False
+    disable_additional_properties: bool = False
+    whitespace_pattern: str | None = None
+    structural_tag: str | None = None
+
+    def __post_init__(self) -> None:
+        count = sum(getattr(self, kind) is not None for kind in CONSTRAINT_KINDS)
+        if count > 1:
+            raise ValueError("You can only use one kind of structured outputs constraint but multiple are "
+                             f"specified: {self.__dict__}")
+        if count < 1:
+            raise ValueError("You must use one kind of structured outputs constraint but none are specified: "
+                             f"{self.__dict__}")
+        for name in ("regex", "grammar", "structural_tag", "whitespace_pattern"):
+            if getattr(self, name) is not None and not isinstance(getattr(self, name), str):
+                raise ValueError(f"structured_outputs.{name} must be a string, got {getattr(self, name)!r}")
+        if self.json is not None and not isinstance(self.json, (str, dict)):
+            raise ValueError(f"structured_outputs.json must be a JSON schema as a dict or a string, got {self.json!r}")
+        if self.choice is not None and not (isinstance(self.choice, (list, tuple)) and self.choice
+                                            and all(isinstance(c, str) for c in self.choice)):
+            raise ValueError(f"structured_outputs.choice must be a non-empty list of strings, got {self.choice!r}")
+        if self.json_object is not None and self.json_object is not True:
+            raise ValueError(f"structured_outputs.json_object must be True (or left None), got {self.json_object!r}")
+        for name in ("disable_any_whitespace", "disable_additional_properties"):
+            _flag(f"structured_outputs.{name}", getattr(self, name))
+
+    @property
+    def kind(self) -> str:
+        """The constraint's kind: the name of the one field that is set."""
+        return next(kind for kind in CONSTRAINT_KINDS if getattr(self, kind) is not None)
+
+
 @dataclass
 class SamplingParams:
     """How one request is sampled and when it stops: vLLM's names, defaults and valid ranges.
@@ -57,6 +107,8 @@ class SamplingParams:
     those ids; `bad_words` are never generated (a word's last token is banned wherever the
     completion so far ends with the word's other tokens, with or without a leading space).
     `detokenize=False` returns token ids only (no text, so no stop strings).
+    `structured_outputs` constrains the completion to a JSON schema, regex, choice or grammar (see
+    `StructuredOutputsParams`); a completion whose constraint is complete ends there with `finish_reason="stop"`.
     """
 
     n: int = 1
@@ -80,6 +132,7 @@ class SamplingParams:
     detokenize: bool = True
     allowed_token_ids: list[int] | None = None
     bad_words: list[str] | None = None
+    structured_outputs: StructuredOutputsParams | None = None
     bad_words_token_ids: list[list[int]] = field(default_factory=list, init=False, repr=False, compare=False)
     """`bad_words` as token-id sequences, filled in by the engine from the model's tokenizer."""
 
@@ -129,6 +182,9 @@ class SamplingParams:
         if self.bad_words is not None and not (isinstance(self.bad_words, (list, tuple)) and all(
                 isinstance(w, str) and w for w in self.bad_words)):
             raise ValueError(f"bad_words must be a list of non-empty strings, got {self.bad_words!r}")
+        if self.structured_outputs is not None and not isinstance(self.structured_outputs, StructuredOutputsParams):
+            raise ValueError("structured_outputs must be a StructuredOutputsParams (from nanovllm import "
+                             f"StructuredOutputsParams), got {type(self.structured_outputs).__name__}")
 
     @property
     def uses_penalties(self) -> bool:

@@ -45,10 +45,10 @@ def host_overhead(batch: int = 256, steps: int = 64) -> dict[str, float]:
             runner, model_seconds = engine.model_runner, []
             run = runner.run
 
-            def timed_run(scheduled):
+            def timed_run(*args):
                 start = time.perf_counter()
                 try:
-                    return run(scheduled)
+                    return run(*args)
                 finally:
                     model_seconds.append(time.perf_counter() - start)
 

@@ -18,6 +18,7 @@ directory or a .gguf file (converted once, see `nanovllm convert`).
     python bench.py --baseline hf --json out.json
     python bench.py --baseline vllm --vllm-python ~/vllm-env/bin/python --workload vllm-cpu --repeat 2
     python bench.py --host-overhead              # a decode step's host work at batch 256
+    python bench.py --structured --structured-backend guidance,xgrammar --baseline vllm   # JSON-schema outputs
     python bench.py --model ~/models/Qwen3-0.6B --num-seqs 64
     python bench.py --request-rate 0.5 --scheduling chunked   # latency under load
     python bench.py --scheduling chunked --sampling plain,all  # the sampler's cost with every option on
@@ -116,6 +117,14 @@ def parse_args(argv: list[str] | None, prog: str | None = None) -> argparse.Name
                    help="instead of the workload, time a decode step's work outside the model at batch "
                         "--host-batch (a 1-layer hidden-32 model), through generate() and step()")
     p.add_argument("--host-batch", type=int, default=256, help="decode batch of --host-overhead (default 256)")
+    p.add_argument("--structured", action="store_true",
+                   help="instead of the workload, structured outputs: 32 JSON-schema extraction requests with the "
+                        "default model (or --model), constrained against the same prompts unconstrained, the time to "
+                        "first token with a fresh schema, and the validity of a varied set of constrained outputs "
+                        "(with --baseline vllm: vLLM's too); --repeat, --num-seqs and --max-output-len apply")
+    p.add_argument("--structured-backend", default="guidance",
+                   help="comma-separated grammar backends for --structured, one row each: 'guidance' (llguidance, "
+                        "the default) and/or 'xgrammar'")
     p.add_argument("--json", help="also write the results as JSON to this path")
     args = p.parse_args(argv)
     from nanovllm.backends import ATTENTION_BACKENDS  # imports torch: not needed for --help
@@ -130,6 +139,9 @@ def parse_args(argv: list[str] | None, prog: str | None = None) -> argparse.Name
         value = getattr(args, name)
         if value is not None and value < 1:
             p.error(f"--{name.replace('_', '-')} must be a positive integer, got {value}")
+    args.structured_backend = args.structured_backend.split(",")
+    if not set(args.structured_backend) <= {"guidance", "xgrammar"}:
+        p.error(f"--structured-backend: choose from guidance, xgrammar, got {args.structured_backend}")
     for flag, choices in (("scheduling", SCHEDULING), ("sampling", SAMPLING)):
         setattr(args, flag, getattr(args, flag).split(","))
         unknown = [value for value in getattr(args, flag) if value not in choices]

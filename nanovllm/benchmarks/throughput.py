@@ -175,7 +175,7 @@ def run(args: argparse.Namespace) -> dict:
         return save_json(compare_with_llamacpp(args), args.json)
     try:
         device = resolve_device(args.device)
-        if not args.attention_micro:
+        if not (args.attention_micro or args.structured):
             resolve_workload(args, device)
     except ValueError as e:
         sys.exit(f"bench.py: error: {e}")
@@ -183,6 +183,10 @@ def run(args: argparse.Namespace) -> dict:
         return micro(args, device)
     if args.host_overhead:
         return host(args)
+    if args.structured:
+        from nanovllm.benchmarks.structured import run_structured
+
+        return save_json(run_structured(args), args.json)
     with model_under_test(args) as (model_dir, baseline_dir, load_format, model_name):
         from transformers import AutoConfig
 

@@ -186,8 +186,12 @@ class Scheduler:
 
     def _schedule_waiting(self, batch: ScheduledBatch, budget: int) -> bool:
         admitted = False
+        compiling = []  # set aside while their grammar compiles; the rest go on
         while self.waiting and budget and len(self.running) < self.max_num_seqs:
             seq = self.waiting.peek()
+            if seq.grammar is not None and not seq.grammar.ready:
+                compiling.append(self.waiting.pop())
+                continue
             shares = self.prefix_caching and seq.params.prompt_logprobs is None
             cached = self.block_manager.cached_prefix(seq) if shares else []
             num_cached = len(cached) * self.block_manager.block_size
@@ -208,6 +212,8 @@ class Scheduler:
             batch.add(seq, num_tokens)
             budget -= num_tokens
             admitted = True
+        for seq in compiling:
+            self.waiting.push(seq)
         return admitted
 
     def preempt(self, seq: Sequence) -> None:

@@ -39,6 +39,7 @@ class Sequence:
         self.stop_reason: int | str | None = None
         self.spec_token_ids: list[int] = []
         self.spec_trials = self.spec_accepted = 0
+        self.grammar = None  # structured outputs: the engine's GrammarState; not scheduled until `grammar.ready`
 
     def __len__(self) -> int:
         return len(self.token_ids)

@@ -7,6 +7,7 @@ from transformers import PreTrainedTokenizerBase
 from nanovllm.config import Config
 from nanovllm.outputs import RequestOutput
 from nanovllm.sampling_params import SamplingParams
+from nanovllm.structured_output.backends import check_constraint, resolve_backend
 
 Prompt = str | list[int] | dict
 """Text; vLLM's `{"prompt": text}` or `{"prompt_token_ids": ids}`; or (nanovllm's shorthand) a list of token ids."""
@@ -105,6 +106,10 @@ class PromptFrontend:
             raise ValueError(f"priority must be an int (lower runs first), got {priority!r}")
         if params.bad_words and self.tokenizer is None:
             raise ValueError(f"bad_words need a tokenizer and {self.config.model!r} has none")
+        if params.structured_outputs is not None:
+            if self.tokenizer is None:
+                raise ValueError(f"structured outputs need a tokenizer and {self.config.model!r} has none")
+            check_constraint(params.structured_outputs, resolve_backend(self.config.structured_outputs_backend))
         params = replace(params, max_tokens=params.max_tokens or max(self.max_model_len - len(token_ids), 1))
         return CheckedPrompt(text, token_ids, params, priority)
 

@@ -21,6 +21,8 @@ from nanovllm.outputs import RequestOutput, TokenLogprobs
 from nanovllm.sampling_params import SamplingParams
 from nanovllm.spec_decode.proposer import NgramProposer
 from nanovllm.spec_decode.stats import spec_decode_stats
+from nanovllm.structured_output.backends import check_constraint
+from nanovllm.structured_output.manager import StructuredOutputs
 
 _TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "vocab.json", "tokenizer.model")
 
@@ -59,6 +61,9 @@ class LLMEngine(PromptFrontend):
             enable_prefix_caching=not self.model_runner.model.rope_needs_lengths))
         self.proposer = None if config.speculative is None else NgramProposer(config.speculative,
                                                                                config.max_model_len)
+        self.structured = StructuredOutputs(config.structured_outputs_backend, self.tokenizer,
+                                            config.hf_config.vocab_size, self.eos_token_ids, config.max_num_seqs,
+                                            pin_memory=config.device == "cuda")
         self._seq_ids, self._request_ids = count(), count()
         self._requests: dict[str, Request] = {}
         self._completions: dict[int, tuple[Request, Completion]] = {}
@@ -96,6 +101,8 @@ class LLMEngine(PromptFrontend):
             if getattr(self, "model_runner", None) is not None:
                 self.model_runner.exit()
                 self.model_runner = None
+            if getattr(self, "structured", None) is not None:
+                self.structured.shutdown()
 
     def __enter__(self):
         return self
@@ -116,6 +123,10 @@ class LLMEngine(PromptFrontend):
         seqs = [Sequence(next(self._seq_ids), checked.token_ids, self.config.kvcache_block_size, sample_params,
                          checked.priority)
                 for sample_params in samples]
+        if params.structured_outputs is not None:
+            spec = check_constraint(params.structured_outputs, self.structured.backend_name)
+            for seq in seqs:
+                seq.grammar = self.structured.state(spec)
         return Request(str(next(self._request_ids)), checked.text, seqs, self.tokenizer)
 
     def _bad_word_ids(self, params: SamplingParams) -> list[list[int]]:
@@ -173,9 +184,12 @@ class LLMEngine(PromptFrontend):
         if self.proposer is not None:
             self.proposer.propose(self.scheduler.running)
         batch = self.scheduler.schedule()
+        if not batch and self.structured.wait_for_compile():  # only requests whose grammar compiles are left
+            batch = self.scheduler.schedule()
         if not batch:
             return batch, []
-        output = self.model_runner.run(batch)
+        allowed = self.structured.bitmask([seq for seq, samples in zip(batch.seqs, batch.samples) if samples])
+        output = self.model_runner.run(batch, allowed)
         for seq_id, (first, logprobs) in (output.prompt_logprobs or {}).items():
             self._completions[seq_id][0].add_prompt_logprobs(first, logprobs)
         sampled = self.scheduler.new_tokens(batch, output.token_ids, output.num_accepted)
@@ -190,6 +204,8 @@ class LLMEngine(PromptFrontend):
             try:
                 for token_id, token_logprobs in zip(token_ids, logprobs):
                     seq.append_token(token_id)
+                    if seq.grammar is not None:
+                        seq.grammar.accept(token_id)
                     self._advance(seq, completion, token_logprobs)
                     if seq.is_finished:
                         break
@@ -210,10 +226,13 @@ class LLMEngine(PromptFrontend):
 
     def _advance(self, seq: Sequence, completion: Completion, logprobs: TokenLogprobs | None) -> None:
         """Take the token `seq` just got and decide whether it ends there: the one place that decides (EOS, stop
-        tokens, max_tokens and max_model_len by `token_finish`, then stop strings in the detokenized text; aborts
-        come from `abort_request` and failed steps)."""
+        tokens, max_tokens and max_model_len by `token_finish`, a completed structured-output grammar, then stop
+        strings in the detokenized text; aborts come from `abort_request` and failed steps)."""
         ending = token_finish(seq, self.eos_token_ids, self.config.max_model_len)
-        stop_string = completion.update(logprobs, ending)
+        grammar_end = ending is None and seq.grammar is not None and seq.grammar.is_stopped
+        if grammar_end:
+            ending = "stop", None
+        stop_string = completion.update(logprobs, ending, token_is_text=grammar_end)
         if stop_string is not None:
             ending = "stop", stop_string
         if ending is not None:

@@ -29,16 +29,19 @@ class Completion:
         self.reported_tokens = self.reported_text = 0
         self.reported_finish = False
 
-    def update(self, logprobs: TokenLogprobs | None, ending: tuple[str, int | None] | None) -> str | None:
+    def update(self, logprobs: TokenLogprobs | None, ending: tuple[str, int | None] | None,
+               token_is_text: bool = False) -> str | None:
         """Take the token the sequence just got, which `ending` (if not None) ends it; returns the stop string its
-        text completed, if any. An ending stop token or EOS adds no text unless `include_stop_str_in_output`."""
+        text completed, if any. An ending stop token or EOS adds no text unless `include_stop_str_in_output`; a
+        token that ends the sequence as text (`token_is_text`: the last of a completed grammar) does."""
         seq, token_id = self.seq, self.seq.token_ids[-1]
         if logprobs is not None:
             self.cumulative_logprob += logprobs.logprob
             self.logprobs.append(ranked_logprobs(token_id, logprobs, self.tokenizer))
         if self.detokenizer is None:
             return None
-        if not (ending is not None and ending[0] == "stop" and not seq.params.include_stop_str_in_output):
+        if token_is_text or not (ending is not None and ending[0] == "stop"
+                                 and not seq.params.include_stop_str_in_output):
             self._undecoded.append(token_id)
         self._ending_undecoded = ending is not None
         return self._decode() if seq.params.stop else None

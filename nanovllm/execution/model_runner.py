@@ -23,6 +23,7 @@ from nanovllm.models.gguf_weights import read_table
 from nanovllm.models.loader import init_dummy_weights, load_model
 from nanovllm.parallel.tensor_parallel import WorkerGroup, started
 from nanovllm.spec_decode.verifier import verify
+from nanovllm.structured_output.bitmask import TokenBitmask
 
 logger = logging.getLogger("nanovllm")
 
@@ -177,9 +178,10 @@ class ModelRunner:
             return None
         return self.model.compute_logits(hidden_states[ctx.logits_indices])
 
-    def run(self, batch: ScheduledBatch) -> SamplerOutput | None:
-        """Run one scheduled step; rank 0 returns a sampled token for each sequence that samples, in batch order
-        (with drafts to verify: its accepted drafts and the token after them, see `nanovllm.spec_decode.verifier`)."""
+    def run(self, batch: ScheduledBatch, allowed: TokenBitmask | None = None) -> SamplerOutput | None:
+        """Run one scheduled step; rank 0 returns a sampled token for each sequence that samples, in batch order,
+        within `allowed` (structured outputs) for the sequences it names (with drafts to verify: its accepted drafts
+        and the token after them, see `nanovllm.spec_decode.verifier`)."""
         if self.rank == 0:
             self.sampler.release(batch.finished_seq_ids)
         input_ids, positions, prompt_rows = self.prepare(batch)
@@ -191,9 +193,10 @@ class ModelRunner:
         sampling = [(seq, drafts) for seq, drafts, samples in zip(batch.seqs, batch.drafts, batch.samples) if samples]
         num_rows = len(sampling) + sum(len(drafts) for _, drafts in sampling)
         if num_rows > len(sampling):
-            output = verify(self.sampler, logits[:num_rows], sampling)
+            output = verify(self.sampler, logits[:num_rows], sampling, allowed)
         else:
-            output = self.sampler(logits[:num_rows], [seq for seq, _ in sampling]) if sampling else SamplerOutput([])
+            output = self.sampler(logits[:num_rows], [seq for seq, _ in sampling], allowed) if sampling \
+                else SamplerOutput([])
         if prompt_rows:
             output.prompt_logprobs = self.sampler.prompt_logprobs(logits[num_rows:], prompt_rows)
         return output

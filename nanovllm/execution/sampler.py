@@ -16,6 +16,7 @@ from nanovllm.execution.sampling_ops import (
 from nanovllm.execution.tensors import to_device
 from nanovllm.outputs import TokenLogprobs
 from nanovllm.sampling_params import SamplingParams
+from nanovllm.structured_output.bitmask import TokenBitmask, apply_token_bitmask
 
 
 @dataclass
@@ -94,8 +95,12 @@ class Sampler:
         return slice(None) if len(rows) == batch else self._tensor(rows, torch.int64)
 
     @torch.inference_mode()
-    def __call__(self, logits: torch.Tensor, seqs: Sequence[SamplingRow]) -> SamplerOutput:
+    def __call__(self, logits: torch.Tensor, seqs: Sequence[SamplingRow],
+                 allowed: TokenBitmask | None = None) -> SamplerOutput:
+        """`allowed`: structured outputs' grammar mask, applied first (as vLLM: logprobs see the masked logits)."""
         logits = logits.float()
+        if allowed is not None:
+            logits = apply_token_bitmask(logits, allowed)
         params = [seq.params for seq in seqs]
         processed = logits
         penalized = [i for i, p in enumerate(params) if p.uses_penalties]

@@ -10,8 +10,9 @@ PRIOR_ACCEPTED, PRIOR_TRIALS = 1.4, 2.0
 
 def speculates(seq: Sequence) -> bool:
     """Whether `seq`'s sampling can verify drafts: not under penalties, whose counts the sampler keeps per sequence
-    on the device and would not see the drafts."""
-    return not seq.params.uses_penalties
+    on the device and would not see the drafts; not under a structured-output grammar, whose mask is for the next
+    token only (checking drafts against the grammar, and jump-forward, are left for later)."""
+    return not seq.params.uses_penalties and seq.grammar is None
 
 
 def acceptance(seq: Sequence) -> float:

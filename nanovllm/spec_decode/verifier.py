@@ -10,16 +10,23 @@ target's distribution, and greedy output is the argmax at every position, as wit
 sequence's generator is left as if one draw per kept token had been made, so its output is the same with or
 without speculation, and does not depend on its batch mates.
 """
+from dataclasses import replace
+from itertools import accumulate
+
 import torch
 
 from nanovllm.core.sequence import Sequence
 from nanovllm.execution.sampler import Sampler, SamplerOutput, SamplingRow
 from nanovllm.execution.sampling_ops import exponential_race
+from nanovllm.structured_output.bitmask import TokenBitmask
 
 
-def verify(sampler: Sampler, logits: torch.Tensor, rows: list[tuple[Sequence, list[int]]]) -> SamplerOutput:
+def verify(sampler: Sampler, logits: torch.Tensor, rows: list[tuple[Sequence, list[int]]],
+           allowed: TokenBitmask | None = None) -> SamplerOutput:
     """`logits` holds `len(drafts) + 1` consecutive rows per `(seq, drafts)` in `rows`: the positions of its last
-    token and of each draft. Returns each sequence's accepted drafts and the token after them (see the module)."""
+    token and of each draft. Returns each sequence's accepted drafts and the token after them (see the module).
+    `allowed` (structured outputs) names sequences by their index in `rows`; constrained sequences have no drafts
+    (`proposer.speculates`), so each is one row."""
     virtual: list[Sequence | SamplingRow] = []
     for seq, drafts in rows:
         virtual.append(seq)
@@ -27,7 +34,10 @@ def verify(sampler: Sampler, logits: torch.Tensor, rows: list[tuple[Sequence, li
                     for j in range(1, len(drafts) + 1)]
     seeded = {seq.seq_id: _state(sampler, seq) for seq, drafts in rows
               if drafts and seq.params.seed is not None and seq.params.temperature > 0}
-    sampled = sampler(logits, virtual)
+    if allowed is not None:
+        first_rows = list(accumulate((1 + len(drafts) for _, drafts in rows), initial=0))
+        allowed = replace(allowed, rows=[first_rows[i] for i in allowed.rows])
+    sampled = sampler(logits, virtual, allowed)
     token_ids, logprobs, num_accepted, row = [], [] if sampled.logprobs is not None else None, [], 0
     for seq, drafts in rows:
         accepted = 0

@@ -75,11 +75,11 @@ def test_error_mid_generate_frees_everything(llm, expected, monkeypatch):
     calls = {"n": 0}
     original = llm.model_runner.run
 
-    def failing_run(batch):
+    def failing_run(*args):
         calls["n"] += 1
         if calls["n"] == 3:
             raise RuntimeError("boom")
-        return original(batch)
+        return original(*args)
 
     monkeypatch.setattr(llm.model_runner, "run", failing_run)
     with pytest.raises(RuntimeError, match="boom"):
@@ -135,7 +135,7 @@ def test_missing_or_malformed_model_directory(tied_model, tmp_path):
     (other / "config.json").write_text(json.dumps({"model_type": "gpt2", "architectures": ["GPT2LMHeadModel"]}))
     with pytest.raises(ValueError, match=r"architectures \['GPT2LMHeadModel'\]; nanovllm supports "
                                          r"\['GPTNeoXForCausalLM', 'Gemma2ForCausalLM', .*'LlamaForCausalLM', "
-                                         r"'MistralForCausalLM', .*'Qwen3ForCausalLM', 'StableLmForCausalLM'\]"):
+                                         r"'MistralForCausalLM', .*'Qwen3MoeForCausalLM', 'StableLmForCausalLM'\]"):
         LLM(str(other))
 
 

@@ -170,11 +170,11 @@ def test_a_request_whose_output_fails_is_aborted_alone(llm, expected, monkeypatc
     update = Completion.update
     victim = []
 
-    def failing(self, logprobs, ending):
+    def failing(self, logprobs, ending, **kwargs):
         if self.seq.token_ids[:len(PROMPTS[1])] == PROMPTS[1] and len(self.seq.completion_token_ids) == 3:
             victim.append(self.seq.seq_id)
             raise TypeError("boom")
-        return update(self, logprobs, ending)
+        return update(self, logprobs, ending, **kwargs)
 
     monkeypatch.setattr(Completion, "update", failing)
     with caplog.at_level(logging.ERROR, logger="nanovllm"):

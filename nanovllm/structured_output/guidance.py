@@ -1,0 +1,93 @@
+"""The llguidance backend (vLLM's "guidance"): grammars compile in about a millisecond and masks are computed lazily
+per step, for all rows in one call that runs outside the GIL."""
+import json
+
+import llguidance
+import llguidance.hf
+import llguidance.torch
+import torch
+from transformers import PreTrainedTokenizerBase
+
+from nanovllm.structured_output.spec import GrammarSpec, structural_tags
+
+
+def _json_grammar(schema: str | dict, spec: GrammarSpec) -> str:
+    options = {"whitespace_flexible": spec.any_whitespace}
+    if spec.whitespace_pattern is not None:
+        options["whitespace_pattern"] = spec.whitespace_pattern
+    return llguidance.LLMatcher.grammar_from_json_schema(schema, defaults=options)
+
+
+def grammar_text(spec: GrammarSpec) -> str:
+    """llguidance's grammar for `spec` (not yet checked)."""
+    if spec.kind == "json":
+        return _json_grammar(spec.text, spec)
+    if spec.kind == "regex":
+        return llguidance.LLMatcher.grammar_from_regex(spec.text)
+    if spec.kind == "choice":
+        return llguidance.LLMatcher.grammar_from_lark("start: " + " | ".join(json.dumps(c) for c in
+                                                                            json.loads(spec.text)))
+    if spec.kind == "grammar":
+        return llguidance.grammar_from("grammar", spec.text)
+    structures, triggers = structural_tags(spec)
+    tags = []
+    for s in structures:
+        trigger = next((t for t in triggers if s["begin"].startswith(t)), None)
+        if trigger is None:
+            raise ValueError(f"no trigger in {triggers} begins the structure {s['begin']!r}")
+        tags.append(llguidance.StructTag(trigger=trigger, begin=s["begin"], grammar=_json_grammar(s["schema"], spec),
+                                         end=s["end"]))
+    return llguidance.StructTag.to_grammar(tags)
+
+
+def check(spec: GrammarSpec) -> None:
+    """A ValueError with llguidance's message if `spec` is not a valid grammar (no tokenizer needed)."""
+    try:
+        error = llguidance.LLMatcher.validate_grammar(grammar_text(spec))
+    except (ValueError, TypeError) as e:
+        error = str(e)
+    if error:
+        raise ValueError(error)
+
+
+class GuidanceMatcher:
+    """One sequence's position in its grammar."""
+
+    def __init__(self, matcher: llguidance.LLMatcher):
+        self.matcher = matcher
+
+    def accept(self, token_id: int) -> bool:
+        return self.matcher.consume_token(token_id)
+
+    @property
+    def is_stopped(self) -> bool:
+        """No token but EOS can follow: the constraint is complete."""
+        return self.matcher.is_stopped()
+
+    @property
+    def error(self) -> str:
+        return self.matcher.get_error()
+
+
+class GuidanceBackend:
+    name = "guidance"
+
+    def __init__(self, tokenizer: PreTrainedTokenizerBase, vocab_size: int, eos_token_ids: list[int]):
+        self.tokenizer = llguidance.hf.from_tokenizer(tokenizer, vocab_size, eos_token=eos_token_ids)
+        self.executor = llguidance.LLExecutor()
+
+    def compile(self, spec: GrammarSpec) -> llguidance.LLMatcher:
+        """A matcher at the start of the grammar, which `matcher` copies for each sequence."""
+        template = llguidance.LLMatcher(self.tokenizer, grammar_text(spec), log_level=0)
+        if template.is_error():
+            raise ValueError(f"structured_outputs.{spec.field}: {template.get_error()}")
+        return template
+
+    @staticmethod
+    def matcher(template: llguidance.LLMatcher) -> GuidanceMatcher:
+        return GuidanceMatcher(template.deep_copy())
+
+    def fill(self, matchers: list[GuidanceMatcher], bitmask: torch.Tensor) -> None:
+        """Row i of `bitmask`: the tokens `matchers[i]` allows next."""
+        llguidance.torch.fill_next_token_bitmask_par(self.executor, [(m.matcher, i) for i, m in enumerate(matchers)],
+                                                     bitmask)
