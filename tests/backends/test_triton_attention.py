@@ -9,19 +9,14 @@ The path a launch takes (split-KV or unified) is chosen by `split_segments` from
 ints alone, and the launches read no tensor value on the host: the CUDA tests below prove it by
 running `attend` under `torch.cuda.set_sync_debug_mode("error")` and inside a captured graph.
 """
-import json
-import os
-import subprocess
-import sys
 
 import pytest
 import torch
+from interpreted import run_interpreted
 from triton_attention_cases import CORRECTNESS, PAD, Batch, bitwise_cases, correctness_cases, error_ratio, make_batch
 
 pytest.importorskip("triton")
 
-TESTS_DIR = os.path.dirname(os.path.abspath(__file__))
-REPO_ROOT = os.path.dirname(os.path.dirname(TESTS_DIR))
 CASE_NAMES = [name for name, _, _ in CORRECTNESS]
 BITWISE_CHECKS = ["alone_vs_crowded_batch", "cached_prefix_vs_full_prefill", "split_decode_vs_mixed_step",
                   "split_decode_vs_full_prefill"]
@@ -29,12 +24,7 @@ BITWISE_CHECKS = ["alone_vs_crowded_batch", "cached_prefix_vs_full_prefill", "sp
 
 @pytest.fixture(scope="module")
 def interpreted() -> dict:
-    env = {**os.environ, "TRITON_INTERPRET": "1",
-           "PYTHONPATH": os.pathsep.join(filter(None, [REPO_ROOT, TESTS_DIR, os.environ.get("PYTHONPATH")]))}
-    proc = subprocess.run([sys.executable, os.path.join(TESTS_DIR, "triton_attention_cases.py")], env=env,
-                          capture_output=True, text=True, timeout=600)
-    assert proc.returncode == 0, proc.stderr
-    return json.loads(proc.stdout.strip().splitlines()[-1])
+    return run_interpreted("triton_attention_cases.py", timeout=600)
 
 
 @pytest.mark.parametrize("name", CASE_NAMES)

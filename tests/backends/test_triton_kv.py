@@ -4,27 +4,16 @@ Triton reads TRITON_INTERPRET when the kernel is decorated, i.e. when `nanovllm.
 is first imported, and other tests in this pytest process may import it first; so the
 comparison runs in a fresh interpreter with the variable set from the start.
 """
-import json
-import os
-import subprocess
-import sys
 
 import pytest
+from interpreted import run_interpreted
 
 pytest.importorskip("triton")
-
-TESTS_DIR = os.path.dirname(os.path.abspath(__file__))
-REPO_ROOT = os.path.dirname(os.path.dirname(TESTS_DIR))
 
 
 @pytest.fixture(scope="module")
 def results() -> dict:
-    env = {**os.environ, "TRITON_INTERPRET": "1",
-           "PYTHONPATH": os.pathsep.join(filter(None, [REPO_ROOT, os.environ.get("PYTHONPATH")]))}
-    proc = subprocess.run([sys.executable, os.path.join(TESTS_DIR, "triton_kv_cases.py")], env=env,
-                          capture_output=True, text=True, timeout=300)
-    assert proc.returncode == 0, proc.stderr
-    return json.loads(proc.stdout.strip().splitlines()[-1])
+    return run_interpreted("triton_kv_cases.py")
 
 
 @pytest.mark.parametrize("dtype", ["float32", "float16", "bfloat16"])
