@@ -18,6 +18,8 @@ import torch
 import triton
 import triton.language as tl
 
+from nanovllm.backends.triton_attention import _dot
+
 BLOCK_M, BLOCK_N, BLOCK_K = 16, 64, 32
 
 
@@ -38,13 +40,6 @@ def align_pairs(ids: torch.Tensor, num_experts: int, block_m: int) -> tuple[torc
     block_starts = torch.arange(0, capacity, block_m, device=ids.device)
     block_experts = torch.searchsorted(padded_end, block_starts, right=True)
     return sorted_pairs, torch.where(block_experts < num_experts, block_experts, -1)
-
-
-@triton.jit
-def _dot(a, b, acc, DOT_FP32: tl.constexpr):
-    if DOT_FP32:
-        return tl.dot(a.to(tl.float32), b.to(tl.float32), acc, input_precision="ieee")
-    return tl.dot(a, b, acc)
 
 
 @triton.jit
