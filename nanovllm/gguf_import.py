@@ -22,7 +22,8 @@ import xxhash
 from transformers import AutoConfig, PretrainedConfig
 
 from nanovllm.cache import cache_dir
-from nanovllm.models.gguf_weights import TENSORS, tensor_table
+from nanovllm.models.gguf_config import Metadata, gguf_config
+from nanovllm.models.gguf_weights import ROPE_FACTORS, TENSORS, tensor_table
 from nanovllm.progress import Progress
 
 INSTALL_HINT = 'pip install "nanovllm[demo]" (or: pip install gguf accelerate)'
@@ -48,27 +49,37 @@ def _require_gguf_support(packages: tuple[str, ...] = ("gguf", "accelerate")) ->
         raise ModuleNotFoundError(f"reading GGUF files needs the {' and '.join(missing)} package(s): {INSTALL_HINT}")
 
 
-def read_gguf_config(path: str) -> PretrainedConfig:
-    """The model config recorded in a GGUF file (metadata only; no tensor is read), with its `architectures`."""
-    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
+def read_gguf_config(reader, path: str) -> PretrainedConfig:
+    """The model config recorded in a parsed GGUF file's metadata (`nanovllm.models.gguf_config`), with its
+    `architectures`; no weight is read (but Phi-3's small LongRoPE factor tensors)."""
+    from gguf import GGUFValueType
 
-    _require_gguf_support(("gguf",))
-    config = AutoConfig.from_pretrained(os.path.dirname(os.path.abspath(path)), gguf_file=os.path.basename(path))
-    name = MODEL_FOR_CAUSAL_LM_MAPPING_NAMES.get(config.model_type)
-    config.architectures = [name] if name else []
-    return config
+    fields = {key: field.contents() for key, field in reader.fields.items()
+              if not (field.types and field.types[0] == GGUFValueType.ARRAY and key.startswith("tokenizer.ggml."))}
+    tensors = {t.name: [int(n) for n in t.shape] for t in reader.tensors}
+    factors = {t.name: [float(x) for x in t.data] for t in reader.tensors if t.name in ROPE_FACTORS}
+    settings = gguf_config(Metadata(fields, tensors, path), factors)
+    return AutoConfig.for_model(settings.pop("model_type"), **settings)
 
 
 def _reject_scaled_rope(path: str) -> None:
-    """transformers' GGUF reader drops Llama rope scaling (llama.cpp stores Llama 3.1's as a `rope_freqs` tensor),
-    which would change every output; refuse such files rather than convert them wrongly."""
+    """llama.cpp stores Llama 3.1's rope scaling as a `rope_freqs` tensor, whose settings the file does not keep, and
+    transformers' GGUF reader (`convert_gguf`) drops every rope scaling: either would change every output, so such
+    files are refused rather than run or converted wrongly."""
     from gguf import GGUFReader
 
     reader = GGUFReader(path)
-    if any(t.name == "rope_freqs.weight" for t in reader.tensors) or \
-            any(key.endswith(".rope.scaling.factor") for key in reader.fields):
-        raise ValueError(f"{path} scales its rope frequencies (e.g. Llama 3.1/3.2), which transformers' GGUF reader "
-                         "ignores; load the model's original Hugging Face checkpoint instead")
+    if any(t.name == "rope_freqs.weight" for t in reader.tensors):
+        raise ValueError(f"{path} scales its rope frequencies (e.g. Llama 3.1/3.2), which nanovllm cannot read from "
+                         "GGUF files; load the model's original Hugging Face checkpoint instead")
+
+
+def _reject_rope_scaling_for_transformers(path: str) -> None:
+    from gguf import GGUFReader
+
+    if any(key.endswith(".rope.scaling.factor") for key in GGUFReader(path).fields):
+        raise ValueError(f"{path} scales its rope frequencies, which transformers' GGUF reader ignores; load the "
+                         "model's original Hugging Face checkpoint instead")
 
 
 _PATCHING = threading.Lock()  # one conversion at a time patches gguf-py, so each restores what it found
@@ -138,6 +149,7 @@ def convert_gguf(path: str, out_dir: str, progress: Progress | None = None) -> N
             return convert_gguf(path, out_dir, progress)
     progress("reading the GGUF metadata")
     _reject_scaled_rope(path)
+    _reject_rope_scaling_for_transformers(path)
     source = dict(pretrained_model_name_or_path=os.path.dirname(os.path.abspath(path)),
                   gguf_file=os.path.basename(path))
     progress("building the tokenizer")
@@ -245,7 +257,7 @@ def _write_metadata_into(path: str, target: Path) -> None:
                              "convert it again") from None
         table = tensor_table(reader, path)
         _reject_scaled_rope(path)
-        config = read_gguf_config(path)
+        config = read_gguf_config(reader, path)
         progress("building the tokenizer")
         tokenizer = _tokenizer(path)
         target.parent.mkdir(parents=True, exist_ok=True)
@@ -263,6 +275,15 @@ def _write_metadata_into(path: str, target: Path) -> None:
 
 
 def _tokenizer(path: str):
-    from transformers import AutoTokenizer
+    """The file's tokenizer, by transformers' GGUF tokenizer reader: the class transformers picks for the
+    architecture, or the plain fast tokenizer for architectures transformers does not run from GGUF files."""
+    from gguf import GGUFReader
+    from transformers import AutoTokenizer, PreTrainedTokenizerFast
+    from transformers.modeling_gguf_pytorch_utils import GGUF_SUPPORTED_ARCHITECTURES
 
-    return AutoTokenizer.from_pretrained(os.path.dirname(os.path.abspath(path)), gguf_file=os.path.basename(path))
+    source = dict(pretrained_model_name_or_path=os.path.dirname(os.path.abspath(path)),
+                  gguf_file=os.path.basename(path))
+    architecture = GGUFReader(path).fields["general.architecture"].contents()
+    known = architecture in GGUF_SUPPORTED_ARCHITECTURES or architecture.replace("moe", "_moe") in \
+        GGUF_SUPPORTED_ARCHITECTURES
+    return (AutoTokenizer if known else PreTrainedTokenizerFast).from_pretrained(**source)

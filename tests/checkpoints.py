@@ -113,6 +113,9 @@ FAMILY_CONFIGS = {
     "stablelm": ("stablelm", dict(num_key_value_heads=2, partial_rotary_factor=0.25, use_qkv_bias=True)),
     "stablelm_parallel": ("stablelm", dict(num_key_value_heads=4, partial_rotary_factor=0.5,
                                            use_parallel_residual=True)),
+    "stablelm_qk_norm": ("stablelm", dict(num_key_value_heads=2, partial_rotary_factor=0.25, qk_layernorm=True)),
+    "qwen2_window": ("qwen2", dict(num_key_value_heads=2, head_dim=16, use_sliding_window=True, sliding_window=24,
+                                   max_window_layers=1, num_hidden_layers=3)),
 }
 
 

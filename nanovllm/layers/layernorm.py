@@ -3,6 +3,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from nanovllm.layers.fused import fused_op
+from nanovllm.parallel.process_group import tp_rank_and_size
 
 
 def _rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
@@ -57,3 +58,21 @@ class LayerNorm(nn.Module):
             return F.layer_norm(x, self.weight.shape, self.weight, self.bias, self.eps)
         x = x + residual
         return F.layer_norm(x, self.weight.shape, self.weight, self.bias, self.eps), x
+
+
+class HeadLayerNorm(nn.Module):
+    """A LayerNorm without bias over each head's features, each head with its own weight (StableLM's
+    `qk_layernorm`): input `[tokens, heads, head_dim]`, weight `[heads, head_dim]`, this rank's heads of it."""
+
+    def __init__(self, num_heads: int, head_dim: int, eps: float = 1e-5):
+        super().__init__()
+        self.tp_rank, tp_size = tp_rank_and_size()
+        self.eps = eps
+        self.weight = nn.Parameter(torch.ones(num_heads // tp_size, head_dim), requires_grad=False)
+        self.weight.weight_loader = self.weight_loader
+
+    def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor) -> None:
+        param.data.copy_(loaded.narrow(0, self.tp_rank * param.size(0), param.size(0)))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return F.layer_norm(x, x.shape[-1:], eps=self.eps) * self.weight

@@ -12,6 +12,9 @@ sync, so CUDA graphs capture the decode step.
 
 Tensor parallel splits every expert's intermediate dimension (gate/up rows, down columns), like the dense MLP, so
 each rank computes a partial sum of every token's output and one all-reduce completes it.
+
+Experts given as GGML blocks (a GGUF file's 3-D expert tensors, one expert at a time) stay in blocks on the CPU: each
+projection becomes one `GGMLWeight` per expert, which `grouped_experts` runs like the packed float weights.
 """
 import torch
 import torch.distributed as dist
@@ -20,6 +23,7 @@ from torch import nn
 from nanovllm.layers.activation import silu_and_mul
 from nanovllm.layers.linear import linear
 from nanovllm.parallel.process_group import tp_rank_and_size
+from nanovllm.quantization.ggml_weight import GGMLTensor, GGMLWeight
 
 
 def select_experts(router_logits: torch.Tensor, top_k: int, renormalize: bool) -> tuple[torch.Tensor, torch.Tensor]:
@@ -31,12 +35,14 @@ def select_experts(router_logits: torch.Tensor, top_k: int, renormalize: bool) -
     return weights, ids
 
 
-def grouped_experts(x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor, gate_up: torch.Tensor | nn.ParameterList,
-                    down: torch.Tensor | nn.ParameterList) -> torch.Tensor:
+def grouped_experts(x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor,
+                    gate_up: torch.Tensor | nn.ParameterList | nn.ModuleList,
+                    down: torch.Tensor | nn.ParameterList | nn.ModuleList) -> torch.Tensor:
     """sum over k of weights[t, k] * expert_{ids[t, k]}(x[t]), one SiLU-gated MLP call per expert on its tokens.
 
     `gate_up[e]` is expert e's `[2 * intermediate, hidden]` ([gate | up]) and `down[e]` its `[hidden, intermediate]`,
-    plain or oneDNN-packed. A token's contributions are summed in expert order, as transformers sums them.
+    plain, oneDNN-packed or GGML blocks (`GGMLWeight`). A token's contributions are summed in expert order, as
+    transformers sums them.
     """
     top_k = ids.size(1)
     flat = ids.flatten()
@@ -61,12 +67,15 @@ class FusedMoE(nn.Module):
     Parameters match transformers' stacked layout (`experts.gate_up_proj` `[E, 2I, H]`, `experts.down_proj`
     `[E, H, I]`); `weight_loader` takes either a whole stacked tensor or one expert's projection, `shard` =
     (expert, 0 for gate / 1 for up) for `gate_up_proj` and (expert, 0) for `down_proj`, and keeps this rank's slice.
+    An expert's projection given as GGML blocks is kept aside in `ggml_parts` until `install_ggml_weights`.
+    `reduce_results=False` leaves the all-reduce of tensor-parallel partial sums to the caller.
     """
 
-    def __init__(self, num_experts: int, top_k: int, hidden_size: int, intermediate_size: int, renormalize: bool):
+    def __init__(self, num_experts: int, top_k: int, hidden_size: int, intermediate_size: int, renormalize: bool,
+                 reduce_results: bool = True):
         super().__init__()
         self.tp_rank, self.tp_size = tp_rank_and_size()
-        self.top_k, self.renormalize = top_k, renormalize
+        self.top_k, self.renormalize, self.reduce_results = top_k, renormalize, reduce_results
         self.num_experts, self.hidden_size, self.full_intermediate = num_experts, hidden_size, intermediate_size
         self.intermediate = intermediate_size // self.tp_size
         self.gate_up_proj = nn.Parameter(torch.empty(num_experts, 2 * self.intermediate, hidden_size),
@@ -74,6 +83,8 @@ class FusedMoE(nn.Module):
         self.down_proj = nn.Parameter(torch.empty(num_experts, hidden_size, self.intermediate), requires_grad=False)
         self.gate_up_proj.weight_loader = self.gate_up_loader
         self.down_proj.weight_loader = self.down_loader
+        self.ggml_parts: dict[str, list[list[tuple[int, GGMLTensor]]]] = {
+            name: [[] for _ in range(num_experts)] for name in ("gate_up_proj", "down_proj")}
         self.compute = grouped_experts
         if self.gate_up_proj.is_cuda:
             try:
@@ -102,6 +113,9 @@ class FusedMoE(nn.Module):
         else:
             expert, half = shard
             self._check(loaded, (full, hidden), f"expert {expert}'s {('gate', 'up')[half]} projection", expert)
+            if isinstance(loaded, GGMLTensor):
+                self.ggml_parts["gate_up_proj"][expert].append((half * self.intermediate, self._rank_slice(loaded, 0)))
+                return
             param.data[expert].narrow(0, half * self.intermediate, self.intermediate).copy_(
                 self._rank_slice(loaded, 0))
 
@@ -112,13 +126,35 @@ class FusedMoE(nn.Module):
             param.data.copy_(self._rank_slice(loaded, 2))
         else:
             self._check(loaded, (hidden, full), f"expert {shard[0]}'s down projection", shard[0])
+            if isinstance(loaded, GGMLTensor):
+                self.ggml_parts["down_proj"][shard[0]].append((0, self._rank_slice(loaded, 1)))
+                return
             param.data[shard[0]].copy_(self._rank_slice(loaded, 1))
+
+    def install_ggml_weights(self) -> None:
+        """A projection whose experts came as GGML blocks becomes one `GGMLWeight` per expert (or, all of them
+        F32/F16/BF16, the stacked float parameter)."""
+        for name, experts in self.ggml_parts.items():
+            if not any(experts):
+                continue
+            stacked = getattr(self, name)
+            weights = [GGMLWeight.assemble(parts, stacked.size(1), stacked.dtype) for parts in experts]
+            delattr(self, name)
+            if all(w.is_float for w in weights):
+                setattr(self, name, nn.Parameter(torch.stack([w.dequantize(stacked.dtype) for w in weights]),
+                                                 requires_grad=False))
+            else:
+                setattr(self, name, nn.ModuleList(weights))
+            for parts in experts:
+                parts.clear()
 
     @torch.no_grad()
     def prepack(self) -> None:
         """Replace the stacked weights by one oneDNN-packed matrix per expert (CPU; see `layers/prepack.py`)."""
         for name in ("gate_up_proj", "down_proj"):
             stacked = getattr(self, name)
+            if not isinstance(stacked, nn.Parameter):
+                continue
             delattr(self, name)
             setattr(self, name, nn.ParameterList(
                 nn.Parameter(torch.ops.mkldnn._reorder_linear_weight(w.contiguous()), requires_grad=False)
@@ -127,6 +163,6 @@ class FusedMoE(nn.Module):
     def forward(self, x: torch.Tensor, router_logits: torch.Tensor) -> torch.Tensor:
         weights, ids = select_experts(router_logits, self.top_k, self.renormalize)
         y = self.compute(x, weights, ids, self.gate_up_proj, self.down_proj)
-        if self.tp_size > 1:
+        if self.tp_size > 1 and self.reduce_results:
             dist.all_reduce(y)
         return y

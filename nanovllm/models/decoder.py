@@ -14,7 +14,7 @@ from nanovllm.backends.context import get_context
 from nanovllm.layers.activation import ActAndMul, Activation
 from nanovllm.layers.attention import Attention
 from nanovllm.layers.embed_head import ParallelLMHead, VocabParallelEmbedding
-from nanovllm.layers.layernorm import LayerNorm, RMSNorm
+from nanovllm.layers.layernorm import HeadLayerNorm, LayerNorm, RMSNorm
 from nanovllm.layers.linear import (
     ColumnParallelLinear,
     MergedColumnParallelLinear,
@@ -40,6 +40,7 @@ class DecoderOptions:
 
     qk_norm: bool = False                # RMSNorm on each query/key head before rope (Qwen3, Gemma 3)
     qk_norm_full: bool = False           # RMSNorm over the whole query/key projection (OLMo 2)
+    qk_norm_heads: bool = False          # a LayerNorm per query/key head, each with its own weight (StableLM)
     qkv_bias: bool = False
     o_bias: bool = False
     mlp_bias: bool = False
@@ -90,6 +91,9 @@ class DecoderAttention(nn.Module):
         if options.qk_norm:
             self.q_norm = _norm(config, options, self.head_dim)
             self.k_norm = _norm(config, options, self.head_dim)
+        if options.qk_norm_heads:
+            self.q_norm = HeadLayerNorm(config.num_attention_heads, self.head_dim, config.layer_norm_eps)
+            self.k_norm = HeadLayerNorm(config.num_key_value_heads, self.head_dim, config.layer_norm_eps)
         if options.qk_norm_full:
             if tp_size > 1:
                 raise ValueError("this model normalizes queries and keys over all heads together (OLMo 2), which "

@@ -14,6 +14,7 @@ from safetensors import SafetensorError, safe_open
 from torch import nn
 from transformers import AutoModelForCausalLM, PretrainedConfig
 
+from nanovllm.layers.moe import FusedMoE
 from nanovllm.models.gguf_weights import drop_resident_pages, gguf_weights, map_file
 from nanovllm.models.hf_config import head_dim
 from nanovllm.quantization.ggml_weight import QUANTIZATION, GGMLTensor, GGMLWeight, quantize
@@ -91,9 +92,12 @@ def load_weights(model: nn.Module, weights: Iterable[tuple[str, torch.Tensor]], 
 def install_ggml_weights(model: nn.Module) -> None:
     """Each layer that was given GGML rows (`ggml_parts`) gets its weight made of them: a `GGMLWeight`, or a float
     parameter in the model's dtype when every part is F32/F16/BF16 (float weights run on the float path). A weight
-    shared by several layers (a tied LM head) is replaced in all of them."""
+    shared by several layers (a tied LM head) is replaced in all of them. Experts are made by their own layer
+    (`FusedMoE.install_ggml_weights`)."""
     made = {}
-    for module in model.modules():
+    for module in list(model.modules()):
+        if isinstance(module, FusedMoE):
+            module.install_ggml_weights()
         parts = getattr(module, "ggml_parts", None)
         if parts:
             old = module.weight

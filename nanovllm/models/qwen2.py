@@ -1,14 +1,13 @@
 from transformers import PretrainedConfig
 
 from nanovllm.models.decoder import DecoderForCausalLM, DecoderOptions
-from nanovllm.models.hf_config import activation
+from nanovllm.models.hf_config import activation, layer_windows
 
 
 class Qwen2ForCausalLM(DecoderForCausalLM):
-    """Qwen2 and Qwen2.5: a bias on the q, k and v projections only; full attention in every layer."""
+    """Qwen2 and Qwen2.5: a bias on the q, k and v projections only; with `use_sliding_window`, a sliding window on
+    the layers from `max_window_layers` on (transformers' `layer_types`)."""
 
     @classmethod
     def options(cls, config: PretrainedConfig) -> DecoderOptions:
-        if getattr(config, "use_sliding_window", False):
-            raise ValueError("this Qwen2 config sets use_sliding_window=true; nanovllm runs full attention only")
-        return DecoderOptions(qkv_bias=True, activation=activation(config))
+        return DecoderOptions(qkv_bias=True, activation=activation(config), layer_windows=layer_windows(config))

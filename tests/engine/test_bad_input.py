@@ -146,7 +146,8 @@ def test_missing_or_malformed_model_directory(tied_model, tmp_path):
     ({"rope_scaling": {"rope_type": "llama3", "factor": 8.0}}, "low_freq_factor"),
     ({"hidden_act": "relu2"}, r"unsupported hidden_act 'relu2' in the model config; nanovllm supports \['silu', "
                               r"'gelu', 'gelu_pytorch_tanh'\]"),
-    ({"architectures": ["Qwen2ForCausalLM"], "model_type": "qwen2", "use_sliding_window": True}, "use_sliding_window"),
+    ({"architectures": ["Qwen2MoeForCausalLM"], "model_type": "qwen2_moe", "use_sliding_window": True},
+     "Qwen2-MoE config sets use_sliding_window=true"),
 ])
 def test_config_a_family_cannot_run(tied_model, tmp_path, change, message):
     path = shutil.copytree(tied_model, tmp_path / "model")

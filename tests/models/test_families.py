@@ -28,6 +28,8 @@ CASES = [
     ("gpt_neox_sequential", True, None),
     ("stablelm", False, None),
     ("stablelm_parallel", True, None),
+    ("stablelm_qk_norm", False, None),
+    ("qwen2_window", True, None),
 ]
 
 

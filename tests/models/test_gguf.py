@@ -253,9 +253,10 @@ def test_bad_gguf_inputs(gguf_file, llama_dir, tmp_path, monkeypatch, capsys):
     with pytest.raises(ValueError, match=r"f64.gguf: tensor 'blk.1.ffn_up.weight' has GGML type F64, which nanovllm "
                                          r"does not run; supported types: \['BF16', 'F16', 'F32', 'Q2_K'"):
         LLM(odd_type)
-    other_arch = make_gguf(str(tmp_path / "gemma.gguf"), llama_dir, CHAT_TEMPLATE, architecture="gemma2")
-    with pytest.raises(ValueError, match=r"gemma.gguf: unsupported GGUF architecture 'gemma2'; nanovllm runs "
-                                         r"\['llama', 'qwen2', 'qwen3'\]"):
+    other_arch = make_gguf(str(tmp_path / "falcon.gguf"), llama_dir, CHAT_TEMPLATE, architecture="falcon")
+    with pytest.raises(ValueError, match=r"falcon.gguf: unsupported GGUF architecture 'falcon'; nanovllm runs "
+                                         r"\['gemma', 'gemma2', 'gemma3', 'gptneox', 'granite', 'llama', 'olmo2', "
+                                         r"'phi3', 'qwen2', 'qwen2moe', 'qwen3', 'qwen3moe', 'stablelm'\]"):
         LLM(other_arch)
     truncated = tmp_path / "truncated.gguf"
     for cut in (1000, os.path.getsize(gguf_file) // 2, 100_000):
