@@ -181,6 +181,22 @@ def _llama_cpp_permute(weight: torch.Tensor, num_heads: int) -> torch.Tensor:
 GGUF_Q8_0_TENSORS = ("ffn_gate", "ffn_up", "ffn_down")
 
 
+def add_bpe_vocab(writer, model_dir: str, eos_token_id: int) -> int:
+    """The byte-level BPE tokenizer of `model_dir` (`make_tokenizer`) into a `gguf.GGUFWriter`, as llama.cpp's
+    converter writes a GPT-2 style vocabulary; the number of tokens."""
+    import gguf
+
+    with open(os.path.join(model_dir, "tokenizer.json")) as f:
+        bpe = json.load(f)["model"]
+    tokens = sorted(bpe["vocab"], key=bpe["vocab"].get)
+    writer.add_tokenizer_model("gpt2")
+    writer.add_token_list(tokens)
+    writer.add_token_types([gguf.TokenType.CONTROL if t == "<|endoftext|>" else gguf.TokenType.NORMAL for t in tokens])
+    writer.add_token_merges([m if isinstance(m, str) else " ".join(m) for m in bpe["merges"]])
+    writer.add_eos_token_id(eos_token_id)
+    return len(tokens)
+
+
 def make_gguf(path: str, llama_dir: str, chat_template: str, rope_freqs: bool = False, qtype: str = "Q8_0",
               quantized: tuple[str, ...] = GGUF_Q8_0_TENSORS, architecture: str = "llama",
               raw_types: dict[str, int] | None = None) -> str:
@@ -194,8 +210,6 @@ def make_gguf(path: str, llama_dir: str, chat_template: str, rope_freqs: bool = 
 
     with open(os.path.join(llama_dir, "config.json")) as f:
         config = json.load(f)
-    with open(os.path.join(llama_dir, "tokenizer.json")) as f:
-        bpe = json.load(f)["model"]
     heads, kv_heads = config["num_attention_heads"], config["num_key_value_heads"]
     writer = gguf.GGUFWriter(path, architecture)
     writer.add_context_length(config["max_position_embeddings"])
@@ -208,12 +222,7 @@ def make_gguf(path: str, llama_dir: str, chat_template: str, rope_freqs: bool = 
     writer.add_layer_norm_rms_eps(config["rms_norm_eps"])
     writer.add_rope_freq_base(config["rope_theta"])
     writer.add_vocab_size(config["vocab_size"])
-    tokens = sorted(bpe["vocab"], key=bpe["vocab"].get)
-    writer.add_tokenizer_model("gpt2")
-    writer.add_token_list(tokens)
-    writer.add_token_types([gguf.TokenType.CONTROL if t == "<|endoftext|>" else gguf.TokenType.NORMAL for t in tokens])
-    writer.add_token_merges([m if isinstance(m, str) else " ".join(m) for m in bpe["merges"]])
-    writer.add_eos_token_id(config["eos_token_id"])
+    add_bpe_vocab(writer, llama_dir, config["eos_token_id"])
     writer.add_chat_template(chat_template)
     names = {"self_attn.q_proj": "attn_q", "self_attn.k_proj": "attn_k", "self_attn.v_proj": "attn_v",
              "self_attn.o_proj": "attn_output", "mlp.gate_proj": "ffn_gate", "mlp.up_proj": "ffn_up",

@@ -98,6 +98,7 @@ def install_ggml_weights(model: nn.Module) -> None:
     for module in list(model.modules()):
         if isinstance(module, FusedMoE):
             module.install_ggml_weights()
+            continue
         parts = getattr(module, "ggml_parts", None)
         if parts:
             old = module.weight
