@@ -4,6 +4,7 @@ tensor transforms (Llama's q/k rows permuted, Gemma's norms stored as 1 + w, GPT
 experts and StableLM's per-head norms stacked, Phi-3's LongRoPE factors as tensors), so that a test of nanovllm's
 GGUF loader does not merely invert the loader."""
 import json
+import math
 import os
 import re
 
@@ -86,10 +87,15 @@ def _metadata(w: gguf.GGUFWriter, arch: str, config: dict) -> None:
                 "rope_theta")) is not None:
             w.add_rope_freq_base_swa(local)
     if arch == "PHI3":
-        w.add_rope_scaling_orig_ctx_len(config.get("original_max_position_embeddings")
-                                        or _rope(config)["original_max_position_embeddings"])
+        original = config.get("original_max_position_embeddings") or _rope(config)["original_max_position_embeddings"]
+        w.add_rope_scaling_orig_ctx_len(original)
         w.add_rope_dimension_count(int(_partial(config) * hidden) // heads)
         w.add_sliding_window(config.get("sliding_window") or 0)
+        if _theta(config) is None:
+            w.add_rope_freq_base(10000.0)  # the converter reads transformers' default
+        if _rope(config).get("long_factor"):
+            scale = config["max_position_embeddings"] / original
+            w.add_rope_scaling_attn_factors(math.sqrt(1 + math.log(scale) / math.log(original)) if scale > 1 else 1.0)
     if arch in ("STABLELM", "GPTNEOX"):
         w.add_rope_dimension_count(int(_partial(config) * (hidden // heads)))
         w.add_parallel_residual(config.get("use_parallel_residual", True))
