@@ -46,7 +46,12 @@ class LinearBase(nn.Module):
             param.data.narrow(0, offset, rows.size(0)).copy_(rows)
 
     def weight_loader(self, param: nn.Parameter, loaded_weight: torch.Tensor | GGMLTensor) -> None:
-        if self.tp_dim is not None and param.dim() > self.tp_dim and self.tp_size > 1:
+        split = self.tp_dim is not None and param.dim() > self.tp_dim
+        expected = tuple(n * self.tp_size if split and i == self.tp_dim else n for i, n in enumerate(param.shape))
+        if tuple(loaded_weight.shape) != expected:
+            raise ValueError(f"it has shape {tuple(loaded_weight.shape)}, but the model config implies {expected}; "
+                             "the checkpoint and its config do not match")
+        if split and self.tp_size > 1:
             shard = param.size(self.tp_dim)
             loaded_weight = loaded_weight.narrow(self.tp_dim, self.tp_rank * shard, shard)
         self.store(param, 0, loaded_weight)

@@ -31,6 +31,14 @@ def default_weight_loader(param: nn.Parameter, loaded_weight: torch.Tensor) -> N
     param.data.copy_(loaded_weight)
 
 
+def _load(param: nn.Parameter, name: str, source: str, tensor: torch.Tensor | GGMLTensor, *shard) -> None:
+    """`param`'s loader on checkpoint tensor `name`; a tensor it cannot take is a ValueError naming the tensor."""
+    try:
+        getattr(param, "weight_loader", default_weight_loader)(param, tensor, *shard)
+    except ValueError as e:
+        raise ValueError(f"checkpoint tensor {name!r} in {source!r}: {e}") from None
+
+
 EXPERT_WEIGHT = re.compile(r"\.experts\.(\d+)\.([^.]+)\.weight$")
 
 
@@ -67,20 +75,19 @@ def load_weights(model: nn.Module, weights: Iterable[tuple[str, torch.Tensor]], 
             fused, shard = experts[expert.group(2)]
             name = f"{weight_name[:expert.start()]}.experts.{fused}"
             if name in params:
-                params[name].weight_loader(params[name], tensor, (int(expert.group(1)), shard))
+                _load(params[name], weight_name, source, tensor, (int(expert.group(1)), shard))
                 loaded[name].add((int(expert.group(1)), shard))
             continue
         for fragment, (fused, shard_id) in packed.items():
             if f".{fragment}." in weight_name:
                 name = weight_name.replace(f".{fragment}.", f".{fused}.")
                 if name in params:
-                    params[name].weight_loader(params[name], tensor, shard_id)
+                    _load(params[name], weight_name, source, tensor, shard_id)
                     loaded[name].add(shard_id)
                 break
         else:
             if weight_name in params:
-                param = params[weight_name]
-                getattr(param, "weight_loader", default_weight_loader)(param, tensor)
+                _load(params[weight_name], weight_name, source, tensor)
                 loaded[weight_name] |= expected[weight_name]
     missing = sorted(name for name in params if not expected[name] <= loaded[name])
     if missing:

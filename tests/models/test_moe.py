@@ -5,6 +5,7 @@ import random
 import shutil
 
 import pytest
+import torch
 from checkpoints import hf_greedy, make_checkpoint
 from safetensors.torch import load_file, save_file
 
@@ -111,6 +112,19 @@ def test_an_expert_of_the_wrong_shape_is_named(checkpoint, tmp_path):
     save_file(weights, path / "model.safetensors")
     with pytest.raises(ValueError, match=r"expert 2's up projection has shape \(127, 64\), but the model config "
                                          r"implies 4 experts of shape \(128, 64\) .*expert intermediate size 128"):
+        LLM(str(path), **CPU)
+
+
+@pytest.mark.parametrize("rows", [5, 3])
+def test_a_router_of_the_wrong_shape_is_named(checkpoint, tmp_path, rows):
+    """A router for 5 or 3 experts in a 4-expert Mixtral: a ValueError naming the tensor (3 rows used to load, the
+    fourth row left unset)."""
+    path = shutil.copytree(checkpoint("mixtral"), tmp_path / f"router-{rows}")
+    weights = load_file(path / "model.safetensors")
+    weights["model.layers.1.block_sparse_moe.gate.weight"] = torch.zeros(rows, 64)
+    save_file(weights, path / "model.safetensors")
+    with pytest.raises(ValueError, match=rf"checkpoint tensor 'model.layers.1.mlp.gate.weight' in .*router-{rows}': "
+                                         rf"it has shape \({rows}, 64\), but the model config implies \(4, 64\)"):
         LLM(str(path), **CPU)
 
 
