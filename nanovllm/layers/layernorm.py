@@ -1,4 +1,5 @@
 import torch
+import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
@@ -76,3 +77,27 @@ class HeadLayerNorm(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return F.layer_norm(x, x.shape[-1:], eps=self.eps) * self.weight
+
+
+class ShardedRMSNorm(nn.Module):
+    """RMSNorm over features split across the tensor-parallel ranks (OLMo 2's norm over all query or key heads):
+    each rank holds its slice of the features and of the weight, and the sum of squares is all-reduced. One rank:
+    `RMSNorm`'s computation."""
+
+    def __init__(self, full_size: int, eps: float = 1e-6):
+        super().__init__()
+        self.tp_rank, self.tp_size = tp_rank_and_size()
+        self.full_size, self.eps = full_size, eps
+        self.weight = nn.Parameter(torch.ones(full_size // self.tp_size), requires_grad=False)
+        self.weight.weight_loader = self.weight_loader
+
+    def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor) -> None:
+        param.data.copy_(loaded.narrow(0, self.tp_rank * param.size(0), param.size(0)))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.tp_size == 1:
+            return rms_norm(x, self.weight, self.eps)
+        dtype, x = x.dtype, x.float()
+        squares = x.pow(2).sum(-1, keepdim=True)
+        dist.all_reduce(squares)
+        return self.weight * (x * torch.rsqrt(squares / self.full_size + self.eps)).to(dtype)

@@ -103,14 +103,16 @@ class QKVParallelLinear(ColumnParallelLinear):
 
 
 class RowParallelLinear(LinearBase):
-    """Input features split across ranks; partial products are summed with an all-reduce."""
+    """Input features split across ranks; partial products are summed with an all-reduce (left to the caller with
+    `reduce_results=False`, which then sums them with others in one)."""
 
-    def __init__(self, input_size: int, output_size: int, bias: bool = False):
+    def __init__(self, input_size: int, output_size: int, bias: bool = False, reduce_results: bool = True):
         _, tp_size = tp_rank_and_size()
         super().__init__(input_size // tp_size, output_size, bias, tp_dim=1)
+        self.reduce_results = reduce_results
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         y = linear(x, self.weight, self.bias if self.tp_rank == 0 else None)
-        if self.tp_size > 1:
+        if self.tp_size > 1 and self.reduce_results:
             dist.all_reduce(y)
         return y

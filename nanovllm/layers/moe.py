@@ -11,13 +11,13 @@ On CUDA the experts run as two Triton kernels over the same sorted pairs (`backe
 sync, so CUDA graphs capture the decode step.
 
 Tensor parallel splits every expert's intermediate dimension (gate/up rows, down columns), like the dense MLP, so
-each rank computes a partial sum of every token's output and one all-reduce completes it.
+each rank computes a partial sum of every token's output; the caller's all-reduce completes it (once for the routed
+and the shared experts together, `models/sparse_moe.py`).
 
 Experts given as GGML blocks (a GGUF file's 3-D expert tensors, one expert at a time) stay in blocks on the CPU: each
 projection becomes one `GGMLWeight` per expert, which `grouped_experts` runs like the packed float weights.
 """
 import torch
-import torch.distributed as dist
 from torch import nn
 
 from nanovllm.layers.activation import silu_and_mul
@@ -68,14 +68,13 @@ class FusedMoE(nn.Module):
     `[E, H, I]`); `weight_loader` takes either a whole stacked tensor or one expert's projection, `shard` =
     (expert, 0 for gate / 1 for up) for `gate_up_proj` and (expert, 0) for `down_proj`, and keeps this rank's slice.
     An expert's projection given as GGML blocks is kept aside in `ggml_parts` until `install_ggml_weights`.
-    `reduce_results=False` leaves the all-reduce of tensor-parallel partial sums to the caller.
+    With tensor parallelism the output is this rank's partial sum, for the caller to all-reduce.
     """
 
-    def __init__(self, num_experts: int, top_k: int, hidden_size: int, intermediate_size: int, renormalize: bool,
-                 reduce_results: bool = True):
+    def __init__(self, num_experts: int, top_k: int, hidden_size: int, intermediate_size: int, renormalize: bool):
         super().__init__()
         self.tp_rank, self.tp_size = tp_rank_and_size()
-        self.top_k, self.renormalize, self.reduce_results = top_k, renormalize, reduce_results
+        self.top_k, self.renormalize = top_k, renormalize
         self.num_experts, self.hidden_size, self.full_intermediate = num_experts, hidden_size, intermediate_size
         self.intermediate = intermediate_size // self.tp_size
         self.gate_up_proj = nn.Parameter(torch.empty(num_experts, 2 * self.intermediate, hidden_size),
@@ -162,7 +161,4 @@ class FusedMoE(nn.Module):
 
     def forward(self, x: torch.Tensor, router_logits: torch.Tensor) -> torch.Tensor:
         weights, ids = select_experts(router_logits, self.top_k, self.renormalize)
-        y = self.compute(x, weights, ids, self.gate_up_proj, self.down_proj)
-        if self.tp_size > 1 and self.reduce_results:
-            dist.all_reduce(y)
-        return y
+        return self.compute(x, weights, ids, self.gate_up_proj, self.down_proj)

@@ -14,7 +14,7 @@ from nanovllm.backends.context import get_context
 from nanovllm.layers.activation import ActAndMul, Activation
 from nanovllm.layers.attention import Attention
 from nanovllm.layers.embed_head import ParallelLMHead, VocabParallelEmbedding
-from nanovllm.layers.layernorm import HeadLayerNorm, LayerNorm, RMSNorm
+from nanovllm.layers.layernorm import HeadLayerNorm, LayerNorm, RMSNorm, ShardedRMSNorm
 from nanovllm.layers.linear import (
     ColumnParallelLinear,
     MergedColumnParallelLinear,
@@ -39,7 +39,7 @@ class DecoderOptions:
     """
 
     qk_norm: bool = False                # RMSNorm on each query/key head before rope (Qwen3, Gemma 3)
-    qk_norm_full: bool = False           # RMSNorm over the whole query/key projection (OLMo 2)
+    qk_norm_full: bool = False           # RMSNorm over the whole query/key projection, across ranks (OLMo 2)
     qk_norm_heads: bool = False          # a LayerNorm per query/key head, each with its own weight (StableLM)
     qkv_bias: bool = False
     o_bias: bool = False
@@ -95,11 +95,8 @@ class DecoderAttention(nn.Module):
             self.q_norm = HeadLayerNorm(config.num_attention_heads, self.head_dim, config.layer_norm_eps)
             self.k_norm = HeadLayerNorm(config.num_key_value_heads, self.head_dim, config.layer_norm_eps)
         if options.qk_norm_full:
-            if tp_size > 1:
-                raise ValueError("this model normalizes queries and keys over all heads together (OLMo 2), which "
-                                 "nanovllm does not split over tensor-parallel ranks: use tensor_parallel_size=1")
-            self.q_norm = _norm(config, options, self.q_size)
-            self.k_norm = _norm(config, options, self.kv_size)
+            self.q_norm = ShardedRMSNorm(config.num_attention_heads * self.head_dim, config.rms_norm_eps)
+            self.k_norm = ShardedRMSNorm(config.num_key_value_heads * self.head_dim, config.rms_norm_eps)
 
     def forward(self, positions: torch.Tensor, hidden_states: torch.Tensor) -> torch.Tensor:
         q, k, v = self.qkv_proj(hidden_states).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
@@ -118,7 +115,8 @@ class DecoderAttention(nn.Module):
 class DecoderMLP(nn.Module):
     """Gated (`gate_up_proj`, act(gate) * up, `down_proj`) or plain (`fc_in`, act, `down_proj`)."""
 
-    def __init__(self, config: PretrainedConfig, options: DecoderOptions, intermediate_size: int | None = None):
+    def __init__(self, config: PretrainedConfig, options: DecoderOptions, intermediate_size: int | None = None,
+                 reduce_results: bool = True):
         super().__init__()
         intermediate_size = intermediate_size or config.intermediate_size
         self.gated = options.gated_mlp
@@ -129,7 +127,8 @@ class DecoderMLP(nn.Module):
         else:
             self.fc_in = ColumnParallelLinear(config.hidden_size, intermediate_size, bias=options.mlp_bias)
             self.act_fn = Activation(options.activation)
-        self.down_proj = RowParallelLinear(intermediate_size, config.hidden_size, bias=options.mlp_bias)
+        self.down_proj = RowParallelLinear(intermediate_size, config.hidden_size, bias=options.mlp_bias,
+                                           reduce_results=reduce_results)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.down_proj(self.act_fn(self.gate_up_proj(x) if self.gated else self.fc_in(x)))

@@ -3,12 +3,14 @@
 from dataclasses import dataclass
 
 import torch
+import torch.distributed as dist
 from torch import nn
 from transformers import PretrainedConfig
 
 from nanovllm.layers.linear import ReplicatedLinear
 from nanovllm.layers.moe import FusedMoE
 from nanovllm.models.decoder import DecoderMLP, DecoderOptions
+from nanovllm.parallel.process_group import tp_rank_and_size
 
 QWEN_EXPERT_MODULES = {"gate_proj": ("gate_up_proj", 0), "up_proj": ("gate_up_proj", 1),
                        "down_proj": ("down_proj", 0)}
@@ -46,13 +48,18 @@ class MoeOptions:
 
 
 class SparseMoeBlock(nn.Module):
+    """With tensor parallelism each rank computes partial sums of the routed experts' and the shared expert's outputs
+    (the shared expert's gate is replicated, so it scales each rank's part), summed by one all-reduce."""
+
     def __init__(self, config: PretrainedConfig, options: DecoderOptions, moe: MoeOptions):
         super().__init__()
+        self.tp_size = tp_rank_and_size()[1]
         self.gate = ReplicatedLinear(config.hidden_size, moe.num_experts)
         self.experts = FusedMoE(moe.num_experts, moe.top_k, config.hidden_size, moe.intermediate_size,
                                 moe.renormalize)
         if moe.shared_expert_intermediate_size:
-            self.shared_expert = DecoderMLP(config, options, moe.shared_expert_intermediate_size)
+            self.shared_expert = DecoderMLP(config, options, moe.shared_expert_intermediate_size,
+                                            reduce_results=False)
             self.shared_expert_gate = ReplicatedLinear(config.hidden_size, 1)
         else:
             self.shared_expert = None
@@ -61,6 +68,8 @@ class SparseMoeBlock(nn.Module):
         y = self.experts(x, self.gate(x))
         if self.shared_expert is not None:
             y = y + torch.sigmoid(self.shared_expert_gate(x)) * self.shared_expert(x)
+        if self.tp_size > 1:
+            dist.all_reduce(y)
         return y
 
 

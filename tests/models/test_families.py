@@ -86,6 +86,17 @@ def test_gemma2_tensor_parallel_2_matches_transformers(tmp_path):
     assert stats["num_free_blocks"] == stats["num_blocks"]
 
 
+def test_olmo2_tensor_parallel_2_matches_transformers(tmp_path):
+    """OLMo 2 normalizes q and k over all heads: with the heads split over two ranks, the sum of squares is
+    all-reduced."""
+    path = make_family_checkpoint(str(tmp_path / "olmo2"), "olmo2")
+    expected = hf_greedy(path, PROMPTS, MAX_TOKENS)
+    with LLM(path, tensor_parallel_size=2, **SETTINGS) as llm:
+        assert [o["token_ids"] for o in llm.generate(PROMPTS, GREEDY, use_tqdm=False)] == expected
+        stats = llm.stats()
+    assert stats["num_free_blocks"] == stats["num_blocks"]
+
+
 def test_mistral_preempted_with_released_blocks_stays_exact(tmp_path):
     """Four 100-token prompts in a 14-block cache (each needs 8 blocks unreleased, at most 6 windowed): sequences
     are preempted, their remaining blocks freed, and recomputed; the tokens stay transformers'."""

@@ -97,8 +97,65 @@ def _check_experts(rank: int) -> None:
             per_expert.gate_up_proj.weight_loader(per_expert.gate_up_proj, weight, (e, half))
         per_expert.down_proj.weight_loader(per_expert.down_proj, down[e], (e, 0))
     assert stacked.down_proj.shape == (experts, hidden, inter // WORLD)
-    assert_close(stacked(x, logits), expected, msg="FusedMoE from stacked weights")
-    assert_close(per_expert(x, logits), expected, msg="FusedMoE from per-expert weights")
+    for layer, source in ((stacked, "stacked"), (per_expert, "per-expert")):
+        partial = layer(x, logits)
+        dist.all_reduce(partial)
+        assert_close(partial, expected, msg=f"FusedMoE from {source} weights")
+
+
+def _check_shared_expert_block_reduces_once(rank: int) -> None:
+    """Qwen2-MoE's block: routed experts plus the sigmoid-gated shared expert, both partial sums on each rank, summed
+    by one all-reduce; the result is the unsharded block's."""
+    from transformers import Qwen2MoeConfig
+
+    from nanovllm.models.decoder import DecoderOptions
+    from nanovllm.models.sparse_moe import MoeOptions
+
+    config = Qwen2MoeConfig(hidden_size=8, intermediate_size=12, num_experts=4)
+    moe = MoeOptions(num_experts=4, top_k=2, intermediate_size=6, renormalize=False,
+                     shared_expert_intermediate_size=10)
+    g = torch.Generator().manual_seed(3)
+    x = torch.randn(5, 8, generator=g)
+    router, gate_up, down = (torch.randn(4, 8, generator=g), torch.randn(4, 12, 8, generator=g),
+                             torch.randn(4, 8, 6, generator=g))
+    shared = [torch.randn(10, 8, generator=g), torch.randn(10, 8, generator=g), torch.randn(8, 10, generator=g)]
+    shared_gate = torch.randn(1, 8, generator=g)
+    block = moe(config, DecoderOptions(), 0)
+    block.gate.weight.weight_loader(block.gate.weight, router)
+    block.experts.gate_up_proj.weight_loader(block.experts.gate_up_proj, gate_up)
+    block.experts.down_proj.weight_loader(block.experts.down_proj, down)
+    block.shared_expert.gate_up_proj.weight.weight_loader(block.shared_expert.gate_up_proj.weight, shared[0], 0)
+    block.shared_expert.gate_up_proj.weight.weight_loader(block.shared_expert.gate_up_proj.weight, shared[1], 1)
+    block.shared_expert.down_proj.weight.weight_loader(block.shared_expert.down_proj.weight, shared[2])
+    block.shared_expert_gate.weight.weight_loader(block.shared_expert_gate.weight, shared_gate)
+    probs, ids = torch.softmax(F.linear(x, router), -1).topk(2, -1)
+    expected = torch.sigmoid(F.linear(x, shared_gate)) * F.linear(F.silu(F.linear(x, shared[0])) * F.linear(
+        x, shared[1]), shared[2])
+    for t in range(len(x)):
+        for w, e in zip(probs[t], ids[t].tolist()):
+            g_, u = F.linear(x[t], gate_up[e]).chunk(2)
+            expected[t] += w * F.linear(F.silu(g_) * u, down[e])
+    reduces, all_reduce = [], dist.all_reduce
+    dist.all_reduce = lambda tensor, *args, **kwargs: (reduces.append(tensor.shape), all_reduce(tensor, *args,
+                                                                                             **kwargs))[1]
+    try:
+        result = block(x)
+    finally:
+        dist.all_reduce = all_reduce
+    assert reduces == [x.shape], reduces
+    assert_close(result, expected, msg="SparseMoeBlock with a shared expert")
+
+
+def _check_sharded_rms_norm(rank: int) -> None:
+    """OLMo 2's RMSNorm over all query heads, each rank holding half of them: the full norm's slice."""
+    from nanovllm.layers.layernorm import ShardedRMSNorm
+
+    g = torch.Generator().manual_seed(4)
+    x, weight = torch.randn(5, 16, generator=g), torch.randn(16, generator=g)
+    norm = ShardedRMSNorm(16, eps=1e-6)
+    norm.weight.weight_loader(norm.weight, weight)
+    expected = weight * x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + 1e-6)
+    assert_close(norm(x.chunk(WORLD, -1)[rank]), expected.chunk(WORLD, -1)[rank], msg="ShardedRMSNorm")
 
 
 def _worker(rank: int, store_path: str) -> None:
@@ -107,6 +164,8 @@ def _worker(rank: int, store_path: str) -> None:
         _check_linear_layers(rank)
         _check_vocab_layers(rank)
         _check_experts(rank)
+        _check_shared_expert_block_reduces_once(rank)
+        _check_sharded_rms_norm(rank)
     finally:
         leave_tp_group()
 
