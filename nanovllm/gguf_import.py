@@ -1,9 +1,10 @@
-"""What GGUF files need from transformers: their config and tokenizer, and `python -m nanovllm convert`.
+"""A GGUF file's config, tokenizer and tensor table, cached; and `python -m nanovllm convert`.
 
-`LLM("model.gguf")` reads the weights from the file itself, as they are (`nanovllm.models.gguf_weights`); its config,
-tokenizer and tensor table come from transformers' GGUF reader (with the `gguf` package) once per file, into a small
-directory in the cache (`$NANOVLLM_CACHE`, default `~/.cache/nanovllm`; `cached_metadata`). `convert_gguf` writes a
-whole float32 Hugging Face checkpoint instead, for those who want one (transformers loads it too).
+`LLM("model.gguf")` reads the weights from the file itself, as they are (`nanovllm.models.gguf_weights`); its config
+(rebuilt from the metadata, `nanovllm.models.gguf_config`), tokenizer (transformers' GGUF tokenizer reader) and tensor
+table are read once per file, with the `gguf` package, into a small directory in the cache (`$NANOVLLM_CACHE`,
+default `~/.cache/nanovllm`; `cached_metadata`). `convert_gguf` writes a whole float32 Hugging Face checkpoint instead,
+with transformers' GGUF reader, for those who want one (transformers loads it too).
 """
 import contextlib
 import functools

@@ -3,8 +3,9 @@
 The file's tensor table (name, type, shape, where its bytes are) is read once, by gguf-py, into the file's metadata
 directory (`nanovllm.gguf_import.cached_metadata`); later starts map the file and slice it without parsing it again.
 A 2-D tensor comes out as a `GGMLTensor`, a zero-copy uint8 view of the mapped rows; a 1-D one (norms, biases) as a
-float tensor. llama.cpp stores the llama family's q and k rows permuted (each head's rotary halves interleaved);
-`gguf_weights` undoes that on the rows themselves, blocks untouched.
+float tensor. What llama.cpp's converter changed is undone on the rows, blocks untouched: the llama family's q and k
+rows permuted (each head's rotary halves interleaved), q/k/v fused (Phi-3, GPT-NeoX) and gate/up (Phi-3), every
+expert's projection in one 3-D tensor (given to the model one expert at a time); Gemma's norms stored as 1 + w.
 """
 import json
 import math
