@@ -281,7 +281,7 @@ class LLMEngine(PromptFrontend):
                  "num_blocks": len(bm.blocks),
                  "num_released_blocks": bm.num_released_blocks,
                  "peak_used_blocks": bm.peak_used_blocks}
-        if self.proposer is not None or self.grammar_drafts.jump_forward:
+        if self.proposer is not None or self.config.jump_forward:
             stats.update(spec_decode_stats(s.num_draft_tokens, s.num_accepted_tokens, s.num_spec_rows))
         return stats
 
