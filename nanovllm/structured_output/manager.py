@@ -44,7 +44,10 @@ class GrammarState:
         return self.matcher.is_stopped
 
     def valid_prefix(self, token_ids: list[int]) -> list[int]:
-        """The longest prefix of `token_ids` (drafts) the grammar accepts from here; the state is unchanged."""
+        """The longest prefix of `token_ids` (drafts) the grammar accepts from here, and that holds no EOS (after one
+        the grammar has no next mask; the model samples EOS itself); the state is unchanged."""
+        eos = next((i for i, token_id in enumerate(token_ids) if token_id in self.owner.eos_token_ids), None)
+        token_ids = token_ids[:eos]
         return token_ids[:self.matcher.valid_prefix_length(token_ids)] if token_ids else []
 
     def forced_tokens(self) -> list[int]:

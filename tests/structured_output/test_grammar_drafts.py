@@ -60,9 +60,12 @@ def test_drafts_the_grammar_rejects_are_cut_and_leave_its_state_alone(tokenizer,
     GrammarDrafts(jump_forward=False, max_model_len=256).propose([seq], proposed=True)
     assert seq.spec_token_ids == words
     assert torch.equal(mask_rows(manager, [(seq, [])])[1], before)
-    seq.spec_token_ids = words + tokenizer.encode(" 7!")
+    seq.spec_token_ids = words + tokenizer.encode(" 7!") + [EOS, EOS]  # EOS: the model samples it itself
     GrammarDrafts(jump_forward=False, max_model_len=256).propose([seq], proposed=True)
     assert tokenizer.decode(seq.spec_token_ids) == "fox 7!"
+    rows, words_after = mask_rows(manager, [(seq, seq.spec_token_ids)])
+    assert len(rows) == len(seq.spec_token_ids) + 1
+    assert words_after[-1, 0] == 1 << EOS and not words_after[-1, 1:].any()  # after "!": EOS only
     GrammarDrafts(jump_forward=False, max_model_len=256).propose([seq], proposed=False)
     assert seq.spec_token_ids == []  # no proposer this step: an earlier step's drafts are dropped
 
