@@ -12,6 +12,7 @@ from test_mask import prompts_of
 from transformers import AutoTokenizer
 
 from nanovllm import LLM, SamplingParams, StructuredOutputsParams
+from nanovllm.benchmarks.structured_jump import compare_jump_forward
 from nanovllm.core.sequence import Sequence
 from nanovllm.spec_decode.grammar_drafts import GrammarDrafts
 from nanovllm.structured_output.backends import check_constraint
@@ -191,3 +192,14 @@ def test_sampled_constrained_outputs_are_always_valid_with_drafts(tied_model, to
     _, completions, stats = run(tied_model, prompts * 2, params * 2, speculative_config=NGRAM)
     assert stats["num_draft_tokens"] > 0
     assert_valid(completions, params * 2)
+
+
+def test_the_benchmarks_comparison_counts_fewer_steps_and_identical_outputs(tied_model, tokenizer):
+    prompts = prompts_of(tokenizer, 4)
+    params = SamplingParams(temperature=0, max_tokens=48, structured_outputs=StructuredOutputsParams(regex=FORCING))
+    with LLM(tied_model, device="cpu", dtype="float32", kvcache_block_size=16, max_model_len=256) as llm:
+        figures = compare_jump_forward(llm, prompts, [params] * 4, repeat=1)
+        assert llm.grammar_drafts.jump_forward  # the engine's setting is back
+    off, on = figures["off"], figures["on"]
+    assert figures["identical"] and off["num_draft_tokens"] == 0 and on["num_accepted_tokens"] > 0
+    assert on["steps_per_token"] < off["steps_per_token"] and on["request_passes_per_token"] < 1
