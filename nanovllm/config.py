@@ -35,7 +35,9 @@ class Config:
     up their engine; after that a collective waits at most `distributed_timeout_s` for a rank that stopped answering.
     `speculative_config` is vLLM's dictionary (see `nanovllm.spec_decode.config`), parsed into `speculative`.
     `structured_outputs_config={"backend": ...}` picks the grammar backend of structured outputs, as vLLM's engine
-    argument: "auto" (llguidance), "guidance" (llguidance) or "xgrammar" (needs `pip install xgrammar`).
+    argument: "auto" (llguidance), "guidance" (llguidance) or "xgrammar" (needs `pip install xgrammar`); its
+    `"jump_forward"` (nanovllm's; default True) proposes the tokens a grammar forces as drafts, verified in one step
+    (`nanovllm.spec_decode.grammar_drafts`).
 
     The fields after `speculative_config` are not settings: `nanovllm.engine.setup.resolve_config` fills them in.
     """
@@ -108,9 +110,12 @@ class Config:
         options = self.structured_outputs_config
         if options is None:
             return
-        if not isinstance(options, dict) or set(options) - {"backend"}:
-            raise ValueError("structured_outputs_config must be a dict with one key, 'backend' (one of "
-                             f"{list(STRUCTURED_OUTPUT_BACKENDS)}), got {options!r}")
+        if not isinstance(options, dict) or set(options) - {"backend", "jump_forward"}:
+            raise ValueError("structured_outputs_config must be a dict with the keys 'backend' (one of "
+                             f"{list(STRUCTURED_OUTPUT_BACKENDS)}) and 'jump_forward' (True or False), got {options!r}")
+        if not isinstance(options.get("jump_forward", True), bool):
+            raise ValueError(f"structured_outputs_config['jump_forward'] must be True or False, got "
+                             f"{options['jump_forward']!r}")
         backend = options.get("backend", "auto")
         if backend not in STRUCTURED_OUTPUT_BACKENDS:
             raise ValueError(f"structured_outputs_config backend must be one of {list(STRUCTURED_OUTPUT_BACKENDS)}, "
@@ -124,6 +129,11 @@ class Config:
     def structured_outputs_backend(self) -> str:
         """The grammar backend's name as given ("auto" unless chosen)."""
         return (self.structured_outputs_config or {}).get("backend", "auto")
+
+    @property
+    def jump_forward(self) -> bool:
+        """Whether the tokens a grammar forces are proposed as drafts (on unless turned off)."""
+        return (self.structured_outputs_config or {}).get("jump_forward", True)
 
     @property
     def blocks_per_sequence(self) -> int:

@@ -125,6 +125,10 @@ def parse_args(argv: list[str] | None, prog: str | None = None) -> argparse.Name
     p.add_argument("--structured-backend", default="guidance",
                    help="comma-separated grammar backends for --structured, one row each: 'guidance' (llguidance, "
                         "the default) and/or 'xgrammar'")
+    p.add_argument("--jump-forward-compare", action="store_true",
+                   help="with --structured, instead of its figures: the constrained requests with jump-forward off "
+                        "and on, interleaved in one engine (forward passes per completion token, tok/s, identical "
+                        "outputs)")
     p.add_argument("--json", help="also write the results as JSON to this path")
     args = p.parse_args(argv)
     from nanovllm.backends import ATTENTION_BACKENDS  # imports torch: not needed for --help
@@ -140,6 +144,8 @@ def parse_args(argv: list[str] | None, prog: str | None = None) -> argparse.Name
         if value is not None and value < 1:
             p.error(f"--{name.replace('_', '-')} must be a positive integer, got {value}")
     args.structured_backend = args.structured_backend.split(",")
+    if args.jump_forward_compare and (not args.structured or args.baseline != "none"):
+        p.error("--jump-forward-compare goes with --structured, without a --baseline")
     if not set(args.structured_backend) <= {"guidance", "xgrammar"}:
         p.error(f"--structured-backend: choose from guidance, xgrammar, got {args.structured_backend}")
     for flag, choices in (("scheduling", SCHEDULING), ("sampling", SAMPLING)):

@@ -19,8 +19,8 @@ from pathlib import Path
 from nanovllm import LLM, SamplingParams, StructuredOutputsParams
 from nanovllm.benchmarks.baselines import find_vllm_python
 from nanovllm.benchmarks.report import markdown_table
+from nanovllm.benchmarks.structured_jump import JUMP_FORWARD_HEADER, compare_jump_forward, jump_forward_row
 from nanovllm.benchmarks.structured_workload import Case, fresh_schema, json_cases, varied_cases
-from nanovllm.gguf_import import resolve_model
 
 FRESH = 5  # one-token requests with a fresh schema (and as many without), interleaved
 
@@ -32,7 +32,7 @@ def constrained(case: Case, **settings) -> SamplingParams:
 def run_structured(args: argparse.Namespace) -> dict:
     from nanovllm.smollm2 import default_model
 
-    model = resolve_model(args.model) if args.model else default_model()
+    model = args.model or default_model()
     cases = json_cases()
     cases = [cases[i % len(cases)] for i in range(args.num_seqs or len(cases))]
     checks = varied_cases()
@@ -43,9 +43,20 @@ def run_structured(args: argparse.Namespace) -> dict:
             prompts = [llm.chat_prompt([{"role": "user", "content": c.message}]) for c in cases]
             check_prompts = [llm.chat_prompt([{"role": "user", "content": c.message}]) for c in checks]
             dtype = str(llm.config.torch_dtype).removeprefix("torch.")
-            figures = measure(llm, cases, prompts, check_prompts, checks, max_tokens, args.repeat)
+            if args.jump_forward_compare:
+                figures = {"jump_forward": compare_jump_forward(
+                    llm, prompts, [constrained(c, temperature=0, max_tokens=max_tokens) for c in cases], args.repeat)}
+            else:
+                figures = measure(llm, cases, prompts, check_prompts, checks, max_tokens, args.repeat)
         result["engines"][f"nanovllm ({backend})"] = figures
-        rows.append(row(f"nanovllm, {backend}", figures))
+        rows.append(jump_forward_row(f"nanovllm, {backend}", figures["jump_forward"]) if args.jump_forward_compare
+                    else row(f"nanovllm, {backend}", figures))
+    if args.jump_forward_compare:
+        print(f"\n{len(cases)} JSON-schema requests (8 shapes), greedy, up to {max_tokens} tokens, "
+              f"{model.split('/')[-1]}, {dtype}, jump-forward off and on interleaved in one engine, {args.repeat} "
+              "run(s) each (median); steps/token: forward passes per completion token")
+        print(markdown_table(JUMP_FORWARD_HEADER, rows))
+        return result
     if args.baseline == "vllm":
         figures = run_vllm(find_vllm_python(args.vllm_python, "cpu"), model, prompts, cases, check_prompts, checks,
                            max_tokens, args.repeat, dtype)

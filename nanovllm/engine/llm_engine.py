@@ -19,6 +19,7 @@ from nanovllm.execution.model_runner import ModelRunner
 from nanovllm.models import kv_sliding_window
 from nanovllm.outputs import RequestOutput, TokenLogprobs
 from nanovllm.sampling_params import SamplingParams
+from nanovllm.spec_decode.grammar_drafts import GrammarDrafts
 from nanovllm.spec_decode.proposer import NgramProposer
 from nanovllm.spec_decode.stats import spec_decode_stats
 from nanovllm.structured_output.backends import check_constraint
@@ -61,6 +62,7 @@ class LLMEngine(PromptFrontend):
             enable_prefix_caching=not self.model_runner.model.rope_needs_lengths))
         self.proposer = None if config.speculative is None else NgramProposer(config.speculative,
                                                                                config.max_model_len)
+        self.grammar_drafts = GrammarDrafts(config.jump_forward, config.max_model_len)
         self.structured = StructuredOutputs(config.structured_outputs_backend, self.tokenizer,
                                             config.hf_config.vocab_size, self.eos_token_ids, config.max_num_seqs,
                                             pin_memory=config.device == "cuda")
@@ -183,12 +185,14 @@ class LLMEngine(PromptFrontend):
         (and logged) on its own; the others go on."""
         if self.proposer is not None:
             self.proposer.propose(self.scheduler.running)
+        self.grammar_drafts.propose(self.scheduler.running, proposed=self.proposer is not None)
         batch = self.scheduler.schedule()
         if not batch and self.structured.wait_for_compile():  # only requests whose grammar compiles are left
             batch = self.scheduler.schedule()
         if not batch:
             return batch, []
-        allowed = self.structured.bitmask([seq for seq, samples in zip(batch.seqs, batch.samples) if samples])
+        allowed = self.structured.bitmask([(seq, drafts) for seq, drafts, samples
+                                           in zip(batch.seqs, batch.drafts, batch.samples) if samples])
         output = self.model_runner.run(batch, allowed)
         for seq_id, (first, logprobs) in (output.prompt_logprobs or {}).items():
             self._completions[seq_id][0].add_prompt_logprobs(first, logprobs)
@@ -266,7 +270,7 @@ class LLMEngine(PromptFrontend):
         """Counters since the engine started: prompt tokens served from the prefix cache, steps (with a
         prompt chunk that did not finish its prompt; with decodes and prefill chunks together),
         preemptions, KV blocks (released outside a sliding window; the most in use at once), and with speculative
-        decoding `spec_decode_stats`."""
+        decoding or jump-forward `spec_decode_stats`."""
         s, bm = self.scheduler, self.scheduler.block_manager
         stats = {"num_cached_tokens": s.num_cached_tokens,
                  "num_steps": s.num_steps,
@@ -277,7 +281,7 @@ class LLMEngine(PromptFrontend):
                  "num_blocks": len(bm.blocks),
                  "num_released_blocks": bm.num_released_blocks,
                  "peak_used_blocks": bm.peak_used_blocks}
-        if self.proposer is not None:
+        if self.proposer is not None or self.config.jump_forward:
             stats.update(spec_decode_stats(s.num_draft_tokens, s.num_accepted_tokens, s.num_spec_rows))
         return stats
 

@@ -179,9 +179,9 @@ class ModelRunner:
         return self.model.compute_logits(hidden_states[ctx.logits_indices])
 
     def run(self, batch: ScheduledBatch, allowed: TokenBitmask | None = None) -> SamplerOutput | None:
-        """Run one scheduled step; rank 0 returns a sampled token for each sequence that samples, in batch order,
-        within `allowed` (structured outputs) for the sequences it names (with drafts to verify: its accepted drafts
-        and the token after them, see `nanovllm.spec_decode.verifier`)."""
+        """Run one scheduled step; rank 0 returns a sampled token for each sequence that samples, in batch order
+        (with drafts to verify: its accepted drafts and the token after them, see `nanovllm.spec_decode.verifier`),
+        within `allowed` (structured outputs) at the sampling rows it names."""
         if self.rank == 0:
             self.sampler.release(batch.finished_seq_ids)
         input_ids, positions, prompt_rows = self.prepare(batch)

@@ -10,9 +10,18 @@ PRIOR_ACCEPTED, PRIOR_TRIALS = 1.4, 2.0
 
 def speculates(seq: Sequence) -> bool:
     """Whether `seq`'s sampling can verify drafts: not under penalties, whose counts the sampler keeps per sequence
-    on the device and would not see the drafts; not under a structured-output grammar, whose mask is for the next
-    token only (checking drafts against the grammar, and jump-forward, are left for later)."""
-    return not seq.params.uses_penalties and seq.grammar is None
+    on the device and would not see the drafts. A structured-output grammar's drafts are cut to what it accepts, and
+    its mask covers every draft position (`nanovllm.spec_decode.grammar_drafts`)."""
+    return not seq.params.uses_penalties
+
+
+def draft_room(seq: Sequence, k: int, max_model_len: int) -> int:
+    """How many drafts (at most `k`) `seq` can use: a step yields at most one token more than it verifies, and never
+    runs past `max_tokens` or `max_model_len`."""
+    room = min(k, max_model_len - len(seq.token_ids))
+    if seq.params.max_tokens is not None:
+        room = min(room, seq.params.max_tokens - seq.num_completion_tokens - 1)
+    return max(room, 0)
 
 
 def acceptance(seq: Sequence) -> float:
@@ -58,7 +67,7 @@ class NgramProposer:
             seq.spec_token_ids = []
             if enabled and len(seq.token_ids) - seq.num_computed_tokens == 1 and speculates(seq):
                 drafts = ngram_proposal(seq.token_ids, self.spec.prompt_lookup_min, self.spec.prompt_lookup_max,
-                                        self._room(seq))
+                                        draft_room(seq, self.spec.num_speculative_tokens, self.max_model_len))
                 if drafts:
                     proposals[seq] = drafts
         if not proposals:
@@ -66,10 +75,3 @@ class NgramProposer:
         num_rows = sum(len(seq.token_ids) - seq.num_computed_tokens for seq in running)
         for seq, count in keep_drafts(proposals, len(running), num_rows, self.spec.step_cost).items():
             seq.spec_token_ids = proposals[seq][:count]
-
-    def _room(self, seq: Sequence) -> int:
-        """How many drafts `seq` can use: a step yields at most one token more than it verifies."""
-        room = min(self.spec.num_speculative_tokens, self.max_model_len - len(seq.token_ids))
-        if seq.params.max_tokens is not None:
-            room = min(room, seq.params.max_tokens - seq.num_completion_tokens - 1)
-        return max(room, 0)

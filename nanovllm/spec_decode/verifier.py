@@ -10,9 +10,6 @@ target's distribution, and greedy output is the argmax at every position, as wit
 sequence's generator is left as if one draw per kept token had been made, so its output is the same with or
 without speculation, and does not depend on its batch mates.
 """
-from dataclasses import replace
-from itertools import accumulate
-
 import torch
 
 from nanovllm.core.sequence import Sequence
@@ -25,8 +22,8 @@ def verify(sampler: Sampler, logits: torch.Tensor, rows: list[tuple[Sequence, li
            allowed: TokenBitmask | None = None) -> SamplerOutput:
     """`logits` holds `len(drafts) + 1` consecutive rows per `(seq, drafts)` in `rows`: the positions of its last
     token and of each draft. Returns each sequence's accepted drafts and the token after them (see the module).
-    `allowed` (structured outputs) names sequences by their index in `rows`; constrained sequences have no drafts
-    (`proposer.speculates`), so each is one row."""
+    `allowed` (structured outputs) names the rows of `logits` it masks: a constrained sequence's row j under its
+    grammar after its first j drafts, so each position is sampled as it would be without drafts."""
     virtual: list[Sequence | SamplingRow] = []
     for seq, drafts in rows:
         virtual.append(seq)
@@ -34,9 +31,6 @@ def verify(sampler: Sampler, logits: torch.Tensor, rows: list[tuple[Sequence, li
                     for j in range(1, len(drafts) + 1)]
     seeded = {seq.seq_id: _state(sampler, seq) for seq, drafts in rows
               if drafts and seq.params.seed is not None and seq.params.temperature > 0}
-    if allowed is not None:
-        first_rows = list(accumulate((1 + len(drafts) for _, drafts in rows), initial=0))
-        allowed = replace(allowed, rows=[first_rows[i] for i in allowed.rows])
     sampled = sampler(logits, virtual, allowed)
     token_ids, logprobs, num_accepted, row = [], [] if sampled.logprobs is not None else None, [], 0
     for seq, drafts in rows:

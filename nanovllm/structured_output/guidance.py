@@ -59,6 +59,15 @@ class GuidanceMatcher:
     def accept(self, token_id: int) -> bool:
         return self.matcher.consume_token(token_id)
 
+    def valid_prefix_length(self, token_ids: list[int]) -> int:
+        """How many of `token_ids`, in order, the grammar accepts from here (the state is unchanged)."""
+        return self.matcher.validate_tokens(token_ids)
+
+    def forced_tokens(self) -> list[int]:
+        """The tokens the grammar forces next: llguidance's split of the forced bytes, after the tokens already
+        there, less a last token that the bytes after it could merge into."""
+        return self.matcher.compute_ff_tokens()
+
     @property
     def is_stopped(self) -> bool:
         """No token but EOS can follow: the constraint is complete."""
@@ -87,7 +96,12 @@ class GuidanceBackend:
     def matcher(template: llguidance.LLMatcher) -> GuidanceMatcher:
         return GuidanceMatcher(template.deep_copy())
 
-    def fill(self, matchers: list[GuidanceMatcher], bitmask: torch.Tensor) -> None:
-        """Row i of `bitmask`: the tokens `matchers[i]` allows next."""
-        llguidance.torch.fill_next_token_bitmask_par(self.executor, [(m.matcher, i) for i, m in enumerate(matchers)],
-                                                     bitmask)
+    def fill(self, rows: list[tuple[GuidanceMatcher, int, list[int]]], bitmask: torch.Tensor) -> None:
+        """For each `(matcher, row, drafts)`: row `row + j` of `bitmask` is what `matcher` allows after `drafts[:j]`
+        (the drafts are ones the grammar accepts; the matcher's state is unchanged)."""
+        plain = [(m.matcher, row) for m, row, drafts in rows if not drafts]
+        if plain:
+            llguidance.torch.fill_next_token_bitmask_par(self.executor, plain, bitmask)
+        drafted = [(m.matcher, row, drafts) for m, row, drafts in rows if drafts]
+        if drafted:  # llguidance's call for drafts takes no row without any
+            llguidance.torch.fill_next_token_bitmask_par_with_draft_tokens(self.executor, drafted, bitmask)

@@ -43,6 +43,17 @@ class GrammarState:
         """The constraint is complete: only EOS could follow."""
         return self.matcher.is_stopped
 
+    def valid_prefix(self, token_ids: list[int]) -> list[int]:
+        """The longest prefix of `token_ids` (drafts) the grammar accepts from here, and that holds no EOS (after one
+        the grammar has no next mask; the model samples EOS itself); the state is unchanged."""
+        eos = next((i for i, token_id in enumerate(token_ids) if token_id in self.owner.eos_token_ids), None)
+        token_ids = token_ids[:eos]
+        return token_ids[:self.matcher.valid_prefix_length(token_ids)] if token_ids else []
+
+    def forced_tokens(self) -> list[int]:
+        """The tokens the grammar forces next (jump-forward's drafts); often none."""
+        return self.matcher.forced_tokens()
+
     def accept(self, token_id: int) -> None:
         if not self.matcher.accept(token_id):
             logger.warning("the grammar rejected token %d (%s); only EOS is allowed from here", token_id,
@@ -123,21 +134,32 @@ class StructuredOutputs:
         wait(pending, return_when=FIRST_COMPLETED)
         return True
 
-    def bitmask(self, seqs: list) -> TokenBitmask | None:
-        """The tokens each constrained sequence of `seqs` (a step's sampling rows, in order) may sample next, or None
-        when none is constrained. The grammar backend fills it on a thread of its own (the backends work outside the
-        GIL) while the model runs; the sampler waits for it. Nothing may touch the matchers until then."""
-        rows = [i for i, seq in enumerate(seqs) if seq.grammar is not None]
-        if not rows:
+    def bitmask(self, rows: list[tuple]) -> TokenBitmask | None:
+        """The tokens each constrained sequence may sample at each row it samples, or None when none is constrained.
+        `rows` are a step's sampling sequences with their drafts, `(seq, drafts)` in order; each takes
+        `1 + len(drafts)` consecutive sampling rows, the mask of row j being what its grammar allows after
+        `drafts[:j]` (constrained sequences' drafts are ones their grammar accepts, `spec_decode.grammar_drafts`).
+        The grammar backend fills it on a thread of its own (the backends work outside the GIL) while the model runs;
+        the sampler waits for it. Nothing may touch the matchers until then."""
+        constrained, masked, first = [], [], 0  # masked: the sampling rows under a grammar, in order
+        for seq, drafts in rows:
+            if seq.grammar is not None:
+                constrained.append((seq.grammar.matcher, len(masked), drafts))
+                masked += range(first, first + 1 + len(drafts))
+            first += 1 + len(drafts)
+        if not constrained:
             return None
         if self._filler is None:
             self._filler = ThreadPoolExecutor(1, thread_name_prefix="nanovllm-mask")
-        bitmask = self._bitmask[:len(rows)]
-        filling = self._filler.submit(self._fill, [seqs[i].grammar.matcher for i in rows], bitmask)
-        return TokenBitmask(rows, bitmask, filling)
+        if len(masked) > self._bitmask.size(0):  # drafts: more rows than sequences
+            self._bitmask = torch.zeros(len(masked), self._bitmask.size(1), dtype=torch.int32,
+                                        pin_memory=self.pin_memory)
+        bitmask = self._bitmask[:len(masked)]
+        filling = self._filler.submit(self._fill, constrained, bitmask)
+        return TokenBitmask(masked, bitmask, filling)
 
-    def _fill(self, matchers: list, bitmask: torch.Tensor) -> None:
-        self.backend.fill(matchers, bitmask)
+    def _fill(self, rows: list[tuple], bitmask: torch.Tensor) -> None:
+        self.backend.fill(rows, bitmask)
         bitmask &= self._known
 
     def shutdown(self) -> None:

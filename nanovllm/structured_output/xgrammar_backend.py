@@ -36,11 +36,39 @@ def check(spec: GrammarSpec) -> None:
 
 
 class XgrammarMatcher:
-    def __init__(self, matcher: xgr.GrammarMatcher):
+    def __init__(self, matcher: xgr.GrammarMatcher, tokenizer: PreTrainedTokenizerBase):
         self.matcher = matcher
+        self.tokenizer = tokenizer
 
     def accept(self, token_id: int) -> bool:
         return self.matcher.accept_token(token_id)
+
+    def valid_prefix_length(self, token_ids: list[int]) -> int:
+        """How many of `token_ids`, in order, the grammar accepts from here (the state is unchanged)."""
+        accepted = 0
+        while accepted < len(token_ids) and self.matcher.accept_token(token_ids[accepted]):
+            accepted += 1
+        if accepted:
+            self.matcher.rollback(accepted)
+        return accepted
+
+    def forced_tokens(self) -> list[int]:
+        """The tokens the grammar forces next: the tokenizer's split of xgrammar's jump-forward string, less its last
+        token (the text after it could merge into it) and cut where the grammar stops accepting them."""
+        forced = self.matcher.find_jump_forward_string()
+        if not forced:
+            return []
+        token_ids = self.tokenizer.encode(forced, add_special_tokens=False)[:-1]
+        return token_ids[:self.valid_prefix_length(token_ids)]
+
+    def fill_rows(self, bitmask: torch.Tensor, row: int, drafts: list[int]) -> None:
+        """Row `row + j` of `bitmask`: what the grammar allows after `drafts[:j]` (drafts it accepts)."""
+        self.matcher.fill_next_token_bitmask(bitmask, row)
+        for j, token_id in enumerate(drafts, 1):
+            self.matcher.accept_token(token_id)
+            self.matcher.fill_next_token_bitmask(bitmask, row + j)
+        if drafts:
+            self.matcher.rollback(len(drafts))
 
     @property
     def is_stopped(self) -> bool:
@@ -58,15 +86,17 @@ class XgrammarBackend:
     def __init__(self, tokenizer: PreTrainedTokenizerBase, vocab_size: int, eos_token_ids: list[int]):
         info = xgr.TokenizerInfo.from_huggingface(tokenizer, vocab_size=vocab_size, stop_token_ids=eos_token_ids)
         self.compiler = xgr.GrammarCompiler(info, max_threads=1, cache_enabled=False)
+        self.tokenizer = tokenizer
 
     def compile(self, spec: GrammarSpec) -> xgr.CompiledGrammar:
         return self.compiler.compile_grammar(grammar(spec))
 
-    @staticmethod
-    def matcher(compiled: xgr.CompiledGrammar) -> XgrammarMatcher:
-        return XgrammarMatcher(xgr.GrammarMatcher(compiled))
+    def matcher(self, compiled: xgr.CompiledGrammar) -> XgrammarMatcher:
+        return XgrammarMatcher(xgr.GrammarMatcher(compiled), self.tokenizer)
 
     @staticmethod
-    def fill(matchers: list[XgrammarMatcher], bitmask: torch.Tensor) -> None:
-        for i, m in enumerate(matchers):
-            m.matcher.fill_next_token_bitmask(bitmask, i)
+    def fill(rows: list[tuple[XgrammarMatcher, int, list[int]]], bitmask: torch.Tensor) -> None:
+        """For each `(matcher, row, drafts)`: row `row + j` of `bitmask` is what `matcher` allows after
+        `drafts[:j]`."""
+        for m, row, drafts in rows:
+            m.fill_rows(bitmask, row, drafts)

@@ -62,7 +62,7 @@ def test_mask_never_allows_a_token_the_regex_forbids(tokenizer, backend):
     while rows and steps < 40:
         for row in rows:
             row.grammar.compiled.result()
-        mask = manager.bitmask(rows)
+        mask = manager.bitmask([(row, []) for row in rows])
         logits = apply_token_bitmask(torch.randn(len(rows), 384, generator=generator), mask)
         assert mask.rows == list(range(len(rows)))
         for row, row_logits in zip(rows, logits):
@@ -104,7 +104,7 @@ def test_padded_vocabulary_ids_are_never_allowed(tmp_path):
     row = SimpleNamespace(grammar=manager.state(check_constraint(StructuredOutputsParams(regex="(.|\n)*"),
                                                                  "guidance")))
     row.grammar.compiled.result()
-    allowed = apply_token_bitmask(torch.zeros(1, 512), manager.bitmask([row]))[0] > float("-inf")
+    allowed = apply_token_bitmask(torch.zeros(1, 512), manager.bitmask([(row, [])]))[0] > float("-inf")
     assert allowed[:known].any() and not allowed[known:].any()
 
 
@@ -153,7 +153,7 @@ def test_constrained_greedy_is_the_argmax_over_what_the_mask_allows(tied_model, 
         with torch.inference_mode():
             every = model(torch.tensor([prompt + completion.token_ids])).logits[0, len(prompt) - 1:].float()
         for token, logits in zip(completion.token_ids, every):
-            masked = apply_token_bitmask(logits[None], manager.bitmask([row]))[0]
+            masked = apply_token_bitmask(logits[None], manager.bitmask([(row, [])]))[0]
             assert token == masked.argmax().item()
             if masked[logits.argmax()] > float("-inf"):
                 assert token == logits.argmax().item()

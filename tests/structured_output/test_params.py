@@ -68,10 +68,13 @@ def test_valid_constraints_pass(backend):
 
 @pytest.mark.parametrize("options, message", [
     ({"backend": "outlines"}, "backend must be one of"),
-    ({"backend": "auto", "disable_fallback": True}, "must be a dict with one key, 'backend'"),
+    ({"backend": "auto", "disable_fallback": True}, "must be a dict with the keys 'backend'"),
+    ({"jump_forward": "yes"}, r"\['jump_forward'\] must be True or False"),
     ("guidance", "must be a dict"),
 ])
 def test_backend_setting_is_checked(options, message):
     with pytest.raises(ValueError, match=message):
         Config("unused", structured_outputs_config=options)
     assert Config("unused", structured_outputs_config={"backend": "xgrammar"}).structured_outputs_backend == "xgrammar"
+    assert Config("unused").jump_forward and not Config("unused", structured_outputs_config={
+        "jump_forward": False}).jump_forward

@@ -106,6 +106,7 @@ def test_attention_micro_benchmark_times_each_backend_that_runs(tiny_config, tmp
     (["--attention-backend", "flash"], "--attention-backend: unknown flash"),
     (["--attention-micro", "--attention-backend", "flash-attn-4"], "flash-attn-4 needs a CUDA GPU"),
     (["--max-output-len", "5000", "--max-num-batched-tokens", "512"], "must hold the longest request"),
+    (["--jump-forward-compare"], "--jump-forward-compare goes with --structured"),
 ])
 def test_bench_rejects_what_it_cannot_run_before_running_anything(tiny_config, capsys, flags, message):
     with pytest.raises(SystemExit) as error:
