@@ -10,6 +10,67 @@
 #include <vector>
 
 #include "cpu_math.h"
+#include "cpu_ops.h"
+
+// The row kernels, out of line (`cpu_ops.h`): the operators here and `decoder_stack.cpp` run the same machine code.
+namespace nanovllm {
+
+template <typename T>
+__attribute__((noinline)) void rms_norm_row(const T* x, const T* weight, T* out, int64_t n, float eps) {
+  float squares = 0.f;
+#pragma omp simd reduction(+ : squares)
+  for (int64_t i = 0; i < n; ++i) squares += to_float(x[i]) * to_float(x[i]);
+  const float inverse = 1.f / std::sqrt(squares / n + eps);
+#pragma omp simd
+  for (int64_t i = 0; i < n; ++i) out[i] = from_float<T>(to_float(weight[i]) * round_to<T>(to_float(x[i]) * inverse));
+}
+
+template <typename T>
+__attribute__((noinline)) void add_rms_norm_row(const T* x, const T* residual, const T* weight, T* out, T* sum,
+                                                int64_t n, float eps) {
+  for (int64_t i = 0; i < n; ++i) sum[i] = from_float<T>(to_float(x[i]) + to_float(residual[i]));
+  rms_norm_row(sum, weight, out, n, eps);
+}
+
+// cos and sin are rounded to the dtype first and every product and sum is rounded, as the eager code computes them.
+template <typename T>
+__attribute__((noinline)) void rotary_row(const T* in, T* out, const float* cos_sin, int64_t half) {
+  const float* cos = cos_sin;
+  const float* sin = cos_sin + half;
+#pragma omp simd
+  for (int64_t i = 0; i < half; ++i) {
+    const float c = round_to<T>(cos[i]), s = round_to<T>(sin[i]);
+    const float x1 = to_float(in[i]), x2 = to_float(in[i + half]);
+    out[i] = from_float<T>(round_to<T>(x1 * c) - round_to<T>(x2 * s));
+    out[i + half] = from_float<T>(round_to<T>(x2 * c) + round_to<T>(x1 * s));
+  }
+}
+
+template <typename T>
+__attribute__((noinline)) void silu_mul_row(const T* gate, const T* up, T* out, int64_t n) {
+#pragma omp simd
+  for (int64_t i = 0; i < n; ++i) {
+    const float g = to_float(gate[i]);
+    out[i] = from_float<T>(round_to<T>(g / (1.f + exp_clamped(-g))) * to_float(up[i]));
+  }
+}
+
+#define NANOVLLM_ROWS(T)                                                                                   \
+  template void rms_norm_row<T>(const T*, const T*, T*, int64_t, float);                                   \
+  template void add_rms_norm_row<T>(const T*, const T*, const T*, T*, T*, int64_t, float);                 \
+  template void rotary_row<T>(const T*, T*, const float*, int64_t);                                        \
+  template void silu_mul_row<T>(const T*, const T*, T*, int64_t);
+NANOVLLM_ROWS(float)
+NANOVLLM_ROWS(c10::BFloat16)
+NANOVLLM_ROWS(c10::Half)
+#undef NANOVLLM_ROWS
+
+}  // namespace nanovllm
+
+using nanovllm::add_rms_norm_row;
+using nanovllm::rms_norm_row;
+using nanovllm::rotary_row;
+using nanovllm::silu_mul_row;
 
 namespace {
 
@@ -40,16 +101,6 @@ class Rows {
   std::vector<int64_t> sizes_, strides_;
 };
 
-template <typename T>
-void norm_row(const T* x, const T* weight, T* out, int64_t n, float eps) {
-  float squares = 0.f;
-#pragma omp simd reduction(+ : squares)
-  for (int64_t i = 0; i < n; ++i) squares += to_float(x[i]) * to_float(x[i]);
-  const float inverse = 1.f / std::sqrt(squares / n + eps);
-#pragma omp simd
-  for (int64_t i = 0; i < n; ++i) out[i] = from_float<T>(to_float(weight[i]) * round_to<T>(to_float(x[i]) * inverse));
-}
-
 }  // namespace
 
 // weight * x / rms(x) over the last dimension (float32 inside), into a new contiguous tensor.
@@ -62,7 +113,8 @@ at::Tensor rms_norm(at::Tensor x, at::Tensor weight, double eps) {
     const scalar_t* w = weight.data_ptr<scalar_t>();
     scalar_t* dst = out.data_ptr<scalar_t>();
     at::parallel_for(0, rows, grain(n), [&](int64_t begin, int64_t end) {
-      for (int64_t r = begin; r < end; ++r) norm_row(src + index.offset(r), w, dst + r * n, n, static_cast<float>(eps));
+      for (int64_t r = begin; r < end; ++r)
+        rms_norm_row(src + index.offset(r), w, dst + r * n, n, static_cast<float>(eps));
     });
   });
   return out;
@@ -78,11 +130,8 @@ std::tuple<at::Tensor, at::Tensor> add_rms_norm(at::Tensor x, at::Tensor residua
     const scalar_t *a = x.data_ptr<scalar_t>(), *b = residual.data_ptr<scalar_t>(), *w = weight.data_ptr<scalar_t>();
     scalar_t *dst = out.data_ptr<scalar_t>(), *total = sum.data_ptr<scalar_t>();
     at::parallel_for(0, rows, grain(n), [&](int64_t begin, int64_t end) {
-      for (int64_t r = begin; r < end; ++r) {
-        for (int64_t i = 0; i < n; ++i)
-          total[r * n + i] = from_float<scalar_t>(to_float(a[r * n + i]) + to_float(b[r * n + i]));
-        norm_row(total + r * n, w, dst + r * n, n, static_cast<float>(eps));
-      }
+      for (int64_t r = begin; r < end; ++r)
+        add_rms_norm_row(a + r * n, b + r * n, w, dst + r * n, total + r * n, n, static_cast<float>(eps));
     });
   });
   return {out, sum};
@@ -90,8 +139,7 @@ std::tuple<at::Tensor, at::Tensor> add_rms_norm(at::Tensor x, at::Tensor residua
 
 namespace {
 
-// Rotate-half rotary embedding of one `[tokens, heads, head_dim]` tensor into a new contiguous one. cos and sin
-// are rounded to the dtype first and every product and sum is rounded, as the eager code computes them.
+// Rotate-half rotary embedding of one `[tokens, heads, head_dim]` tensor into a new contiguous one.
 template <typename T>
 at::Tensor rotate(const at::Tensor& x, const int64_t* positions, const float* cos_sin) {
   auto out = x.new_empty(x.sizes());
@@ -100,19 +148,8 @@ at::Tensor rotate(const at::Tensor& x, const int64_t* positions, const float* co
   const T* src = x.data_ptr<T>();
   T* dst = out.data_ptr<T>();
   at::parallel_for(0, rows, grain(dim), [&](int64_t begin, int64_t end) {
-    for (int64_t r = begin; r < end; ++r) {
-      const T* in = src + index.offset(r);
-      T* o = dst + r * dim;
-      const float* cos = cos_sin + positions[r / heads] * dim;
-      const float* sin = cos + half;
-#pragma omp simd
-      for (int64_t i = 0; i < half; ++i) {
-        const float c = round_to<T>(cos[i]), s = round_to<T>(sin[i]);
-        const float x1 = to_float(in[i]), x2 = to_float(in[i + half]);
-        o[i] = from_float<T>(round_to<T>(x1 * c) - round_to<T>(x2 * s));
-        o[i + half] = from_float<T>(round_to<T>(x2 * c) + round_to<T>(x1 * s));
-      }
-    }
+    for (int64_t r = begin; r < end; ++r)
+      rotary_row(src + index.offset(r), dst + r * dim, cos_sin + positions[r / heads] * dim, half);
   });
   return out;
 }
@@ -131,19 +168,6 @@ std::tuple<at::Tensor, at::Tensor> apply_rotary(at::Tensor positions, at::Tensor
   });
   return {q_out, k_out};
 }
-
-namespace {
-
-template <typename T>
-void silu_mul_row(const T* gate, const T* up, T* out, int64_t n) {
-#pragma omp simd
-  for (int64_t i = 0; i < n; ++i) {
-    const float g = to_float(gate[i]);
-    out[i] = from_float<T>(round_to<T>(g / (1.f + exp_clamped(-g))) * to_float(up[i]));
-  }
-}
-
-}  // namespace
 
 // silu(gate) * up for x laid out as [gate | up] along the last dimension; silu rounded to the dtype first.
 at::Tensor silu_and_mul(at::Tensor x) {

@@ -28,6 +28,7 @@
 #include <vector>
 
 #include "cpu_math.h"
+#include "cpu_ops.h"
 
 #if defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
 #define NV_AVX2 1
@@ -777,3 +778,19 @@ at::Tensor ggml_linear(at::Tensor x, at::Tensor weight, int64_t qtype, int64_t i
   });
   return out.view(out_sizes);
 }
+
+template <typename T>
+void nanovllm::ggml_matmul(const T* x, int64_t M, int64_t K, const uint8_t* w, int64_t w_stride, int64_t N,
+                           int64_t qtype, int64_t isa, const T* bias, T* out) {
+  if (float_size(qtype)) return float_matmul(qtype, isa, x, M, K, w, w_stride, N, bias, out);
+  Kernel k;
+  TORCH_CHECK(kernel_of(qtype, isa, k), "ggml_matmul: GGML type ", qtype, " is not supported");
+  quantized_matmul(k, x, M, K, w, w_stride, N, bias, out);
+}
+
+template void nanovllm::ggml_matmul<float>(const float*, int64_t, int64_t, const uint8_t*, int64_t, int64_t, int64_t,
+                                           int64_t, const float*, float*);
+template void nanovllm::ggml_matmul<c10::BFloat16>(const c10::BFloat16*, int64_t, int64_t, const uint8_t*, int64_t,
+                                                   int64_t, int64_t, int64_t, const c10::BFloat16*, c10::BFloat16*);
+template void nanovllm::ggml_matmul<c10::Half>(const c10::Half*, int64_t, int64_t, const uint8_t*, int64_t, int64_t,
+                                               int64_t, int64_t, const c10::Half*, c10::Half*);

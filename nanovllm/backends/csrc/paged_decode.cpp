@@ -13,6 +13,7 @@
 #include <vector>
 
 #include "cpu_math.h"
+#include "cpu_ops.h"
 
 constexpr int64_t MAX_HEAD_DIM = 1024;
 
@@ -147,23 +148,41 @@ static void decode_rows(const T* q, const T* k_cache, const T* v_cache, const in
   });
 }
 
+template <typename T>
+void nanovllm::paged_decode_rows(const T* q, const T* k_cache, const T* v_cache, const int32_t* block_tables,
+                                 const int32_t* context_lens, T* out, int64_t rows, int64_t heads, int64_t kv_heads,
+                                 int64_t head_dim, int64_t block_size, int64_t table_width, float scale,
+                                 int64_t window, float softcap) {
+  TORCH_CHECK(head_dim <= MAX_HEAD_DIM, "head_dim above ", MAX_HEAD_DIM);
+  auto run = head_dim == 64 ? decode_rows<T, 64> : head_dim == 128 ? decode_rows<T, 128> : decode_rows<T, 0>;
+  run(q, k_cache, v_cache, block_tables, context_lens, out, rows, heads, kv_heads, head_dim, block_size, table_width,
+      scale, window, softcap);
+}
+
+#define NANOVLLM_PAGED_DECODE(T)                                                                                  \
+  template void nanovllm::paged_decode_rows<T>(const T*, const T*, const T*, const int32_t*, const int32_t*, T*, \
+                                               int64_t, int64_t, int64_t, int64_t, int64_t, int64_t, float,     \
+                                               int64_t, float);
+NANOVLLM_PAGED_DECODE(float)
+NANOVLLM_PAGED_DECODE(c10::BFloat16)
+NANOVLLM_PAGED_DECODE(c10::Half)
+#undef NANOVLLM_PAGED_DECODE
+
 at::Tensor paged_decode(at::Tensor q, at::Tensor k_cache, at::Tensor v_cache, at::Tensor block_tables,
                         at::Tensor context_lens, double scale, int64_t window, double softcap) {
   TORCH_CHECK(q.dim() == 3 && k_cache.dim() == 4 && v_cache.sizes() == k_cache.sizes(), "bad shapes");
   TORCH_CHECK(k_cache.is_contiguous() && v_cache.is_contiguous(), "the caches must be contiguous");
   TORCH_CHECK(q.scalar_type() == k_cache.scalar_type(), "q and the caches must share a dtype");
-  TORCH_CHECK(q.size(2) <= MAX_HEAD_DIM, "head_dim above ", MAX_HEAD_DIM);
   q = q.contiguous();
   block_tables = block_tables.to(at::kInt).contiguous();
   context_lens = context_lens.to(at::kInt).contiguous();
   auto out = q.new_zeros(q.sizes());
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, q.scalar_type(), "paged_decode", [&] {
-    auto run = q.size(2) == 64 ? decode_rows<scalar_t, 64> : q.size(2) == 128 ? decode_rows<scalar_t, 128>
-                                                                                 : decode_rows<scalar_t, 0>;
-    run(q.data_ptr<scalar_t>(), k_cache.data_ptr<scalar_t>(), v_cache.data_ptr<scalar_t>(),
-        block_tables.data_ptr<int32_t>(), context_lens.data_ptr<int32_t>(), out.data_ptr<scalar_t>(), q.size(0),
-        q.size(1), k_cache.size(2), q.size(2), k_cache.size(1), block_tables.size(1), static_cast<float>(scale), window,
-        static_cast<float>(softcap));
+    nanovllm::paged_decode_rows(q.data_ptr<scalar_t>(), k_cache.data_ptr<scalar_t>(), v_cache.data_ptr<scalar_t>(),
+                                block_tables.data_ptr<int32_t>(), context_lens.data_ptr<int32_t>(),
+                                out.data_ptr<scalar_t>(), q.size(0), q.size(1), k_cache.size(2), q.size(2),
+                                k_cache.size(1), block_tables.size(1), static_cast<float>(scale), window,
+                                static_cast<float>(softcap));
   });
   return out;
 }

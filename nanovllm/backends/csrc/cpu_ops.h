@@ -1,0 +1,37 @@
+// The CPU kernels' raw-pointer entry points, for C++ callers that chain them without torch operators between
+// (`decoder_stack.cpp`). The torch operators run the same functions, so both compute the same bits. Each is defined
+// for float, c10::BFloat16 and c10::Half; rows are contiguous.
+#pragma once
+#include <c10/util/BFloat16.h>
+#include <c10/util/Half.h>
+
+#include <cstdint>
+
+namespace nanovllm {
+
+// fused_ops.cpp: one row each, on the calling thread.
+template <typename T>  // out = weight * x / rms(x), over n values
+void rms_norm_row(const T* x, const T* weight, T* out, int64_t n, float eps);
+template <typename T>  // sum = x + residual (rounded to T), out = rms_norm(sum)
+void add_rms_norm_row(const T* x, const T* residual, const T* weight, T* out, T* sum, int64_t n, float eps);
+template <typename T>  // rotate-half rotary embedding of one head of `2 * half` values; cos then sin, `half` each
+void rotary_row(const T* in, T* out, const float* cos_sin, int64_t half);
+template <typename T>  // out = silu(gate) * up, n values
+void silu_mul_row(const T* gate, const T* up, T* out, int64_t n);
+
+// paged_decode.cpp: `rows` single queries q [rows, heads, head_dim] against their cached K/V (caches
+// [blocks, block_size, kv_heads, head_dim], row i's blocks in block_tables[i * table_width...]); rows with context
+// length 0 are left as they are. Threads over (row, KV head).
+template <typename T>
+void paged_decode_rows(const T* q, const T* k_cache, const T* v_cache, const int32_t* block_tables,
+                       const int32_t* context_lens, T* out, int64_t rows, int64_t heads, int64_t kv_heads,
+                       int64_t head_dim, int64_t block_size, int64_t table_width, float scale, int64_t window,
+                       float softcap);
+
+// ggml_quant.cpp: out [M, N] = x [M, K] . w [N, K] + bias, w rows `w_stride` bytes apart in GGML type `qtype`,
+// on path `isa`. Threads over the weight rows.
+template <typename T>
+void ggml_matmul(const T* x, int64_t M, int64_t K, const uint8_t* w, int64_t w_stride, int64_t N, int64_t qtype,
+                 int64_t isa, const T* bias, T* out);
+
+}  // namespace nanovllm
