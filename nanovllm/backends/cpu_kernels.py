@@ -33,7 +33,8 @@ from nanovllm.progress import Progress
 logger = logging.getLogger("nanovllm")
 NAME = "nanovllm_cpu_kernels"
 CSRC = Path(__file__).with_name("csrc")
-SOURCES = [CSRC / "module.cpp", CSRC / "paged_decode.cpp", CSRC / "fused_ops.cpp", CSRC / "ggml_quant.cpp"]
+SOURCES = [CSRC / "module.cpp", CSRC / "paged_decode.cpp", CSRC / "fused_ops.cpp", CSRC / "ggml_quant.cpp",
+           CSRC / "decoder_stack.cpp"]
 CFLAGS = ["-O3", "-march=native", "-fopenmp"]
 BUILD_WAIT_S = 600.0
 PROGRESS_EVERY_S = 10.0

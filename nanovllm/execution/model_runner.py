@@ -19,6 +19,7 @@ from nanovllm.layers.attention import Attention
 from nanovllm.layers.fused import set_fused_ops
 from nanovllm.layers.prepack import can_prepack, prepack_linear_weights
 from nanovllm.models import build_model
+from nanovllm.models.cpu_decode import cpu_decoder
 from nanovllm.models.gguf_weights import read_table
 from nanovllm.models.loader import init_dummy_weights, load_model
 from nanovllm.parallel.tensor_parallel import WorkerGroup, started
@@ -84,6 +85,9 @@ class ModelRunner:
             if isinstance(module, Attention):
                 module.backend = self.backend
         self.kv_cache = create_kv_cache(self.model, self.sampler, config, self.device)
+        self.cpu_decoder = None  # decode steps in one C++ call (`nanovllm.models.cpu_decode`)
+        if keep_ggml and not config.enforce_eager:
+            self.cpu_decoder = cpu_decoder(self.model)
         self.governor = None  # tensor-parallel ranks keep their threads: a rank on one thread would hold up the rest
         if not on_gpu and config.tensor_parallel_size == 1 and torch.get_num_threads() > 1:
             self.governor = ThreadGovernor(torch.get_num_threads())
@@ -100,6 +104,7 @@ class ModelRunner:
         if self.governor is not None:
             self.governor.restore()
         self.graphs = None
+        self.cpu_decoder = None
         self.kv_cache = None
         bind_kv_cache(self.model, None)
 
@@ -172,6 +177,8 @@ class ModelRunner:
         replay = self.graphs is not None and ctx.is_decode and ctx.rope_lengths is None
         if replay and self.graphs.fits(input_ids.size(0)):
             hidden_states = self.graphs.run(input_ids, positions, ctx)
+        elif self.cpu_decoder is not None and ctx.is_decode:
+            hidden_states = self.cpu_decoder(input_ids, positions)
         else:
             hidden_states = self.model(input_ids, positions)
         if not ctx.logits_indices.numel():

@@ -202,10 +202,14 @@ class DecoderModel(nn.Module):
                                      for i, (kind, window) in enumerate(zip(types, windows))])
         self.norm = _norm(config, options)
 
-    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
-        hidden_states, residual = self.embed_tokens(input_ids), None
+    def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
+        hidden_states = self.embed_tokens(input_ids)
         if self.embedding_multiplier != 1.0:
             hidden_states = hidden_states * torch.tensor(self.embedding_multiplier, dtype=hidden_states.dtype)
+        return hidden_states
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        hidden_states, residual = self.embed(input_ids), None
         for layer in self.layers:
             hidden_states, residual = layer(positions, hidden_states, residual)
         hidden_states, _ = self.norm(hidden_states, residual)

@@ -1,0 +1,89 @@
+"""Decode steps in one C++ call (`nanovllm.models.cpu_decode`): the same hidden states, bit for bit, as the model run
+layer by layer, at every decode step of a batch; and only for the models whose layers are the standard one."""
+import pytest
+import torch
+from checkpoints import make_checkpoint, make_gguf
+
+from nanovllm import LLM, SamplingParams
+from nanovllm.models.cpu_decode import cpu_decoder
+from nanovllm.quantization.ggml_weight import GGMLTensor, GGMLWeight
+
+pytest.importorskip("gguf")
+Q4_1, F32 = 3, 0
+PROMPTS = [[5, 9, 200, 17], list(range(40, 100)), [300] * 3]
+GREEDY = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
+
+
+@pytest.fixture(scope="module")
+def mixed_gguf(tmp_path_factory) -> str:
+    """A Llama GGUF whose q, k, O and MLP weights are Q4_1 and v float32: its QKV projection is two segments."""
+    source = make_checkpoint(str(tmp_path_factory.mktemp("llama")), family="llama", tie_word_embeddings=False, seed=3)
+    return make_gguf(str(tmp_path_factory.mktemp("gguf") / "mixed.gguf"), source, "", qtype="Q4_1",
+                     quantized=("attn_q", "attn_k", "attn_output", "ffn"))
+
+
+@pytest.fixture(scope="module")
+def qwen2_dir(tmp_path_factory) -> str:
+    """Qwen2: biases on q, k and v."""
+    return make_checkpoint(str(tmp_path_factory.mktemp("qwen2")), family="qwen2", seed=4)
+
+
+def run_both_paths(llm: LLM) -> list[int]:
+    """Generate `PROMPTS` with every decode step computed both ways, asserting the logits are bitwise equal; the
+    number of rows of each decode step."""
+    runner = llm.engine.model_runner
+    fused, rows = runner.cpu_decoder, []
+
+    def both(input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        hidden_states = fused(input_ids, positions)  # both store the same K/V into the same slots
+        expected = runner.model(input_ids, positions)
+        assert torch.equal(runner.model.compute_logits(hidden_states), runner.model.compute_logits(expected))
+        rows.append(input_ids.numel())
+        return hidden_states
+
+    runner.cpu_decoder = both
+    try:
+        llm.generate(PROMPTS, GREEDY, use_tqdm=False)
+    finally:
+        runner.cpu_decoder = fused
+    return rows
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_decode_steps_equal_the_layer_by_layer_path_bitwise(mixed_gguf, dtype):
+    with LLM(mixed_gguf, device="cpu", dtype=dtype, max_model_len=256, kvcache_block_size=16) as llm:
+        model = llm.engine.model_runner.model
+        assert model.model.layers[0].self_attn.qkv_proj.weight.qtypes == [Q4_1, F32]
+        assert run_both_paths(llm) == [len(PROMPTS)] * (GREEDY.max_tokens - 1)  # every decode step, batched
+
+
+def test_biases_and_split_projections_too(qwen2_dir):
+    """quantization="int8" on Qwen2 (biased QKV); then layer 0's QKV split into two segments, whose bias is added
+    after they are joined."""
+    with LLM(qwen2_dir, device="cpu", dtype="bfloat16", max_model_len=256, quantization="int8") as llm:
+        runner = llm.engine.model_runner
+        qkv = runner.model.model.layers[0].self_attn.qkv_proj
+        assert runner.cpu_decoder is not None and qkv.bias is not None
+        run_both_paths(llm)
+        [whole] = qkv.weight.segments
+        halves = [GGMLTensor(whole.data[rows], whole.qtype, whole.in_features) for rows in (slice(0, 40),
+                                                                                             slice(40, None))]
+        qkv.weight = GGMLWeight(halves, qkv.weight.dtype)
+        runner.cpu_decoder = cpu_decoder(runner.model)
+        assert len(qkv.weight.qtypes) == 2 and runner.cpu_decoder is not None
+        run_both_paths(llm)
+
+
+def test_only_standard_layers_over_ggml_weights_take_it(mixed_gguf, tmp_path):
+    """enforce_eager, float weights, and a family with another layer (Qwen3's q/k norms) run layer by layer."""
+    with LLM(mixed_gguf, device="cpu", dtype="float32", max_model_len=256, enforce_eager=True) as llm:
+        assert llm.engine.model_runner.cpu_decoder is None
+    qwen3 = make_checkpoint(str(tmp_path / "qwen3"), family="qwen3", seed=1)
+    for settings in ({}, {"quantization": "int8"}):
+        with LLM(qwen3, device="cpu", dtype="float32", max_model_len=256, **settings) as llm:
+            assert llm.engine.model_runner.cpu_decoder is None
+    llama = make_checkpoint(str(tmp_path / "llama"), family="llama", seed=1)
+    with LLM(llama, device="cpu", dtype="float32", max_model_len=256) as llm:
+        assert llm.engine.model_runner.cpu_decoder is None
+    with LLM(llama, device="cpu", dtype="float32", max_model_len=256, quantization="int4") as llm:
+        assert llm.engine.model_runner.cpu_decoder is not None
