@@ -83,6 +83,17 @@ def ggml_linear(x: torch.Tensor, weight: torch.Tensor, qtype: int, in_features: 
     return F.linear(x, ggml_dequantize(weight, qtype, in_features, x.dtype).to(x.device), bias)
 
 
+def ggml_embedding(weight: torch.Tensor, ids: torch.Tensor, qtype: int, in_features: int,
+                   dtype: torch.dtype) -> torch.Tensor:
+    """Rows `ids` of a quantized weight, dequantized to `dtype` (an embedding lookup `[*ids.shape, in_features]`):
+    gguf-py's values, rounded to `dtype`; on the CPU in the compiled kernels, without numpy's per-call overhead."""
+    kernels = cpu_kernels()
+    if kernels is not None and weight.device.type == "cpu":
+        return kernels.ggml_embedding(weight, ids, qtype, in_features, dtype)
+    rows = weight.index_select(0, ids.flatten())
+    return ggml_dequantize(rows, qtype, in_features, dtype).view(*ids.shape, in_features)
+
+
 def ggml_quantize(weight: torch.Tensor, qtype: int) -> torch.Tensor:
     """A float matrix `[N, K]` as GGML blocks of `qtype` (Q8_0, Q4_0 or Q4_1), round-to-nearest: the uint8
     `[N, row_bytes]` that `ggml_linear` takes, the bytes gguf-py's `gguf.quants.quantize` writes."""

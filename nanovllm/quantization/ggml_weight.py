@@ -9,7 +9,14 @@ type each (a fused projection may join shards of different types, as Q4_K_M file
 import torch
 from torch import nn
 
-from nanovllm.quantization.ggml_ops import BLOCK, ggml_dequantize, ggml_linear, ggml_quantize, row_bytes
+from nanovllm.quantization.ggml_ops import (
+    BLOCK,
+    ggml_dequantize,
+    ggml_embedding,
+    ggml_linear,
+    ggml_quantize,
+    row_bytes,
+)
 
 FLOAT_TYPES = {0: torch.float32, 1: torch.float16, 30: torch.bfloat16}  # GGML type id: torch dtype
 TYPE_NAMES = {0: "F32", 1: "F16", 2: "Q4_0", 3: "Q4_1", 6: "Q5_0", 7: "Q5_1", 8: "Q8_0", 10: "Q2_K", 11: "Q3_K",
@@ -135,5 +142,4 @@ class GGMLWeight(nn.Module):
 
     def embedding(self, ids: torch.Tensor) -> torch.Tensor:
         """Rows `ids` dequantized (an embedding lookup; the weight is one segment, a GGUF token embedding)."""
-        rows = self.segment0.index_select(0, ids.flatten())
-        return ggml_dequantize(rows, self.qtypes[0], self.in_features, self.dtype).view(*ids.shape, self.in_features)
+        return ggml_embedding(self.segment0, ids, self.qtypes[0], self.in_features, self.dtype)

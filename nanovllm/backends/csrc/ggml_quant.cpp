@@ -794,3 +794,74 @@ template void nanovllm::ggml_matmul<c10::BFloat16>(const c10::BFloat16*, int64_t
                                                    int64_t, int64_t, int64_t, const c10::BFloat16*, c10::BFloat16*);
 template void nanovllm::ggml_matmul<c10::Half>(const c10::Half*, int64_t, int64_t, const uint8_t*, int64_t, int64_t,
                                                int64_t, int64_t, const c10::Half*, c10::Half*);
+
+namespace {
+
+// Row `row` of K values as gguf-py's numpy dequantizer computes it: a * v, plus the offset b for the types that have
+// one (`offset`), in float32, then rounded to T.
+template <class Q, typename T>
+void dequantize_row(const uint8_t* row, int64_t K, bool offset, T* out) {
+  int8_t v[Q::kValues];
+  float a[Q::kValues / 16], b[Q::kValues / 16];
+  for (int64_t i = 0; i < K / Q::kValues; ++i) {
+    Q::decode(row + i * Q::kBytes, v, a, b);
+    for (int j = 0; j < Q::kValues; ++j) {
+      const float w = a[j / 16] * static_cast<float>(v[j]);
+      out[i * Q::kValues + j] = from_float<T>(offset ? w + b[j / 16] : w);
+    }
+  }
+}
+
+template <typename W, typename T>
+void convert_row(const uint8_t* row, int64_t K, T* out) {
+  const W* w = reinterpret_cast<const W*>(row);
+  for (int64_t i = 0; i < K; ++i) out[i] = from_float<T>(to_float(w[i]));
+}
+
+template <typename T>
+void dequantize_rows(const uint8_t* w, int64_t w_stride, const int64_t* ids, int64_t n, int64_t K, int64_t qtype,
+                     T* out) {
+  const bool offset = qtype == 3 || qtype == 7 || qtype == 10 || qtype == 12 || qtype == 13;  // Q4_1/5_1, Q2/4/5_K
+  for (int64_t r = 0; r < n; ++r) {
+    const uint8_t* row = w + ids[r] * w_stride;
+    T* o = out + r * K;
+    switch (qtype) {
+      case 0: convert_row<float>(row, K, o); break;
+      case 1: convert_row<c10::Half>(row, K, o); break;
+      case 30: convert_row<c10::BFloat16>(row, K, o); break;
+      case 2: dequantize_row<Q4_0>(row, K, offset, o); break;
+      case 3: dequantize_row<Q4_1>(row, K, offset, o); break;
+      case 6: dequantize_row<Q5_0>(row, K, offset, o); break;
+      case 7: dequantize_row<Q5_1>(row, K, offset, o); break;
+      case 8: dequantize_row<Q8_0>(row, K, offset, o); break;
+      case 10: dequantize_row<Q2_K>(row, K, offset, o); break;
+      case 11: dequantize_row<Q3_K>(row, K, offset, o); break;
+      case 12: dequantize_row<Q4_K>(row, K, offset, o); break;
+      case 13: dequantize_row<Q5_K>(row, K, offset, o); break;
+      case 14: dequantize_row<Q6_K>(row, K, offset, o); break;
+      default: TORCH_CHECK(false, "ggml_embedding: GGML type ", qtype, " is not supported");
+    }
+  }
+}
+
+}  // namespace
+
+// Rows `ids` of the weight [rows, row bytes] of GGML type `qtype` (an embedding lookup), dequantized to `dtype`: the
+// values gguf-py's numpy dequantizer gives, rounded to `dtype`.
+at::Tensor ggml_embedding(at::Tensor weight, at::Tensor ids, int64_t qtype, int64_t in_features, at::ScalarType dtype) {
+  TORCH_CHECK(weight.device().is_cpu() && weight.scalar_type() == at::kByte && weight.dim() == 2 &&
+                  weight.stride(1) == 1, "ggml_embedding: the weight must be a uint8 [rows, row_bytes] CPU tensor");
+  auto flat = ids.to(at::kLong).contiguous().view({-1});
+  const int64_t n = flat.numel(), rows = weight.size(0);
+  const int64_t* id = flat.const_data_ptr<int64_t>();
+  for (int64_t r = 0; r < n; ++r)
+    TORCH_CHECK(id[r] >= 0 && id[r] < rows, "ggml_embedding: id ", id[r], " is outside the ", rows, " rows");
+  auto sizes = ids.sizes().vec();
+  sizes.push_back(in_features);
+  auto out = weight.new_empty(sizes, weight.options().dtype(dtype));
+  AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, dtype, "ggml_embedding", [&] {
+    dequantize_rows(weight.const_data_ptr<uint8_t>(), weight.stride(0), id, n, in_features, qtype,
+                    out.data_ptr<scalar_t>());
+  });
+  return out;
+}

@@ -15,6 +15,7 @@ void store_kvcache(at::Tensor k, at::Tensor v, at::Tensor k_cache, at::Tensor v_
 int64_t ggml_isa();
 at::Tensor ggml_linear(at::Tensor x, at::Tensor weight, int64_t qtype, int64_t in_features,
                        std::optional<at::Tensor> bias, int64_t isa);
+at::Tensor ggml_embedding(at::Tensor weight, at::Tensor ids, int64_t qtype, int64_t in_features, at::ScalarType dtype);
 
 TORCH_LIBRARY(nanovllm, m) {
   m.def("paged_decode(Tensor q, Tensor k_cache, Tensor v_cache, Tensor block_tables, Tensor context_lens, "
@@ -29,4 +30,6 @@ TORCH_LIBRARY(nanovllm, m) {
   m.def("ggml_isa() -> int", &ggml_isa);
   m.def("ggml_linear(Tensor x, Tensor weight, int qtype, int in_features, Tensor? bias, int isa) -> Tensor",
         &ggml_linear);
+  m.def("ggml_embedding(Tensor weight, Tensor ids, int qtype, int in_features, ScalarType dtype) -> Tensor",
+        &ggml_embedding);
 }
