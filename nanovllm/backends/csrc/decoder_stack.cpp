@@ -6,6 +6,7 @@
 // the layer-by-layer path's bit for bit; only the tensors between them are gone (one workspace per step).
 // `nanovllm.models.cpu_decode` builds a stack, once at load, for the models whose layers are exactly this one.
 #pragma GCC optimize("fp-contract=off")  // the bias added as torch adds it, not fused into an FMA
+#include <ATen/Parallel.h>
 #include <ATen/core/Tensor.h>
 #include <torch/custom_class.h>
 
@@ -16,6 +17,16 @@
 #include "cpu_ops.h"
 
 namespace {
+
+// fn(m) for rows m of `width` values each: on the calling thread at decode sizes, split over torch's threads for
+// larger batches (from 2^15 values, as `fused_ops.cpp` splits its rows).
+template <typename F>
+void for_rows(int64_t M, int64_t width, const F& fn) {
+  at::parallel_for(0, M, std::max<int64_t>(1, (int64_t{1} << 15) / std::max<int64_t>(width, 1)),
+                   [&](int64_t begin, int64_t end) {
+                     for (int64_t m = begin; m < end; ++m) fn(m);
+                   });
+}
 
 // A linear layer's weight as GGML row segments of one type each, in row order (`GGMLWeight`), and its bias.
 struct GGMLLinear : torch::CustomClassHolder {
@@ -163,22 +174,24 @@ class DecoderStack : public torch::CustomClassHolder {
     const float* cos_sin = cos_sin_.const_data_ptr<float>();
 
     std::memcpy(residual, hidden, M * H * sizeof(T));
-    for (int64_t m = 0; m < M; ++m) nanovllm::rms_norm_row(hidden + m * H, layers_[0].input_norm.const_data_ptr<T>(),
-                                                         normed + m * H, H, eps_);
+    for_rows(M, H, [&](int64_t m) {
+      nanovllm::rms_norm_row(hidden + m * H, layers_[0].input_norm.const_data_ptr<T>(), normed + m * H, H, eps_);
+    });
     for (size_t i = 0; i < layers_.size(); ++i) {
       const Layer& l = layers_[i];
       if (i > 0)
-        for (int64_t m = 0; m < M; ++m)
+        for_rows(M, H, [&](int64_t m) {
           nanovllm::add_rms_norm_row(block_out + m * H, residual + m * H, l.input_norm.const_data_ptr<T>(),
                                      normed + m * H, residual + m * H, H, eps_);
+        });
       l.qkv->run(normed, M, qkv, scratch, isa_);
-      for (int64_t m = 0; m < M; ++m) {
+      for_rows(M, q + kv, [&](int64_t m) {
         const T* row = qkv + m * qkv_width;
         const float* table = cos_sin + positions[m] * D;
         for (int64_t h = 0; h < heads_; ++h) nanovllm::rotary_row(row + h * D, q_rot + m * q + h * D, table, D / 2);
         for (int64_t h = 0; h < kv_heads_; ++h)
           nanovllm::rotary_row(row + q + h * D, k_rot + m * kv + h * D, table, D / 2);
-      }
+      });
       T* k_cache = l.k_cache.data_ptr<T>();
       T* v_cache = l.v_cache.data_ptr<T>();
       for (int64_t m = 0; m < M; ++m) {
@@ -191,18 +204,21 @@ class DecoderStack : public torch::CustomClassHolder {
       nanovllm::paged_decode_rows(q_rot, k_cache, v_cache, tables, context_lens, attn, M, heads_, kv_heads_, D,
                                   l.k_cache.size(1), table_width, scale_, 0, 0.f);
       l.o->run(attn, M, block_out, scratch, isa_);
-      for (int64_t m = 0; m < M; ++m)
+      for_rows(M, H, [&](int64_t m) {
         nanovllm::add_rms_norm_row(block_out + m * H, residual + m * H, l.post_norm.const_data_ptr<T>(),
                                    normed + m * H, residual + m * H, H, eps_);
+      });
       const int64_t width = l.gate_up->out_features, half = width / 2;
       l.gate_up->run(normed, M, gate_up, scratch, isa_);
-      for (int64_t m = 0; m < M; ++m)
+      for_rows(M, width, [&](int64_t m) {
         nanovllm::silu_mul_row(gate_up + m * width, gate_up + m * width + half, act + m * half, half);
+      });
       l.down->run(act, M, block_out, scratch, isa_);
     }
-    for (int64_t m = 0; m < M; ++m)
+    for_rows(M, H, [&](int64_t m) {
       nanovllm::add_rms_norm_row(block_out + m * H, residual + m * H, final_norm_.const_data_ptr<T>(), out + m * H,
                                  residual + m * H, H, eps_);
+    });
   }
 
   int64_t heads_, kv_heads_, head_dim_;
