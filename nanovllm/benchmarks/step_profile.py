@@ -83,6 +83,7 @@ def main(argv: list[str] | None = None) -> dict[str, dict[str, float]]:
     args = p.parse_args(argv)
     if args.threads:
         torch.set_num_threads(args.threads)
+    threads = torch.get_num_threads()  # the engines' thread governor may lower it on a busy machine
     settings = dict(device="cpu", dtype=args.dtype, max_num_seqs=8, max_model_len=args.prompt_tokens +
                     args.output_tokens)
     engines = {"one call": LLM(args.model, **settings), "layer by layer": LLM(args.model, enforce_eager=True,
@@ -98,7 +99,7 @@ def main(argv: list[str] | None = None) -> dict[str, dict[str, float]]:
                 rounds[name].append(result)
     medians = {name: {piece: statistics.median(r[piece] for r in results) for piece in (*PIECES, "step")}
                for name, results in rounds.items()}
-    print(f"batch-1 decode, {torch.get_num_threads()} threads, ms per step (median of {args.rounds} rounds; "
+    print(f"batch-1 decode, {threads} threads, ms per step (median of {args.rounds} rounds; "
           f"{'one call' if engines['one call'].engine.model_runner.cpu_decoder is not None else 'no one-call path'} "
           "for this model)")
     print(markdown_table(["piece", *engines], [[piece, *(f"{medians[name][piece]:.3f}" for name in engines)]
