@@ -122,3 +122,17 @@ def test_q8_0_gguf_runs_in_its_blocks_and_agrees_with_its_dequantized_model(chec
     assert ref_ppl != original_ppl  # the reference is the rounded model, not the original one
     assert abs(ppl / ref_ppl - 1) < 0.02, (ppl, ref_ppl)
     assert sum(a == b for a, b in zip(top1, ref_top1)) >= 0.95 * len(top1)
+
+
+def test_q8_0_experts_split_over_two_ranks_give_one_ranks_tokens(tmp_path):
+    """tensor_parallel_size=2 on a Qwen2-MoE Q8_0 file: every expert's gate/up rows and down inputs (64 wide: one
+    32-value block per rank), the shared expert's too, split across the ranks; the same greedy tokens as one rank."""
+    path = make_checkpoint(str(tmp_path / "moe"), family="qwen2_moe", seed=4, num_experts=4, num_experts_per_tok=2,
+                           moe_intermediate_size=64, shared_expert_intermediate_size=64, norm_topk_prob=False)
+    gguf_path = write_gguf(str(tmp_path / "moe-q8_0.gguf"), path, qtype="Q8_0")
+    with LLM(gguf_path, **SETTINGS) as llm:
+        expected = [o["token_ids"] for o in llm.generate(PROMPTS, GREEDY, use_tqdm=False)]
+    with LLM(gguf_path, tensor_parallel_size=2, **SETTINGS) as llm:
+        assert [o["token_ids"] for o in llm.generate(PROMPTS, GREEDY, use_tqdm=False)] == expected
+        stats = llm.stats()
+    assert stats["num_free_blocks"] == stats["num_blocks"]
