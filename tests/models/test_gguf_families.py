@@ -12,6 +12,7 @@ from gguf_files import write_gguf
 
 from nanovllm import LLM, SamplingParams
 from nanovllm.layers.moe import FusedMoE
+from nanovllm.models.gguf_config import Metadata, gguf_config
 from nanovllm.quantization.ggml_weight import GGMLWeight
 
 MAX_TOKENS = 12
@@ -136,3 +137,28 @@ def test_q8_0_experts_split_over_two_ranks_give_one_ranks_tokens(tmp_path):
         assert [o["token_ids"] for o in llm.generate(PROMPTS, GREEDY, use_tqdm=False)] == expected
         stats = llm.stats()
     assert stats["num_free_blocks"] == stats["num_blocks"]
+
+
+def _metadata(arch: str, **fields) -> Metadata:
+    base = {"context_length": 512, "embedding_length": 64, "block_count": 46, "attention.head_count": 4,
+            "attention.key_length": 32, "feed_forward_length": 128, "attention.layer_norm_rms_epsilon": 1e-6}
+    return Metadata({"general.architecture": arch, **{f"{arch}.{k}": v for k, v in {**base, **fields}.items()}},
+                    {"token_embd.weight": [64, 300]}, f"{arch}.gguf")
+
+
+def test_what_a_file_leaves_out_is_what_llama_cpp_assumes_and_what_it_lacks_is_named():
+    gemma2 = gguf_config(_metadata("gemma2"), {})
+    assert gemma2["sliding_window"] == 4096 and gemma2["layer_types"][:3] == ["sliding_attention", "full_attention",
+                                                                             "sliding_attention"]
+    assert gemma2["query_pre_attn_scalar"] == 64 // 4  # 46 layers: the 27B, scaled by hidden / heads
+    gemma3 = gguf_config(_metadata("gemma3", block_count=12, **{"attention.sliding_window": 512}), {})
+    assert gemma3["query_pre_attn_scalar"] == 32 and gemma3["layer_types"].count("full_attention") == 2
+    assert gemma3["layer_types"][5] == gemma3["layer_types"][11] == "full_attention"
+    assert gemma3["rope_parameters"]["sliding_attention"]["rope_theta"] == 10000.0
+    assert gguf_config(_metadata("qwen3moe", expert_count=8, expert_used_count=2, expert_feed_forward_length=32),
+                       {})["norm_topk_prob"] is True
+    with pytest.raises(ValueError, match=r"granite.gguf: the GGUF metadata lacks granite.attention.scale, which a "
+                                         r"granite model needs"):
+        gguf_config(_metadata("granite"), {})
+    with pytest.raises(ValueError, match=r"llama.gguf: rope scaling 'yarn' in GGUF files is not supported"):
+        gguf_config(_metadata("llama", **{"rope.scaling.type": "yarn", "rope.scaling.factor": 4.0}), {})
