@@ -34,7 +34,9 @@ CASES = {
     "gemma": ("gemma", dict(family="gemma", tie_word_embeddings=True)),
     "gemma2": ("gemma2", dict(family="gemma2", tie_word_embeddings=True, query_pre_attn_scalar=16)),
     "gemma3": ("gemma3", dict(family="gemma3", tie_word_embeddings=True, query_pre_attn_scalar=16,
-                              sliding_window_pattern=6, num_hidden_layers=7, vocab_size=300)),
+                              sliding_window_pattern=6, num_hidden_layers=7, vocab_size=300, hub_config={
+                                  "rope_theta": 1e6, "rope_local_base_freq": 1e4,
+                                  "rope_scaling": {"rope_type": "linear", "factor": 4.0}})),
     "phi3": ("phi3", dict(family="phi3", tie_word_embeddings=False)),
     "phi3_longrope": ("phi3", dict(family="phi3", max_position_embeddings=256, sliding_window=None, hub_config={
         "original_max_position_embeddings": 32, "rope_scaling": LONGROPE})),
