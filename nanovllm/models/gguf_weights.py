@@ -47,7 +47,7 @@ TENSORS = "tensors.json"  # the tensor table's file in the metadata directory
 INPUT_SPLIT = ("attn_output", "ffn_down", "ffn_down_exps", "ffn_down_shexp")
 
 
-def hf_name(name: str, architecture: str = "llama") -> str | None:
+def hf_name(name: str, architecture: str) -> str | None:
     """The Hugging Face parameter name of GGUF tensor `name` in a file of `architecture` ("blk.3.attn_q.weight" ->
     "model.layers.3.self_attn.q_proj.weight"; an expert tensor's with "{expert}" in place of the expert's index, a
     fused q/k/v's with "{qkv}" for q_proj, k_proj and v_proj), or None for a tensor the models do not have."""

@@ -12,6 +12,7 @@ from gguf_files import write_gguf
 
 from nanovllm import LLM, SamplingParams
 from nanovllm.layers.moe import FusedMoE
+from nanovllm.models.gguf_config import Metadata, gguf_config
 from nanovllm.quantization.ggml_weight import GGMLWeight
 
 MAX_TOKENS = 12
@@ -33,7 +34,9 @@ CASES = {
     "gemma": ("gemma", dict(family="gemma", tie_word_embeddings=True)),
     "gemma2": ("gemma2", dict(family="gemma2", tie_word_embeddings=True, query_pre_attn_scalar=16)),
     "gemma3": ("gemma3", dict(family="gemma3", tie_word_embeddings=True, query_pre_attn_scalar=16,
-                              sliding_window_pattern=6, num_hidden_layers=7, vocab_size=300)),
+                              sliding_window_pattern=6, num_hidden_layers=7, vocab_size=300, hub_config={
+                                  "rope_theta": 1e6, "rope_local_base_freq": 1e4,
+                                  "rope_scaling": {"rope_type": "linear", "factor": 4.0}})),
     "phi3": ("phi3", dict(family="phi3", tie_word_embeddings=False)),
     "phi3_longrope": ("phi3", dict(family="phi3", max_position_embeddings=256, sliding_window=None, hub_config={
         "original_max_position_embeddings": 32, "rope_scaling": LONGROPE})),
@@ -122,3 +125,42 @@ def test_q8_0_gguf_runs_in_its_blocks_and_agrees_with_its_dequantized_model(chec
     assert ref_ppl != original_ppl  # the reference is the rounded model, not the original one
     assert abs(ppl / ref_ppl - 1) < 0.02, (ppl, ref_ppl)
     assert sum(a == b for a, b in zip(top1, ref_top1)) >= 0.95 * len(top1)
+
+
+def test_q8_0_experts_split_over_two_ranks_give_one_ranks_tokens(tmp_path):
+    """tensor_parallel_size=2 on a Qwen2-MoE Q8_0 file: every expert's gate/up rows and down inputs (64 wide: one
+    32-value block per rank), the shared expert's too, split across the ranks; the same greedy tokens as one rank."""
+    path = make_checkpoint(str(tmp_path / "moe"), family="qwen2_moe", seed=4, num_experts=4, num_experts_per_tok=2,
+                           moe_intermediate_size=64, shared_expert_intermediate_size=64, norm_topk_prob=False)
+    gguf_path = write_gguf(str(tmp_path / "moe-q8_0.gguf"), path, qtype="Q8_0")
+    with LLM(gguf_path, **SETTINGS) as llm:
+        expected = [o["token_ids"] for o in llm.generate(PROMPTS, GREEDY, use_tqdm=False)]
+    with LLM(gguf_path, tensor_parallel_size=2, **SETTINGS) as llm:
+        assert [o["token_ids"] for o in llm.generate(PROMPTS, GREEDY, use_tqdm=False)] == expected
+        stats = llm.stats()
+    assert stats["num_free_blocks"] == stats["num_blocks"]
+
+
+def _metadata(arch: str, **fields) -> Metadata:
+    base = {"context_length": 512, "embedding_length": 64, "block_count": 46, "attention.head_count": 4,
+            "attention.key_length": 32, "feed_forward_length": 128, "attention.layer_norm_rms_epsilon": 1e-6}
+    return Metadata({"general.architecture": arch, **{f"{arch}.{k}": v for k, v in {**base, **fields}.items()}},
+                    {"token_embd.weight": [64, 300]}, f"{arch}.gguf")
+
+
+def test_what_a_file_leaves_out_is_what_llama_cpp_assumes_and_what_it_lacks_is_named():
+    gemma2 = gguf_config(_metadata("gemma2"), {})
+    assert gemma2["sliding_window"] == 4096 and gemma2["layer_types"][:3] == ["sliding_attention", "full_attention",
+                                                                             "sliding_attention"]
+    assert gemma2["query_pre_attn_scalar"] == 64 // 4  # 46 layers: the 27B, scaled by hidden / heads
+    gemma3 = gguf_config(_metadata("gemma3", block_count=12, **{"attention.sliding_window": 512}), {})
+    assert gemma3["query_pre_attn_scalar"] == 32 and gemma3["layer_types"].count("full_attention") == 2
+    assert gemma3["layer_types"][5] == gemma3["layer_types"][11] == "full_attention"
+    assert gemma3["rope_parameters"]["sliding_attention"]["rope_theta"] == 10000.0
+    assert gguf_config(_metadata("qwen3moe", expert_count=8, expert_used_count=2, expert_feed_forward_length=32),
+                       {})["norm_topk_prob"] is True
+    with pytest.raises(ValueError, match=r"granite.gguf: the GGUF metadata lacks granite.attention.scale, which a "
+                                         r"granite model needs"):
+        gguf_config(_metadata("granite"), {})
+    with pytest.raises(ValueError, match=r"llama.gguf: rope scaling 'yarn' in GGUF files is not supported"):
+        gguf_config(_metadata("llama", **{"rope.scaling.type": "yarn", "rope.scaling.factor": 4.0}), {})
