@@ -133,9 +133,11 @@ def _arithmetic(text: str) -> bool:
     return re.fullmatch(r"[1-9][0-9]{0,3}(( \+ | - | \* )[1-9][0-9]{0,3}){0,3}=[1-9][0-9]{0,3}", text) is not None
 
 
-def json_cases() -> list[Case]:
-    """32 extraction prompts: 8 schemas of different shapes, 4 documents each."""
-    return [Case(f"Extract the information as JSON with this schema: {json.dumps(schema)}\n\nText: {document}",
+def json_cases(label: str = "") -> list[Case]:
+    """32 extraction prompts: 8 schemas of different shapes, 4 documents each. A `label` goes before each document
+    (after the schema, so prompts of one schema still share their opening): runs with labels of their own share
+    no prompt, and an engine's prefix cache cannot carry one run's prompts into the next."""
+    return [Case(f"Extract the information as JSON with this schema: {json.dumps(schema)}\n\nText{label}: {document}",
                  {"json": schema}, schema) for schema, documents in DOCUMENTS for document in documents]
 
 
