@@ -19,7 +19,7 @@ from nanovllm.execution.model_runner import ModelRunner
 from nanovllm.models import kv_sliding_window
 from nanovllm.outputs import RequestOutput, TokenLogprobs
 from nanovllm.sampling_params import SamplingParams
-from nanovllm.spec_decode.proposer import NgramProposer
+from nanovllm.spec_decode.proposer import DraftModelProposer, NgramProposer
 from nanovllm.spec_decode.stats import spec_decode_stats
 from nanovllm.structured_output.backends import check_constraint
 from nanovllm.structured_output.manager import StructuredOutputs
@@ -59,8 +59,10 @@ class LLMEngine(PromptFrontend):
             enable_chunked_prefill=config.enable_chunked_prefill, scheduling_policy=config.scheduling_policy,
             sliding_window=kv_sliding_window(config.hf_config),
             enable_prefix_caching=not self.model_runner.model.rope_needs_lengths))
-        self.proposer = None if config.speculative is None else NgramProposer(config.speculative,
-                                                                               config.max_model_len)
+        self.proposer = None
+        if config.speculative is not None:
+            proposer = DraftModelProposer if config.speculative.method == "draft_model" else NgramProposer
+            self.proposer = proposer(config.speculative, config.max_model_len)
         self.structured = StructuredOutputs(config.structured_outputs_backend, self.tokenizer,
                                             config.hf_config.vocab_size, self.eos_token_ids, config.max_num_seqs,
                                             pin_memory=config.device == "cuda")

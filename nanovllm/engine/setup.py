@@ -69,14 +69,13 @@ def _resolve_speculative(config: Config) -> None:
         return
     config.speculative = replace(spec, step_cost=STEP_COST[config.device])
     if spec.method == "draft_model":
-        config.speculative = replace(config.speculative, draft=_draft_config(config, spec.model, spec.quantization))
+        config.draft = _draft_config(config, spec.model, spec.quantization)
 
 
 def _draft_config(config: Config, draft: str, quantization: str | None) -> Config:
     """The draft model's `Config`: the target's settings (device, dtype, cache blocks, limits) for another model,
     with its own attention backend; a ValueError when it cannot draft for this target: another vocabulary, a shorter
-    context than `max_model_len`, a sliding window wider than the target's (whose released blocks it would read),
-    or tensor parallelism."""
+    context than `max_model_len`, a target that releases blocks outside a sliding window, or tensor parallelism."""
     if config.tensor_parallel_size > 1:
         raise ValueError("speculative_config with a draft model runs with tensor_parallel_size=1 only (use "
                          "data_parallel_size, each replica then runs its own draft, or method 'ngram')")
@@ -90,11 +89,9 @@ def _draft_config(config: Config, draft: str, quantization: str | None) -> Confi
     if draft_config.max_model_len < config.max_model_len:
         raise ValueError(f"the draft model {draft!r} handles {draft_config.max_model_len} tokens, fewer than "
                          f"max_model_len={config.max_model_len}: pass max_model_len={draft_config.max_model_len}")
-    window, draft_window = kv_sliding_window(config.hf_config), kv_sliding_window(draft_config.hf_config)
-    if window and not 0 < draft_window <= window:
-        raise ValueError(f"the target releases KV blocks outside its sliding window of {window} tokens, but the draft "
-                         f"model {draft!r} reads {f'a window of {draft_window}' if draft_window else 'every token'}; "
-                         "use a draft whose window is at most the target's")
+    if kv_sliding_window(config.hf_config):
+        raise ValueError(f"the target {config.model!r} releases KV blocks outside its sliding window, which a draft "
+                         "model's cache shares; a draft model cannot run beside it yet (use method 'ngram')")
     return draft_config
 
 

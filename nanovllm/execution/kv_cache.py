@@ -43,9 +43,8 @@ def kv_cache_shape(config: Config, num_blocks: int) -> tuple[int, ...]:
 def kv_block_bytes(config: Config) -> int:
     """Bytes one block takes on one rank, over every layer, keys and values; with a draft model, its own cache's
     block too (the draft's cache has the same blocks, see `nanovllm.spec_decode.draft_model`)."""
-    draft = config.speculative.draft if config.speculative is not None else None
     own = math.prod(kv_cache_shape(config, 1)) * config.torch_dtype.itemsize
-    return own + (kv_block_bytes(draft) if draft is not None else 0)
+    return own + (kv_block_bytes(config.draft) if config.draft is not None else 0)
 
 
 def cache_slots(block_table: list[int], block_size: int, start: int, end: int) -> list[int]:

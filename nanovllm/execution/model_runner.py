@@ -1,6 +1,6 @@
 import logging
 from collections.abc import Iterable
-from contextlib import nullcontext
+from contextlib import AbstractContextManager, nullcontext
 
 import torch
 
@@ -18,6 +18,7 @@ from nanovllm.execution.sampler import PromptRows, Sampler, SamplerOutput
 from nanovllm.execution.tensors import to_device
 from nanovllm.layers.fused import set_fused_ops
 from nanovllm.parallel.tensor_parallel import WorkerGroup, started
+from nanovllm.spec_decode.draft_model import DraftModel
 from nanovllm.spec_decode.verifier import verify
 from nanovllm.structured_output.bitmask import TokenBitmask
 
@@ -51,7 +52,10 @@ class ModelRunner:
                       cpu_kernels=None if on_gpu else cpu_kernels())
         self.model = load_runner_model(config, self.device, self.backend, log=rank == 0)
         self.sampler = Sampler(hf_config.vocab_size, eos_token_ids, self.device)
+        self.drafter = DraftModel(config.draft, self.device, self._governed) if config.draft is not None else None
         self.kv_cache = create_kv_cache(self.model, self.sampler, config, self.device)
+        if self.drafter is not None:
+            self.drafter.bind(self.kv_cache.num_blocks)
         self.governor = None  # tensor-parallel ranks keep their threads: a rank on one thread would hold up the rest
         if not on_gpu and config.tensor_parallel_size == 1 and torch.get_num_threads() > 1:
             self.governor = ThreadGovernor(torch.get_num_threads())
@@ -70,6 +74,12 @@ class ModelRunner:
         self.graphs = None
         self.kv_cache = None
         bind_kv_cache(self.model, None)
+        if self.drafter is not None:
+            self.drafter.exit()
+
+    def _governed(self) -> AbstractContextManager:
+        """Around a model run: the CPU thread governor's watch, where there is one."""
+        return self.governor.run() if self.governor is not None else nullcontext()
 
     def call(self, method: str, *args):
         """Run `method(*args)` on this rank; on rank 0 also on every worker (tensors travel by broadcast)."""
@@ -144,8 +154,9 @@ class ModelRunner:
         and the token after them, see `nanovllm.spec_decode.verifier`)."""
         if self.rank == 0:
             self.sampler.release(batch.finished_seq_ids)
+        draft_probs = self.drafter.propose(batch, self.sampler) if self.drafter is not None else None
         input_ids, positions, prompt_rows = self.prepare(batch)
-        with self.governor.run() if self.governor is not None else nullcontext():
+        with self._governed():
             logits = self.call("run_model", input_ids, positions)
         reset_context()
         if self.rank != 0:
@@ -153,7 +164,7 @@ class ModelRunner:
         sampling = [(seq, drafts) for seq, drafts, samples in zip(batch.seqs, batch.drafts, batch.samples) if samples]
         num_rows = len(sampling) + sum(len(drafts) for _, drafts in sampling)
         if num_rows > len(sampling):
-            output = verify(self.sampler, logits[:num_rows], sampling, allowed)
+            output = verify(self.sampler, logits[:num_rows], sampling, allowed, draft_probs)
         else:
             output = self.sampler(logits[:num_rows], [seq for seq, _ in sampling], allowed) if sampling \
                 else SamplerOutput([])

@@ -1,9 +1,5 @@
 """`speculative_config`, vLLM's dictionary, checked and turned into plain data before any work."""
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
-
-if TYPE_CHECKING:
-    from nanovllm.config import Config
 
 METHODS = ("ngram", "draft_model")
 KEYS = ("method", "model", "num_speculative_tokens", "prompt_lookup_max", "prompt_lookup_min",
@@ -26,8 +22,7 @@ class SpeculativeConfig:
     weights are quantized at load, so `model` may be the target itself: self-speculation). With
     `disable_by_batch_size` running requests or more, nothing is proposed (None: never, as vLLM); below it, how many
     drafts each request gets is the adaptive rule's call (`nanovllm.spec_decode.proposer`), with `step_cost` the
-    device's step cost model (`STEP_COST`) and `draft` the draft model's resolved settings (both filled in by the
-    engine's setup)."""
+    device's step cost model (`STEP_COST`, filled in by the engine's setup)."""
 
     method: str
     num_speculative_tokens: int
@@ -37,7 +32,6 @@ class SpeculativeConfig:
     disable_by_batch_size: int | None = None
     step_cost: tuple[int, int] = (0, 0)
     quantization: str | None = None
-    draft: "Config | None" = None
 
 
 def _positive(key: str, value, what: str = "a positive integer") -> int:

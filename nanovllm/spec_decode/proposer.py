@@ -57,8 +57,7 @@ class NgramProposer:
         for seq in running:
             seq.spec_token_ids = []
             if enabled and len(seq.token_ids) - seq.num_computed_tokens == 1 and speculates(seq):
-                drafts = ngram_proposal(seq.token_ids, self.spec.prompt_lookup_min, self.spec.prompt_lookup_max,
-                                        self._room(seq))
+                drafts = self._proposal(seq)
                 if drafts:
                     proposals[seq] = drafts
         if not proposals:
@@ -67,9 +66,21 @@ class NgramProposer:
         for seq, count in keep_drafts(proposals, len(running), num_rows, self.spec.step_cost).items():
             seq.spec_token_ids = proposals[seq][:count]
 
+    def _proposal(self, seq: Sequence) -> list[int]:
+        return ngram_proposal(seq.token_ids, self.spec.prompt_lookup_min, self.spec.prompt_lookup_max, self._room(seq))
+
     def _room(self, seq: Sequence) -> int:
         """How many drafts `seq` can use: a step yields at most one token more than it verifies."""
         room = min(self.spec.num_speculative_tokens, self.max_model_len - len(seq.token_ids))
         if seq.params.max_tokens is not None:
             room = min(room, seq.params.max_tokens - seq.num_completion_tokens - 1)
         return max(room, 0)
+
+
+class DraftModelProposer(NgramProposer):
+    """Reserves a draft model's proposals: as many placeholder tokens (0) as `keep_drafts` keeps of the
+    `num_speculative_tokens` a sequence has room for; the model runner's draft model
+    (`nanovllm.spec_decode.draft_model`) replaces them by its tokens once the scheduler has given them KV slots."""
+
+    def _proposal(self, seq: Sequence) -> list[int]:
+        return [0] * self._room(seq)

@@ -15,6 +15,7 @@ FLOORS = [
     ("kernels and layers", ["nanovllm.backends", "nanovllm.quantization", "nanovllm.layers"]),
     ("models and their weights", ["nanovllm.models", "nanovllm.gguf_import"]),
     ("running a model", ["nanovllm.execution", "nanovllm.parallel.tensor_parallel", "nanovllm.spec_decode.verifier",
+                         "nanovllm.spec_decode.draft_model",
                          "nanovllm.structured_output"]),
     ("the engine", ["nanovllm.engine", "nanovllm.spec_decode.draft_check"]),
     ("entry points", ["nanovllm", "nanovllm.llm", "nanovllm.parallel", "nanovllm.ray", "nanovllm.smollm2",
