@@ -16,6 +16,7 @@ from nanovllm.core.stopping import token_finish
 from nanovllm.engine.frontend import CheckedPrompt, Params, Prompt, PromptFrontend
 from nanovllm.engine.request import Completion, Request
 from nanovllm.execution.model_runner import ModelRunner
+from nanovllm.metrics import Metric, metrics_from_stats
 from nanovllm.models import kv_sliding_window
 from nanovllm.outputs import RequestOutput, TokenLogprobs
 from nanovllm.sampling_params import SamplingParams
@@ -280,8 +281,14 @@ class LLMEngine(PromptFrontend):
                  "num_released_blocks": bm.num_released_blocks,
                  "peak_used_blocks": bm.peak_used_blocks}
         if self.proposer is not None:
-            stats.update(spec_decode_stats(s.num_draft_tokens, s.num_accepted_tokens, s.num_spec_rows))
+            k = self.config.speculative.num_speculative_tokens
+            per_position = s.num_accepted_per_position + [0] * (k - len(s.num_accepted_per_position))
+            stats.update(spec_decode_stats(s.num_draft_tokens, s.num_accepted_tokens, s.num_spec_rows, per_position))
         return stats
+
+    def get_metrics(self) -> list[Metric]:
+        """`stats()` as vLLM v1's metrics (see `nanovllm.metrics`)."""
+        return metrics_from_stats(self.stats(), self.config.model)
 
     def _abort_all(self, error: BaseException) -> None:
         """After a step failed: every unfinished request ends as aborted, frees its blocks and carries the error."""

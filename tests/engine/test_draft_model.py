@@ -106,3 +106,31 @@ def test_draft_model_refusals(tied_model, tmp_path):
     mistral = make_family_checkpoint(str(tmp_path / "mistral"), "mistral", tie_word_embeddings=True)
     with pytest.raises(ValueError, match="releases KV blocks outside its sliding window"):
         LLM(mistral, speculative_config=draft_spec(mistral))
+
+
+def test_metrics_are_vllms_and_data_parallel_replicas_recompute_rates(tied_model, small_draft):
+    """get_metrics() names vLLM's speculative decoding counters; with two replicas, each is labelled by its engine
+    and the summed stats' rates come from the summed counters."""
+    from nanovllm.metrics import Counter, Vector
+
+    prompts = grounded_prompts([6, 9, 14, 20], seed=3)
+    for dp in (1, 2):
+        with spec_llm(tied_model, speculative_config=draft_spec(small_draft), data_parallel_size=dp) as llm:
+            assert [o["token_ids"] for o in llm.generate(prompts, GREEDY, use_tqdm=False)] == \
+                hf_greedy(tied_model, prompts, MAX_TOKENS)
+            stats, metrics = llm.stats(), llm.get_metrics()
+        engines = [stats] if dp == 1 else stats["replicas"]
+        assert {m.labels["engine"] for m in metrics} == {str(i) for i in range(dp)}
+        for i, engine in enumerate(engines):
+            mine = {m.name: m for m in metrics if m.labels["engine"] == str(i)}
+            assert isinstance(mine["vllm:spec_decode_num_drafts"], Counter)
+            assert mine["vllm:spec_decode_num_drafts"].value == engine["num_spec_rows"] > 0
+            assert mine["vllm:spec_decode_num_draft_tokens"].value == engine["num_draft_tokens"]
+            accepted, per_position = mine["vllm:spec_decode_num_accepted_tokens"], \
+                mine["vllm:spec_decode_num_accepted_tokens_per_pos"]
+            assert isinstance(per_position, Vector) and len(per_position.values) == 4
+            assert accepted.value == sum(per_position.values) == engine["num_accepted_tokens"]
+            assert per_position.values == sorted(per_position.values, reverse=True)
+        assert stats["num_accepted_tokens"] == sum(e["num_accepted_tokens"] for e in engines) > 0
+        assert stats["spec_acceptance_rate"] == stats["num_accepted_tokens"] / stats["num_draft_tokens"]
+        assert stats["spec_mean_accepted_length"] == 1 + stats["num_accepted_tokens"] / stats["num_spec_rows"]

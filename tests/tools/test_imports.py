@@ -10,7 +10,7 @@ PACKAGE = Path(__file__).resolve().parents[2] / "nanovllm"
 FLOORS = [
     ("bookkeeping, tensor-free", ["nanovllm.sampling_params", "nanovllm.outputs", "nanovllm.core", "nanovllm.config",
                                   "nanovllm.cache", "nanovllm.progress", "nanovllm.parallel.supervisor",
-                                  "nanovllm.spec_decode"]),
+                                  "nanovllm.spec_decode", "nanovllm.metrics"]),
     ("the tensor-parallel group", ["nanovllm.parallel.process_group"]),
     ("kernels and layers", ["nanovllm.backends", "nanovllm.quantization", "nanovllm.layers"]),
     ("models and their weights", ["nanovllm.models", "nanovllm.gguf_import"]),
