@@ -28,3 +28,9 @@ def test_bench_refuses_a_draft_it_cannot_run(flags, message, capsys):
     with pytest.raises(SystemExit):
         bench.parse_args(flags)
     assert message in capsys.readouterr().err
+
+
+def test_bench_chat_workload_needs_a_model_and_no_baseline(tied_model):
+    for flags in (["--workload", "chat"], ["--workload", "chat", "--model", tied_model, "--baseline", "hf"]):
+        with pytest.raises(SystemExit):
+            bench.parse_args(flags)
