@@ -38,21 +38,17 @@ def verify(sampler: Sampler, logits: torch.Tensor, rows: list[tuple[Sequence, li
     sampled = [i for i, (seq, _) in enumerate(rows) if draft_probs and seq.seq_id in draft_probs]
     if not sampled:
         return _verify_point_masses(sampler, logits, rows, allowed)
+    point = [i for i in range(len(rows)) if i not in sampled]
     first_rows = list(accumulate((1 + len(drafts) for _, drafts in rows), initial=0))
-    parts = [[i for i in range(len(rows)) if i not in sampled], sampled]
-    outputs = []
-    for part in parts:
-        index = torch.tensor([r for i in part for r in range(first_rows[i], first_rows[i + 1])], dtype=torch.int64,
-                             device=logits.device)
-        subset = [rows[i] for i in part]
-        if part is sampled:
-            outputs.append(_verify_distributions(sampler, logits[index], subset, draft_probs))
-        elif part:
-            mask = None if allowed is None else replace(allowed, rows=[part.index(i) for i in allowed.rows])
-            outputs.append(_verify_point_masses(sampler, logits[index], subset, mask))
-        else:
-            outputs.append(SamplerOutput([], None, num_accepted=[]))
-    return _merge(parts, outputs)
+
+    def logits_of(part: list[int]) -> torch.Tensor:
+        return logits[[r for i in part for r in range(first_rows[i], first_rows[i + 1])]]
+
+    outputs = [_verify_distributions(sampler, logits_of(sampled), [rows[i] for i in sampled], draft_probs)]
+    if point:
+        mask = None if allowed is None else replace(allowed, rows=[point.index(i) for i in allowed.rows])
+        outputs.append(_verify_point_masses(sampler, logits_of(point), [rows[i] for i in point], mask))
+    return _merge([sampled, point], outputs)
 
 
 def _merge(parts: list[list[int]], outputs: list[SamplerOutput]) -> SamplerOutput:

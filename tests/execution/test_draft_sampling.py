@@ -4,6 +4,7 @@ statistics against bounds that chance exceeds with probability about 1e-5 (seede
 import math
 import random
 
+import pytest
 import torch
 from test_spec_verifier import P, chi_square, chi_square_bound, peaked_model, two_sample_chi_square  # noqa: F401
 
@@ -56,3 +57,24 @@ def test_first_tokens_have_the_same_distribution_with_and_without_a_draft_model(
     for position in (1, 2):
         statistic, df = two_sample_chi_square(*([t[position] for t in samples[side]] for side in (True, False)))
         assert df >= 5 and statistic < chi_square_bound(df)
+
+
+def test_a_mixed_batch_keeps_each_rows_rule_order_and_logprobs():
+    """Point-mass and sampled drafts in one batch: each sequence gets its own rule's tokens, in batch order, with
+    the raw logprobs of the tokens it emitted."""
+    torch.manual_seed(3)
+    sampler = Sampler(len(P[0]), eos_token_ids=[], device="cpu")
+    greedy = Sequence(0, [0, 1], 16, SamplingParams(temperature=0, logprobs=2))
+    sampled = Sequence(1, [0, 1], 16, SamplingParams(temperature=1.0, logprobs=1))
+    plain = Sequence(2, [0, 1], 16, SamplingParams(temperature=0))
+    logits = torch.stack([p.log() for p in P])
+    rows = [(greedy, [0, 1]), (sampled, [1, 3]), (plain, [0, 1])]
+    out = verify(sampler, torch.cat([logits] * 3), rows, draft_probs={1: torch.stack(Q)})
+    accepted = out.num_accepted
+    assert accepted[0] == accepted[2] == 2 and out.token_ids[:3] == out.token_ids[-3:] == [0, 1, 0]
+    mine = out.token_ids[3:3 + accepted[1] + 1]
+    assert mine[:accepted[1]] == [1, 3][:accepted[1]]
+    for position, (token, logprobs) in enumerate(zip(mine, out.logprobs[3:3 + len(mine)])):
+        assert logprobs.logprob == pytest.approx(float(P[position][token].log()), abs=1e-6)
+    assert out.logprobs[0].logprob == pytest.approx(float(P[0][0].log()), abs=1e-6)
+    assert out.logprobs[-1] is None
