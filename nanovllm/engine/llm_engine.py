@@ -61,9 +61,11 @@ class LLMEngine(PromptFrontend):
             sliding_window=kv_sliding_window(config.hf_config),
             enable_prefix_caching=not self.model_runner.model.rope_needs_lengths))
         self.proposer = None
-        if config.speculative is not None:
-            proposer = DraftModelProposer if config.speculative.method == "draft_model" else NgramProposer
-            self.proposer = proposer(config.speculative, config.max_model_len)
+        if config.draft is not None:
+            self.proposer = DraftModelProposer(config.speculative, config.max_model_len,
+                                               self.model_runner.drafter.forward_ratio)
+        elif config.speculative is not None:
+            self.proposer = NgramProposer(config.speculative, config.max_model_len)
         self.structured = StructuredOutputs(config.structured_outputs_backend, self.tokenizer,
                                             config.hf_config.vocab_size, self.eos_token_ids, config.max_num_seqs,
                                             pin_memory=config.device == "cuda")

@@ -1,4 +1,5 @@
 import logging
+import time
 from collections.abc import Iterable
 from contextlib import AbstractContextManager, nullcontext
 
@@ -157,7 +158,10 @@ class ModelRunner:
         draft_probs = self.drafter.propose(batch, self.sampler) if self.drafter is not None else None
         input_ids, positions, prompt_rows = self.prepare(batch)
         with self._governed():
+            started = time.perf_counter()
             logits = self.call("run_model", input_ids, positions)
+        if self.drafter is not None:
+            self.drafter.observe_target(time.perf_counter() - started)
         reset_context()
         if self.rank != 0:
             return None

@@ -15,6 +15,7 @@ Greedy and seeded requests get the draft's most likely token (a point mass, veri
 their output is the same as without speculation); unseeded requests at temperature > 0 get a token sampled from the
 draft's distribution q, kept for the verifier's speculative sampling.
 """
+import time
 from collections.abc import Callable
 from contextlib import AbstractContextManager
 from itertools import accumulate
@@ -31,6 +32,8 @@ from nanovllm.execution.model_loading import load_runner_model
 from nanovllm.execution.sampler import Sampler, SamplingRow
 from nanovllm.execution.sampling_ops import exponential_race
 from nanovllm.execution.tensors import to_device
+
+PRIOR_RATIO = 0.25  # a draft forward's cost in target steps before one was measured
 
 
 def samples_drafts(seq: Sequence) -> bool:
@@ -57,6 +60,8 @@ class DraftModel:
         self.kv_cache = None
         self.computed: dict[int, int] = {}  # seq id -> positions whose draft K/V are in the cache
         self.last_start: dict[int, int] = {}  # seq id -> where its last scheduled chunk started
+        self.ratios: dict[int, float] = {}  # size class of the speculating sequences -> a draft forward / target step
+        self.last_run: tuple[int, int, float] | None = None  # (sequences, forwards, seconds) of the last proposal
 
     def bind(self, num_blocks: int) -> None:
         self.kv_cache = allocate_kv_cache(self.model, self.config, num_blocks, self.device)
@@ -86,7 +91,10 @@ class DraftModel:
             first = min(start, self.computed[seq.seq_id])
             chunks.append((seq, first, seq.token_ids[first:start + 1]))
         probs: dict[int, list[torch.Tensor]] = {}
-        for j in range(max(len(drafts) for _, _, drafts in speculating)):
+        depth = max(len(drafts) for _, _, drafts in speculating)
+        for j in range(depth):
+            if j == 1:
+                started = time.perf_counter()
             if j:
                 chunks = [(seq, start + j, [drafts[j - 1]]) for seq, start, drafts in speculating
                           if len(drafts) > j]
@@ -94,7 +102,29 @@ class DraftModel:
             self._draw(self._forward(chunks), rows, j, sampler, probs)
         for seq, start, drafts in speculating:
             self.computed[seq.seq_id] = start + len(drafts)
+        if depth > 1:  # the first forward also catches up (prompts included): only the others are timed
+            self.last_run = len(speculating), depth - 1, time.perf_counter() - started
         return {seq_id: torch.stack(rows) for seq_id, rows in probs.items()}
+
+    def observe_target(self, seconds: float) -> None:
+        """The target's forward of the step just proposed for took `seconds`: update what a draft forward costs
+        against it, for the size class of the step's speculating sequences (a moving average)."""
+        if self.last_run is None:
+            return
+        (num_seqs, forwards, draft_seconds), self.last_run = self.last_run, None
+        ratio, size = draft_seconds / forwards / max(seconds, 1e-6), num_seqs.bit_length()
+        self.ratios[size] = ratio if size not in self.ratios else 0.7 * self.ratios[size] + 0.3 * ratio
+
+    def forward_ratio(self, num_seqs: int) -> float:
+        """What a draft forward over `num_seqs` sequences costs in target steps: as measured for their size class
+        (sizes within a factor of 2), else an optimistic `PRIOR_RATIO`, so that every size is tried. Each query
+        moves the class's figure 1% towards the prior: a class found too costly to speculate at (so no longer
+        measured) is tried again after some hundred steps, in case the machine was busy."""
+        size = num_seqs.bit_length()
+        if size not in self.ratios:
+            return PRIOR_RATIO
+        self.ratios[size] = 0.99 * self.ratios[size] + 0.01 * PRIOR_RATIO
+        return self.ratios[size]
 
     def _draw(self, logits: torch.Tensor, rows: list[tuple[Sequence, list[int]]], j: int, sampler: Sampler,
               probs: dict[int, list[torch.Tensor]]) -> None:
