@@ -160,3 +160,17 @@ def test_the_draft_models_cost_decides_how_deep_it_drafts():
     for seq in seqs:
         seq.spec_trials, seq.spec_accepted = 40, 10
     assert 0 < max(keep_model_drafts(proposals, 4, 4, (8, 8), 0.05).values()) < 5
+
+
+def test_a_draft_turned_off_by_batch_size_runs_no_forward(tied_model, small_draft, monkeypatch):
+    forwards = []
+    original = DraftModel._forward
+    monkeypatch.setattr(DraftModel, "_forward", lambda self, chunks: forwards.append(len(chunks)) or
+                        original(self, chunks))
+    prompts = random_prompts([8, 9, 10], seed=7)
+    with spec_llm(tied_model, speculative_config=draft_spec(small_draft, disable_by_batch_size=3)) as llm:
+        assert [o["token_ids"] for o in llm.generate(prompts, GREEDY, use_tqdm=False)] == \
+            hf_greedy(tied_model, prompts, MAX_TOKENS)
+        assert llm.stats()["num_draft_tokens"] == 0 and forwards == []
+        llm.generate(prompts[:1], GREEDY, use_tqdm=False)
+        assert llm.stats()["num_draft_tokens"] > 0 and forwards
