@@ -33,7 +33,8 @@ class Config:
     is allocated to what it holds; a value given explicitly is never lowered.
     Worker processes (tensor-parallel ranks, data-parallel replicas) have `worker_start_timeout_s` to start and set
     up their engine; after that a collective waits at most `distributed_timeout_s` for a rank that stopped answering.
-    `speculative_config` is vLLM's dictionary (see `nanovllm.spec_decode.config`), parsed into `speculative`.
+    `speculative_config` is vLLM's dictionary (see `nanovllm.spec_decode.config`), parsed into `speculative`; with a
+    draft model, `draft` is its own resolved `Config`.
     `structured_outputs_config={"backend": ...}` picks the grammar backend of structured outputs, as vLLM's engine
     argument: "auto" (llguidance), "guidance" (llguidance) or "xgrammar" (needs `pip install xgrammar`); its
     `"jump_forward"` (nanovllm's; default True) proposes the tokens a grammar forces as drafts, verified in one step
@@ -66,6 +67,7 @@ class Config:
     quantization: str | None = None
     speculative_config: dict | None = None
     speculative: SpeculativeConfig | None = field(init=False)
+    draft: "Config | None" = field(init=False, default=None, repr=False)
     structured_outputs_config: dict | None = None
     hf_config: "PretrainedConfig" = field(init=False, repr=False)
     gguf_metadata: str | None = field(init=False, default=None)

@@ -28,10 +28,11 @@ TASKS = [
 
 def grounded_prompts(tokenizer: PreTrainedTokenizerBase, num_prompts: int) -> list[list[int]]:
     """`num_prompts` chat prompts cycling through the tasks and passages, as token ids (the model's chat template)."""
-    prompts = []
-    for i in range(num_prompts):
-        task, passage = TASKS[i % len(TASKS)], PASSAGES[i // len(TASKS) % len(PASSAGES)]
-        messages = [{"role": "user", "content": task.format(passage=passage)}]
-        prompts.append(tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True,
-                                                     return_dict=False))
-    return prompts
+    return chat_token_ids(tokenizer, [TASKS[i % len(TASKS)].format(passage=PASSAGES[i // len(TASKS) % len(PASSAGES)])
+                                      for i in range(num_prompts)])
+
+
+def chat_token_ids(tokenizer: PreTrainedTokenizerBase, contents: list[str]) -> list[list[int]]:
+    """Each user message as a one-turn chat prompt's token ids (the model's chat template)."""
+    return [tokenizer.apply_chat_template([{"role": "user", "content": content}], add_generation_prompt=True,
+                                          tokenize=True, return_dict=False) for content in contents]

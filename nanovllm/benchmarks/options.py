@@ -25,6 +25,8 @@ directory or a .gguf file (converted once, see `nanovllm convert`).
     python bench.py --attention-backend triton,flash-attn-4,torch   # one row per backend, same workload
     python bench.py --attention-micro            # decode attention us per call, every backend that runs here
     python bench.py --model DIR --workload grounded --speculative ngram --num-seqs 1   # n-gram speculation, on/off
+    python bench.py --model DIR --workload grounded --speculative DIR --draft-quantization int4 --num-seqs 1
+                                                 # self-speculation with a 4-bit copy (or a smaller draft's DIR/.gguf)
     python bench.py --model SmolLM2.Q4_1.gguf --baseline llamacpp --llamacpp-bin /tmp/llamacpp-bin/bin --threads 2
     python -m nanovllm bench ...                 # the same, from an installed nanovllm
 
@@ -79,12 +81,16 @@ def parse_args(argv: list[str] | None, prog: str | None = None) -> argparse.Name
     p.add_argument("--repeat", type=int, default=1,
                    help="run every row this many times, interleaved (nanovllm, baseline, nanovllm, ...); report "
                         "each row's median")
-    p.add_argument("--workload", choices=["nano-vllm", "vllm-cpu", "grounded"], default="nano-vllm",
+    p.add_argument("--workload", choices=["nano-vllm", "vllm-cpu", "grounded", "chat"], default="nano-vllm",
                    help="'vllm-cpu': the CPU comparison with vLLM (100-512 prompt tokens, 64-256 output, greedy); "
                         "'grounded': chat prompts to repeat, rewrite or annotate a given text (needs --model with a "
-                        "tokenizer; greedy, up to 256 output tokens, ends at EOS); flags given explicitly still win")
+                        "tokenizer; greedy, up to 256 output tokens, ends at EOS); 'chat': open questions, "
+                        "likewise; flags given explicitly still win")
     p.add_argument("--speculative", help="also run every row with speculative decoding: 'ngram' (prompt lookup, "
-                                         "n-grams of 4 down to 2 tokens)")
+                                         "n-grams of 4 down to 2 tokens), or a draft model's directory or .gguf file "
+                                         "(the target's own, with --draft-quantization, for self-speculation)")
+    p.add_argument("--draft-quantization", choices=["int8", "int4"],
+                   help="quantize the --speculative draft model at load")
     p.add_argument("--num-speculative-tokens", type=int, default=5, help="tokens proposed per step (default 5)")
     p.add_argument("--hf-batch-size", type=int, default=32,
                    help="requests per transformers generate call (padded, each group runs to its longest request)")
@@ -153,11 +159,15 @@ def parse_args(argv: list[str] | None, prog: str | None = None) -> argparse.Name
         unknown = [value for value in getattr(args, flag) if value not in choices]
         if unknown:
             p.error(f"--{flag} {unknown} unknown; choose from {sorted(choices)}")
-    if args.speculative not in (None, "ngram"):
-        p.error(f"--speculative must be 'ngram', got {args.speculative!r} (draft models are not supported yet)")
-    if args.workload == "grounded" and (args.model is None or args.baseline != "none"):
-        p.error("--workload grounded needs --model (a model with a tokenizer and a chat template) and no --baseline "
-                "(the baselines run every request to its max_tokens)")
+    if args.speculative not in (None, "ngram") and not (os.path.isdir(args.speculative) or
+                                                        args.speculative.endswith(".gguf") and
+                                                        os.path.isfile(args.speculative)):
+        p.error(f"--speculative must be 'ngram' or a draft model's directory or .gguf file, got {args.speculative!r}")
+    if args.draft_quantization and args.speculative in (None, "ngram"):
+        p.error("--draft-quantization quantizes a draft model: give its directory as --speculative")
+    if args.workload in ("grounded", "chat") and (args.model is None or args.baseline != "none"):
+        p.error(f"--workload {args.workload} needs --model (a model with a tokenizer and a chat template) and no "
+                "--baseline (the baselines run every request to its max_tokens)")
     if not args.request_rate > 0:
         p.error(f"--request-rate must be positive, got {args.request_rate}")
     if args.model is not None and not (os.path.isdir(args.model) or
@@ -177,7 +187,7 @@ def resolve_workload(args: argparse.Namespace, device: str) -> None:
     if args.workload == "vllm-cpu":
         defaults = (32, 100, 512, 64, 256, defaults[-1])
         args.temperature = 0.0
-    if args.workload == "grounded":  # the prompts are given: the input lengths are not used
+    if args.workload in ("grounded", "chat"):  # the prompts are given: the input lengths are not used
         defaults = (defaults[0], 1, 1, 256, 256, defaults[-1])
         args.temperature = 0.0
     for name, default in zip(names, defaults):

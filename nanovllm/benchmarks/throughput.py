@@ -278,7 +278,7 @@ def measure(args: argparse.Namespace, device: str, dtype: torch.dtype, cfg, mode
                                args.kvcache_block_size or Config.kvcache_block_size)
     vllm_python = find_vllm_python(args.vllm_python, device) if args.baseline == "vllm" else None
     conditions = (False, True) if args.compete else (False,)
-    specs = [None] + ([args.speculative] if args.speculative else [])
+    specs = [None] + ([speculation_label(args)] if args.speculative else [])
     runs: dict[Key, list[Measured]] = {key: [] for key in product(names, args.scheduling, args.sampling, conditions,
                                                                   specs)}
     baseline_runs: dict[bool, list[Measured]] = {busy: [] for busy in conditions}
@@ -289,7 +289,7 @@ def measure(args: argparse.Namespace, device: str, dtype: torch.dtype, cfg, mode
                     probe, mem = matmul_peak(device, dtype, seconds=0.5), PeakMemory(device)
                     served = run_engine(model_dir, load_format, requests, args, mem, sampling,
                                         attention_backend=name, enable_chunked_prefill=SCHEDULING[mode],
-                                        speculative_config=speculative_config(spec, args.num_speculative_tokens))
+                                        speculative_config=speculative_config(args) if spec else None)
                     runs[name, mode, sampling, busy, spec].append(Measured(served.seconds, served.tokens, probe,
                                                                            mem.gib, served))
                     gc.collect()
@@ -299,11 +299,20 @@ def measure(args: argparse.Namespace, device: str, dtype: torch.dtype, cfg, mode
     return runs, baseline_runs
 
 
-def speculative_config(spec: str | None, num_speculative_tokens: int) -> dict | None:
-    """The engine's `speculative_config` for `--speculative`."""
-    if spec is None:
-        return None
-    return {"method": "ngram", "num_speculative_tokens": num_speculative_tokens, "prompt_lookup_max": 4,
+def speculation_label(args: argparse.Namespace) -> str:
+    """How rows name `--speculative`: "ngram", or "draft NAME" (with its `--draft-quantization`)."""
+    if args.speculative == "ngram":
+        return "ngram"
+    name = os.path.basename(os.path.normpath(args.speculative))
+    return f"draft {name}" + (f" {args.draft_quantization}" if args.draft_quantization else "")
+
+
+def speculative_config(args: argparse.Namespace) -> dict:
+    """The engine's `speculative_config` for `--speculative` ('ngram' or a draft model)."""
+    if args.speculative != "ngram":
+        return {"model": args.speculative, "num_speculative_tokens": args.num_speculative_tokens,
+                "quantization": args.draft_quantization}
+    return {"method": "ngram", "num_speculative_tokens": args.num_speculative_tokens, "prompt_lookup_max": 4,
             "prompt_lookup_min": 2}
 
 

@@ -6,6 +6,7 @@ from dataclasses import dataclass
 import torch
 from transformers import AutoTokenizer
 
+from nanovllm.benchmarks.chat import chat_prompts
 from nanovllm.benchmarks.grounded import grounded_prompts
 
 
@@ -22,15 +23,17 @@ class Requests:
     def prompt_tokens(self) -> int:
         return sum(map(len, self.prompts))
 
+CHAT_WORKLOADS = {"grounded": grounded_prompts, "chat": chat_prompts}
+
 
 def make_requests(args: argparse.Namespace, vocab_size: int, model_dir: str | None = None) -> Requests:
     """nano-vLLM's workload: token ids uniform in [0, 10000], lengths uniform in the given ranges; or with
-    `--workload grounded` the chat prompts of `nanovllm.benchmarks.grounded` (tokenized by `model_dir`'s tokenizer),
-    ending at EOS."""
+    `--workload grounded` or `chat` the chat prompts of `nanovllm.benchmarks.grounded` or `.chat` (tokenized by
+    `model_dir`'s tokenizer), ending at EOS."""
     rng = random.Random(args.seed)
     top = min(10000, vocab_size - 1)
-    if args.workload == "grounded":
-        prompts = grounded_prompts(AutoTokenizer.from_pretrained(model_dir), args.num_seqs)
+    if args.workload in CHAT_WORKLOADS:
+        prompts = CHAT_WORKLOADS[args.workload](AutoTokenizer.from_pretrained(model_dir), args.num_seqs)
     else:
         prompts = [[rng.randint(0, top) for _ in range(rng.randint(args.min_input_len, args.max_input_len))]
                    for _ in range(args.num_seqs)]
@@ -39,7 +42,7 @@ def make_requests(args: argparse.Namespace, vocab_size: int, model_dir: str | No
     for _ in range(args.num_seqs):
         arrivals.append(t)
         t += rng.expovariate(args.request_rate) if args.request_rate != float("inf") else 0.0
-    return Requests(prompts, max_tokens, arrivals, ignore_eos=args.workload != "grounded")
+    return Requests(prompts, max_tokens, arrivals, ignore_eos=args.workload not in CHAT_WORKLOADS)
 
 
 def count_parameters(model_dir: str) -> int:

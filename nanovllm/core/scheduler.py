@@ -127,6 +127,7 @@ class Scheduler:
         self.num_preemptions = self.num_cached_tokens = 0
         self.num_steps = self.num_chunked_steps = self.num_mixed_steps = 0
         self.num_draft_tokens = self.num_accepted_tokens = self.num_spec_rows = 0
+        self.num_accepted_per_position: list[int] = []  # drafts accepted at each draft position (0: a row's first)
 
     def is_finished(self) -> bool:
         return not self.waiting and not self.running
@@ -260,6 +261,9 @@ class Scheduler:
                 self.num_draft_tokens += len(drafts)
                 self.num_accepted_tokens += n - 1
                 self.num_spec_rows += 1
+                self.num_accepted_per_position += [0] * (n - 1 - len(self.num_accepted_per_position))
+                for position in range(n - 1):
+                    self.num_accepted_per_position[position] += 1
         return sampled
 
     def settle(self, seq: Sequence) -> None:

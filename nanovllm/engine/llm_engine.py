@@ -16,11 +16,12 @@ from nanovllm.core.stopping import token_finish
 from nanovllm.engine.frontend import CheckedPrompt, Params, Prompt, PromptFrontend
 from nanovllm.engine.request import Completion, Request
 from nanovllm.execution.model_runner import ModelRunner
+from nanovllm.metrics import Metric, metrics_from_stats
 from nanovllm.models import kv_sliding_window
 from nanovllm.outputs import RequestOutput, TokenLogprobs
 from nanovllm.sampling_params import SamplingParams
 from nanovllm.spec_decode.grammar_drafts import GrammarDrafts
-from nanovllm.spec_decode.proposer import NgramProposer
+from nanovllm.spec_decode.proposer import DraftModelProposer, NgramProposer
 from nanovllm.spec_decode.stats import spec_decode_stats
 from nanovllm.structured_output.backends import check_constraint
 from nanovllm.structured_output.manager import StructuredOutputs
@@ -60,8 +61,12 @@ class LLMEngine(PromptFrontend):
             enable_chunked_prefill=config.enable_chunked_prefill, scheduling_policy=config.scheduling_policy,
             sliding_window=kv_sliding_window(config.hf_config),
             enable_prefix_caching=not self.model_runner.model.rope_needs_lengths))
-        self.proposer = None if config.speculative is None else NgramProposer(config.speculative,
-                                                                               config.max_model_len)
+        self.proposer = None
+        if config.draft is not None:
+            self.proposer = DraftModelProposer(config.speculative, config.max_model_len,
+                                               self.model_runner.drafter.forward_ratio)
+        elif config.speculative is not None:
+            self.proposer = NgramProposer(config.speculative, config.max_model_len)
         self.grammar_drafts = GrammarDrafts(config.jump_forward, config.max_model_len)
         self.structured = StructuredOutputs(config.structured_outputs_backend, self.tokenizer,
                                             config.hf_config.vocab_size, self.eos_token_ids, config.max_num_seqs,
@@ -282,8 +287,14 @@ class LLMEngine(PromptFrontend):
                  "num_released_blocks": bm.num_released_blocks,
                  "peak_used_blocks": bm.peak_used_blocks}
         if self.proposer is not None or self.config.jump_forward:
-            stats.update(spec_decode_stats(s.num_draft_tokens, s.num_accepted_tokens, s.num_spec_rows))
+            k = self.config.speculative.num_speculative_tokens if self.config.speculative is not None else 0
+            per_position = s.num_accepted_per_position + [0] * (k - len(s.num_accepted_per_position))
+            stats.update(spec_decode_stats(s.num_draft_tokens, s.num_accepted_tokens, s.num_spec_rows, per_position))
         return stats
+
+    def get_metrics(self) -> list[Metric]:
+        """`stats()` as vLLM v1's metrics (see `nanovllm.metrics`)."""
+        return metrics_from_stats(self.stats(), self.config.model)
 
     def _abort_all(self, error: BaseException) -> None:
         """After a step failed: every unfinished request ends as aborted, frees its blocks and carries the error."""

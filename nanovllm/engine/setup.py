@@ -11,7 +11,7 @@ from nanovllm.backends import ATTENTION_BACKENDS, choose_backend
 from nanovllm.config import Config
 from nanovllm.gguf_import import cached_metadata, find_gguf
 from nanovllm.layers.prepack import native_bfloat16
-from nanovllm.models import model_class
+from nanovllm.models import kv_sliding_window, model_class
 from nanovllm.models.gguf_weights import check_table, read_table
 from nanovllm.models.hf_config import head_dim
 from nanovllm.models.loader import find_weight_files
@@ -62,18 +62,37 @@ def resolve_config(model: str | None, settings: dict) -> Config:
 
 
 def _resolve_speculative(config: Config) -> None:
-    """The device's step cost model for the adaptive draft count; a draft model's vocabulary checked against the
-    target's."""
+    """The device's step cost model for the adaptive draft count; a draft model's settings, resolved as the target's
+    are (see `_draft_config`)."""
     spec = config.speculative
     if spec is None:
         return
     config.speculative = replace(spec, step_cost=STEP_COST[config.device])
     if spec.method == "draft_model":
-        gguf = find_gguf(spec.model)
-        draft = str(cached_metadata(gguf)) if gguf else spec.model
-        check_same_vocabulary(config.tokenizer or config.model, config.hf_config, draft, load_hf_config(draft))
-        raise ValueError("speculative_config with a draft model is not implemented yet in nanovllm; use "
-                         "{'method': 'ngram', 'num_speculative_tokens': k}")
+        config.draft = _draft_config(config, spec.model, spec.quantization)
+
+
+def _draft_config(config: Config, draft: str, quantization: str | None) -> Config:
+    """The draft model's `Config`: the target's settings (device, dtype, cache blocks, limits) for another model,
+    with its own attention backend; a ValueError when it cannot draft for this target: another vocabulary, a shorter
+    context than `max_model_len`, a target that releases blocks outside a sliding window, or tensor parallelism."""
+    if config.tensor_parallel_size > 1:
+        raise ValueError("speculative_config with a draft model runs with tensor_parallel_size=1 only (use "
+                         "data_parallel_size, each replica then runs its own draft, or method 'ngram')")
+    settings = {f.name: getattr(config, f.name) for f in fields(Config) if f.init and f.name != "model"}
+    dtype = next(name for name, value in _DTYPES.items() if value == config.torch_dtype)
+    settings.update(speculative_config=None, tokenizer=None, quantization=quantization, attention_backend="auto",
+                    device=config.device, dtype=dtype, max_model_len=config.max_model_len)
+    draft_config = resolve_config(draft, settings)
+    check_same_vocabulary(config.tokenizer or config.model, config.hf_config, draft_config.tokenizer or draft,
+                          draft_config.hf_config)
+    if draft_config.max_model_len < config.max_model_len:
+        raise ValueError(f"the draft model {draft!r} handles {draft_config.max_model_len} tokens, fewer than "
+                         f"max_model_len={config.max_model_len}: pass max_model_len={draft_config.max_model_len}")
+    if kv_sliding_window(config.hf_config):
+        raise ValueError(f"the target {config.model!r} releases KV blocks outside its sliding window, which a draft "
+                         "model's cache shares; a draft model cannot run beside it yet (use method 'ngram')")
+    return draft_config
 
 
 def _resolve_gguf(config: Config, path: str) -> None:

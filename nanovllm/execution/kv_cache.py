@@ -41,8 +41,19 @@ def kv_cache_shape(config: Config, num_blocks: int) -> tuple[int, ...]:
 
 
 def kv_block_bytes(config: Config) -> int:
-    """Bytes one block takes on one rank, over every layer, keys and values."""
-    return math.prod(kv_cache_shape(config, 1)) * config.torch_dtype.itemsize
+    """Bytes one block takes on one rank, over every layer, keys and values; with a draft model, its own cache's
+    block too (the draft's cache has the same blocks, see `nanovllm.spec_decode.draft_model`)."""
+    own = math.prod(kv_cache_shape(config, 1)) * config.torch_dtype.itemsize
+    return own + (kv_block_bytes(config.draft) if config.draft is not None else 0)
+
+
+def cache_slots(block_table: list[int], block_size: int, start: int, end: int) -> list[int]:
+    """Flat cache slots of token positions `start..end-1` of a sequence with this block table."""
+    slots = []
+    for i in range(start // block_size, (end + block_size - 1) // block_size):
+        first = block_table[i] * block_size
+        slots.extend(range(first + max(start - i * block_size, 0), first + min(end - i * block_size, block_size)))
+    return slots
 
 
 def create_kv_cache(model: nn.Module, sampler: Sampler, config: Config, device: torch.device) -> KVCache:
@@ -57,6 +68,11 @@ def create_kv_cache(model: nn.Module, sampler: Sampler, config: Config, device: 
         usable = config.max_num_seqs * config.blocks_per_sequence
         num_blocks = min_over_ranks(min(budget // kv_block_bytes(config), usable), device)
     _fit_max_model_len(config, num_blocks)
+    return allocate_kv_cache(model, config, num_blocks, device)
+
+
+def allocate_kv_cache(model: nn.Module, config: Config, num_blocks: int, device: torch.device) -> KVCache:
+    """A zeroed cache of `num_blocks` blocks shaped for `config`'s model, bound to `model`."""
     tensor = _zeros(kv_cache_shape(config, num_blocks), config.torch_dtype, device)
     bind_kv_cache(model, tensor)
     return KVCache(tensor, num_blocks)

@@ -1,6 +1,7 @@
 import logging
+import time
 from collections.abc import Iterable
-from contextlib import contextmanager, nullcontext
+from contextlib import AbstractContextManager, nullcontext
 
 import torch
 
@@ -12,31 +13,18 @@ from nanovllm.core.scheduler import ScheduledBatch
 from nanovllm.core.sequence import Sequence
 from nanovllm.execution.cpu_threads import ThreadGovernor
 from nanovllm.execution.cuda_graph import DecodeGraphs
-from nanovllm.execution.kv_cache import bind_kv_cache, create_kv_cache
+from nanovllm.execution.kv_cache import bind_kv_cache, cache_slots, create_kv_cache
+from nanovllm.execution.model_loading import load_runner_model
 from nanovllm.execution.sampler import PromptRows, Sampler, SamplerOutput
 from nanovllm.execution.tensors import to_device
-from nanovllm.layers.attention import Attention
 from nanovllm.layers.fused import set_fused_ops
-from nanovllm.layers.prepack import can_prepack, prepack_linear_weights
-from nanovllm.models import build_model
 from nanovllm.models.cpu_decode import cpu_decoder
-from nanovllm.models.gguf_weights import read_table
-from nanovllm.models.loader import init_dummy_weights, load_model
 from nanovllm.parallel.tensor_parallel import WorkerGroup, started
+from nanovllm.spec_decode.draft_model import DraftModel
 from nanovllm.spec_decode.verifier import verify
 from nanovllm.structured_output.bitmask import TokenBitmask
 
 logger = logging.getLogger("nanovllm")
-
-
-@contextmanager
-def default_dtype(dtype: torch.dtype):
-    previous = torch.get_default_dtype()
-    torch.set_default_dtype(dtype)
-    try:
-        yield
-    finally:
-        torch.set_default_dtype(previous)
 
 
 class ModelRunner:
@@ -64,29 +52,14 @@ class ModelRunner:
         self.backend = load_backend(config.attention_backend, Platform.probe(self.device.type))
         set_fused_ops(compiled=on_gpu and not config.enforce_eager and importable("triton"),
                       cpu_kernels=None if on_gpu else cpu_kernels())
-        with default_dtype(config.torch_dtype), self.device:
-            self.model = build_model(hf_config)
-        keep_ggml = not on_gpu and cpu_kernels() is not None
-        if (config.gguf_metadata or config.quantization) and not keep_ggml and rank == 0:
-            why = "on CUDA" if on_gpu else "the compiled CPU kernels are unavailable"
-            logger.warning("nanovllm: %s weights are dequantized to %s at load (%s)",
-                           "GGUF" if config.gguf_metadata else config.quantization,
-                           str(config.torch_dtype).removeprefix("torch."), why)
-        if config.load_format == "dummy":
-            init_dummy_weights(self.model, hf_config, config.seed, config.quantization, keep_ggml)
-        else:
-            table = read_table(config.gguf_metadata) if config.gguf_metadata else None
-            load_model(self.model, config.model, hf_config, table, config.quantization, keep_ggml)
-        self.model.eval()
-        if self.device.type == "cpu" and can_prepack(config.torch_dtype):
-            prepack_linear_weights(self.model)
+        self.model = load_runner_model(config, self.device, self.backend, log=rank == 0)
         self.sampler = Sampler(hf_config.vocab_size, eos_token_ids, self.device)
-        for module in self.model.modules():
-            if isinstance(module, Attention):
-                module.backend = self.backend
+        self.drafter = DraftModel(config.draft, self.device, self._governed) if config.draft is not None else None
         self.kv_cache = create_kv_cache(self.model, self.sampler, config, self.device)
+        if self.drafter is not None:
+            self.drafter.bind(self.kv_cache.num_blocks)
         self.cpu_decoder = None  # decode steps in one C++ call (`nanovllm.models.cpu_decode`)
-        if keep_ggml and not config.enforce_eager:
+        if not on_gpu and cpu_kernels() is not None and not config.enforce_eager:
             self.cpu_decoder = cpu_decoder(self.model)
         self.governor = None  # tensor-parallel ranks keep their threads: a rank on one thread would hold up the rest
         if not on_gpu and config.tensor_parallel_size == 1 and torch.get_num_threads() > 1:
@@ -107,6 +80,12 @@ class ModelRunner:
         self.cpu_decoder = None
         self.kv_cache = None
         bind_kv_cache(self.model, None)
+        if self.drafter is not None:
+            self.drafter.exit()
+
+    def _governed(self) -> AbstractContextManager:
+        """Around a model run: the CPU thread governor's watch, where there is one."""
+        return self.governor.run() if self.governor is not None else nullcontext()
 
     def call(self, method: str, *args):
         """Run `method(*args)` on this rank; on rank 0 also on every worker (tensors travel by broadcast)."""
@@ -122,14 +101,6 @@ class ModelRunner:
     def prepare_block_tables(self, seqs: list[Sequence]) -> torch.Tensor:
         width = max(len(seq.block_table) for seq in seqs)
         return self._tensor([seq.block_table + [-1] * (width - len(seq.block_table)) for seq in seqs], torch.int32)
-
-    def slots(self, block_table: list[int], start: int, end: int) -> list[int]:
-        """Flat cache slots of token positions `start..end-1` of a sequence with this block table."""
-        bs, slots = self.block_size, []
-        for i in range(start // bs, (end + bs - 1) // bs):
-            first = block_table[i] * bs
-            slots.extend(range(first + max(start - i * bs, 0), first + min(end - i * bs, bs)))
-        return slots
 
     def prepare(self, batch: ScheduledBatch) -> tuple[torch.Tensor, torch.Tensor, list[PromptRows]]:
         """Set the attention context for one varlen step (sequence i computes its tokens `starts[i]` to
@@ -148,7 +119,7 @@ class ModelRunner:
             positions.extend(range(start, end))
             if rope_lengths is not None:
                 rope_lengths.extend(max(p + 1, seq.num_prompt_tokens) for p in range(start, end))
-            slot_mapping.extend(self.slots(seq.block_table, start, end))
+            slot_mapping.extend(cache_slots(seq.block_table, self.block_size, start, end))
             if seq.params.prompt_logprobs is not None and start < seq.num_prompt_tokens - 1:
                 scored = range(start, min(end, seq.num_prompt_tokens - 1))  # position p scores prompt token p + 1
                 prompt_rows.append(PromptRows(seq, start, [cu_seqlens_q[-1] + p - start for p in scored]))
@@ -191,16 +162,20 @@ class ModelRunner:
         within `allowed` (structured outputs) at the sampling rows it names."""
         if self.rank == 0:
             self.sampler.release(batch.finished_seq_ids)
+        draft_probs = self.drafter.propose(batch, self.sampler) if self.drafter is not None else None
         input_ids, positions, prompt_rows = self.prepare(batch)
-        with self.governor.run() if self.governor is not None else nullcontext():
+        with self._governed():
+            started = time.perf_counter()
             logits = self.call("run_model", input_ids, positions)
+        if self.drafter is not None:
+            self.drafter.observe_target(time.perf_counter() - started)
         reset_context()
         if self.rank != 0:
             return None
         sampling = [(seq, drafts) for seq, drafts, samples in zip(batch.seqs, batch.drafts, batch.samples) if samples]
         num_rows = len(sampling) + sum(len(drafts) for _, drafts in sampling)
         if num_rows > len(sampling):
-            output = verify(self.sampler, logits[:num_rows], sampling, allowed)
+            output = verify(self.sampler, logits[:num_rows], sampling, allowed, draft_probs)
         else:
             output = self.sampler(logits[:num_rows], [seq for seq, _ in sampling], allowed) if sampling \
                 else SamplerOutput([])

@@ -115,18 +115,35 @@ class Sampler:
             self.output_counts[entries, token_ids[index]] += 1
             for i in penalized:
                 self.counted[seqs[i].seq_id] += 1
-        asked = [i for i, p in enumerate(params) if p.logprobs is not None]
+        return SamplerOutput(token_ids.tolist(), self.logprobs(logits, seqs, token_ids))
+
+    def logprobs(self, logits: torch.Tensor, seqs: Sequence[SamplingRow],
+                 token_ids: torch.Tensor) -> list[TokenLogprobs | None] | None:
+        """Each row's `token_ids` logprobs (and its top ones) where its sequence asked; None when none asked."""
+        asked = [i for i, seq in enumerate(seqs) if seq.params.logprobs is not None]
         if not asked:
-            return SamplerOutput(token_ids.tolist())
+            return None
         index = self._index(asked, len(seqs))
-        counts = [self._num_logprobs(params[i].logprobs) for i in asked]
-        results = token_logprobs(logits[index], token_ids[index], max(counts))
-        token_ids = token_ids.tolist()
+        counts = [self._num_logprobs(seqs[i].params.logprobs) for i in asked]
+        results = token_logprobs(logits[index].float(), token_ids[index], max(counts))
         chosen, ranks, top_ids, top_logprobs = (t.tolist() for t in results)
         logprobs: list[TokenLogprobs | None] = [None] * len(seqs)
         for j, (i, k) in enumerate(zip(asked, counts)):
             logprobs[i] = TokenLogprobs(chosen[j], ranks[j], top_ids[j][:k], top_logprobs[j][:k])
-        return SamplerOutput(token_ids, logprobs)
+        return logprobs
+
+    @torch.inference_mode()
+    def masked(self, logits: torch.Tensor, seqs: Sequence[SamplingRow]) -> torch.Tensor:
+        """Float32 logits with what min_tokens, allowed_token_ids and bad words forbid at -inf (rows without
+        penalties: speculative decoding's draft and verified rows)."""
+        return self._restrict(self._suppress_stop_tokens(logits.float(), seqs), seqs)
+
+    @torch.inference_mode()
+    def probabilities(self, logits: torch.Tensor, seqs: Sequence[SamplingRow]) -> torch.Tensor:
+        """The distribution each row (temperature > 0, no penalties) samples from: `masked`, then temperature,
+        min-p, top-k and top-p as `__call__` applies them."""
+        params = [seq.params for seq in seqs]
+        return self._truncated(self.masked(logits, seqs), params, [False] * len(seqs)).softmax(dim=-1)
 
     @torch.inference_mode()
     def prompt_logprobs(self, logits: torch.Tensor,
@@ -236,6 +253,16 @@ class Sampler:
         greedy = [p.temperature == 0 for p in params]
         if all(greedy):
             return logits.argmax(dim=-1)
+        scaled = self._truncated(logits, params, greedy)
+        generators = {i: self._generator(seq) for i, (seq, g) in enumerate(zip(seqs, greedy))
+                      if not g and seq.params.seed is not None}
+        sampled = exponential_race(scaled.softmax(dim=-1), generators)
+        if not any(greedy):
+            return sampled
+        return torch.where(self._tensor(greedy, torch.bool), logits.argmax(dim=-1), sampled)
+
+    def _truncated(self, logits: torch.Tensor, params: list[SamplingParams], greedy: list[bool]) -> torch.Tensor:
+        """Temperature, then min-p, top-k and top-p, on the rows that are not `greedy`."""
         scaled = logits / self._tensor([p.temperature or 1.0 for p in params], torch.float32).unsqueeze(1)
         min_p = [0.0 if g else p.min_p for p, g in zip(params, greedy)]
         if any(min_p):
@@ -247,12 +274,7 @@ class Sampler:
         if min(top_p) < 1:
             truncated = all(k or g for k, g in zip(top_k, greedy))  # then only max(top_k) tokens per row are left
             scaled = apply_top_p(scaled, self._tensor(top_p, torch.float32), max(top_k) if truncated else None)
-        generators = {i: self._generator(seq) for i, (seq, g) in enumerate(zip(seqs, greedy))
-                      if not g and seq.params.seed is not None}
-        sampled = exponential_race(scaled.softmax(dim=-1), generators)
-        if not any(greedy):
-            return sampled
-        return torch.where(self._tensor(greedy, torch.bool), logits.argmax(dim=-1), sampled)
+        return scaled
 
     def _generator(self, seq: SamplingRow) -> torch.Generator:
         if seq.seq_id not in self.generators:

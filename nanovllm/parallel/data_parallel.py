@@ -28,10 +28,12 @@ from tqdm.auto import tqdm
 from nanovllm.config import Config
 from nanovllm.engine.frontend import CheckedPrompt, Params, Prompt, PromptFrontend
 from nanovllm.engine.llm_engine import LLMEngine, load_tokenizer
+from nanovllm.metrics import Metric, metrics_from_stats
 from nanovllm.outputs import CompletionOutput, RequestOutput
 from nanovllm.parallel.router import PrefixRouter
 from nanovllm.parallel.supervisor import Child, spawn, stop
 from nanovllm.sampling_params import SamplingParams
+from nanovllm.spec_decode.stats import combine_stats
 
 logger = logging.getLogger("nanovllm")
 
@@ -296,8 +298,8 @@ class DataParallelLLM(PromptFrontend):
             return outputs
 
     def stats(self) -> dict:
-        """The replicas' `LLMEngine.stats()` counters summed, and per replica its counters, outstanding work
-        (prompt + max_tokens of its unfinished requests) and requests routed to it."""
+        """The replicas' `LLMEngine.stats()` counters summed (rates recomputed from them), and per replica its
+        counters, outstanding work (prompt + max_tokens of its unfinished requests) and requests routed to it."""
         with self._lock:
             live = [r for r in self.replicas if r.alive]
             for replica in live:
@@ -307,11 +309,13 @@ class DataParallelLLM(PromptFrontend):
                 self._pump(1.0)
             per_replica = [{"replica": r.index, "alive": r.alive, "load": r.load, "num_requests": r.routed,
                             **(r.stats or {})} for r in self.replicas]
-            alive = [r for r in per_replica if r["alive"]]
-            counters = dict.fromkeys(key for r in alive for key in r
-                                     if key.startswith("num_") and key != "num_requests")
-            total = {key: sum(r.get(key, 0) for r in alive) for key in counters}
-            return {**total, "replicas": per_replica}
+            return {**combine_stats([r for r in per_replica if r["alive"]]), "replicas": per_replica}
+
+    def get_metrics(self) -> list[Metric]:
+        """Each live replica's `stats()` as vLLM v1's metrics, labelled with its index as `engine` (as vLLM's data
+        parallelism labels them)."""
+        return [metric for replica in self.stats()["replicas"] if replica["alive"]
+                for metric in metrics_from_stats(replica, self.config.model, replica["replica"])]
 
     def exit(self) -> None:
         """Stop every replica (orderly, then killed after a timeout); safe to call twice."""

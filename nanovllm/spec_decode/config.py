@@ -3,7 +3,8 @@ from dataclasses import dataclass
 
 METHODS = ("ngram", "draft_model")
 KEYS = ("method", "model", "num_speculative_tokens", "prompt_lookup_max", "prompt_lookup_min",
-        "disable_by_batch_size")
+        "disable_by_batch_size", "quantization")
+QUANTIZATIONS = (None, "int8", "int4")
 DEFAULT_PROMPT_LOOKUP = 5  # vLLM's n-gram length when neither bound is given
 # The step cost model of the adaptive draft count, in units of one more row (token) in the forward: a step of B
 # sequences and D drafts costs about fixed + (1 + per_sequence) * B + D: the fixed part reads the weights, each
@@ -16,10 +17,12 @@ STEP_COST = {"cpu": (8, 8), "cuda": (256, 1)}
 @dataclass(frozen=True)
 class SpeculativeConfig:
     """`method` "ngram" proposes the `num_speculative_tokens` tokens that followed the last earlier occurrence of
-    the sequence's final n tokens (n from `prompt_lookup_max` down to `prompt_lookup_min`); "draft_model" would run
-    `model`. With `disable_by_batch_size` running requests or more, nothing is proposed (None: never, as vLLM);
-    below it, how many drafts each request gets is the adaptive rule's call (`nanovllm.spec_decode.proposer`), with
-    `step_cost` the device's step cost model (`STEP_COST`, filled in by the engine's setup)."""
+    the sequence's final n tokens (n from `prompt_lookup_max` down to `prompt_lookup_min`); "draft_model" runs
+    `model` (a directory or a .gguf file with the target's vocabulary; with `quantization` "int8" or "int4" its
+    weights are quantized at load, so `model` may be the target itself: self-speculation). With
+    `disable_by_batch_size` running requests or more, nothing is proposed (None: never, as vLLM); below it, how many
+    drafts each request gets is the adaptive rule's call (`nanovllm.spec_decode.proposer`), with `step_cost` the
+    device's step cost model (`STEP_COST`, filled in by the engine's setup)."""
 
     method: str
     num_speculative_tokens: int
@@ -28,6 +31,7 @@ class SpeculativeConfig:
     model: str | None = None
     disable_by_batch_size: int | None = None
     step_cost: tuple[int, int] = (0, 0)
+    quantization: str | None = None
 
 
 def _positive(key: str, value, what: str = "a positive integer") -> int:
@@ -59,13 +63,19 @@ def parse_speculative_config(spec: dict | None) -> SpeculativeConfig | None:
         disable = _positive("disable_by_batch_size", disable, "a positive integer or None")
     if method == "draft_model":
         if not isinstance(model, str) or not model:
-            raise ValueError(f"speculative_config['model'] must be the draft model's directory, got {model!r}")
+            raise ValueError(f"speculative_config['model'] must be the draft model's directory or .gguf file, got "
+                             f"{model!r}")
         lookup = [key for key in ("prompt_lookup_max", "prompt_lookup_min") if key in spec]
         if lookup:
             raise ValueError(f"speculative_config {lookup} apply to method 'ngram' only, not to a draft model")
-        return SpeculativeConfig(method, k, model=model, disable_by_batch_size=disable)
-    if model is not None:
-        raise ValueError("speculative_config['model'] is for a draft model; method 'ngram' takes none")
+        quantization = spec.get("quantization")
+        if quantization not in QUANTIZATIONS:
+            raise ValueError(f"speculative_config['quantization'] must be one of {list(QUANTIZATIONS)}, got "
+                             f"{quantization!r}")
+        return SpeculativeConfig(method, k, model=model, disable_by_batch_size=disable, quantization=quantization)
+    if model is not None or spec.get("quantization") is not None:
+        raise ValueError("speculative_config['model'] and 'quantization' are for a draft model; method 'ngram' takes "
+                         "neither")
     high, low = spec.get("prompt_lookup_max"), spec.get("prompt_lookup_min")
     high = _positive("prompt_lookup_max", high) if high is not None else None
     low = _positive("prompt_lookup_min", low) if low is not None else None

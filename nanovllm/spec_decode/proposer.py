@@ -1,5 +1,7 @@
 """What each running sequence proposes before a step (pure bookkeeping: no tensors), and how many of its proposed
 tokens it keeps: the adaptive rule that turns speculation down where it stops paying."""
+from collections.abc import Callable
+
 from nanovllm.core.sequence import Sequence
 from nanovllm.spec_decode.config import SpeculativeConfig
 from nanovllm.spec_decode.ngram import ngram_proposal
@@ -66,12 +68,60 @@ class NgramProposer:
         for seq in running:
             seq.spec_token_ids = []
             if enabled and len(seq.token_ids) - seq.num_computed_tokens == 1 and speculates(seq):
-                drafts = ngram_proposal(seq.token_ids, self.spec.prompt_lookup_min, self.spec.prompt_lookup_max,
-                                        draft_room(seq, self.spec.num_speculative_tokens, self.max_model_len))
+                drafts = self._proposal(seq)
                 if drafts:
                     proposals[seq] = drafts
         if not proposals:
             return
         num_rows = sum(len(seq.token_ids) - seq.num_computed_tokens for seq in running)
-        for seq, count in keep_drafts(proposals, len(running), num_rows, self.spec.step_cost).items():
+        for seq, count in self._keep(proposals, len(running), num_rows).items():
             seq.spec_token_ids = proposals[seq][:count]
+
+    def _keep(self, proposals: dict[Sequence, list[int]], num_seqs: int, num_rows: int) -> dict[Sequence, int]:
+        return keep_drafts(proposals, num_seqs, num_rows, self.spec.step_cost)
+
+    def _proposal(self, seq: Sequence) -> list[int]:
+        return ngram_proposal(seq.token_ids, self.spec.prompt_lookup_min, self.spec.prompt_lookup_max,
+                              self._room(seq))
+
+    def _room(self, seq: Sequence) -> int:
+        return draft_room(seq, self.spec.num_speculative_tokens, self.max_model_len)
+
+
+def keep_model_drafts(proposals: dict[Sequence, list[int]], num_seqs: int, num_rows: int,
+                      step_cost: tuple[int, int], forward_ratio: float) -> dict[Sequence, int]:
+    """How many drafts each sequence keeps when a draft model proposes them: the depth d (every sequence keeps up to
+    d) whose step yields the most expected tokens per cost, where the step's cost is the target's (`keep_drafts`'
+    model, each kept draft one more row) times 1 + d x `forward_ratio`, since each of the d draft forwards, which
+    all speculating sequences share, costs `forward_ratio` target steps. Depth 0: no drafts."""
+    fixed, per_sequence = step_cost
+    base = fixed + per_sequence * num_seqs + num_rows
+    best_rate, best_depth = num_seqs / base, 0
+    for depth in range(1, max(map(len, proposals.values())) + 1):
+        kept = {seq: min(depth, len(drafts)) for seq, drafts in proposals.items()}
+        expected = num_seqs + sum(acceptance(seq) ** j for seq, n in kept.items() for j in range(1, n + 1))
+        rate = expected / ((base + sum(kept.values())) * (1 + depth * forward_ratio))
+        if rate > best_rate:
+            best_rate, best_depth = rate, depth
+    return {seq: min(best_depth, len(drafts)) for seq, drafts in proposals.items()}
+
+
+class DraftModelProposer(NgramProposer):
+    """Reserves a draft model's proposals: placeholder tokens (0), as many as `keep_model_drafts` keeps of the
+    `num_speculative_tokens` a sequence has room for; the model runner's draft model
+    (`nanovllm.spec_decode.draft_model`) replaces them by its tokens once the scheduler has given them KV slots.
+    `forward_ratio(n)`: what a draft forward over n sequences costs, in target steps (measured by the draft model)."""
+
+    def __init__(self, spec: SpeculativeConfig, max_model_len: int, forward_ratio: Callable[[int], float]):
+        super().__init__(spec, max_model_len)
+        self.forward_ratio = forward_ratio
+
+    def _proposal(self, seq: Sequence) -> list[int]:
+        """Placeholders, none under a grammar: its drafts are the forced tokens alone
+        (`nanovllm.spec_decode.grammar_drafts`), since the draft model's sampled proposals would need the grammar's
+        mask at every draft step."""
+        return [] if seq.grammar is not None else [0] * self._room(seq)
+
+    def _keep(self, proposals: dict[Sequence, list[int]], num_seqs: int, num_rows: int) -> dict[Sequence, int]:
+        return keep_model_drafts(proposals, num_seqs, num_rows, self.spec.step_cost,
+                                 self.forward_ratio(len(proposals)))

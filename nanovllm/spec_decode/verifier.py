@@ -1,6 +1,7 @@
-"""Verification of proposed tokens (drafts) against the target model, for proposers whose draft is a point mass
-(n-gram lookup proposes one token per position, with probability 1).
+"""Verification of proposed tokens (drafts) against the target model.
 
+Point-mass drafts (n-gram lookup's, a draft model's greedy or seeded proposals: one token per position, with
+probability 1):
 Each verified position is sampled by the ordinary sampler, as if the drafts before it had been accepted (row j of a
 sequence sees its tokens plus its first j drafts: min_tokens, bad words and allowed tokens apply there). Draft j is
 accepted while the token sampled at its position equals it; the first token that differs, or the token after the
@@ -9,7 +10,17 @@ probability p(d), and on rejection the token is drawn from p with d removed and 
 target's distribution, and greedy output is the argmax at every position, as without speculation. A seeded
 sequence's generator is left as if one draw per kept token had been made, so its output is the same with or
 without speculation, and does not depend on its batch mates.
+
+Sampled drafts (a draft model's, for unseeded requests at temperature > 0, with the draft's probabilities q):
+speculative sampling (Leviathan et al., Chen et al.): draft d is accepted with probability min(1, p(d) / q(d)), with
+p and q both as the sampler shapes them (temperature, min-p, top-k, top-p, min_tokens, allowed tokens, bad words);
+the first rejected position draws from max(0, p - q) renormalised, and the position after the last accepted draft
+from p. Each emitted token has the target's distribution.
 """
+from bisect import bisect_right
+from dataclasses import replace
+from itertools import accumulate
+
 import torch
 
 from nanovllm.core.sequence import Sequence
@@ -19,16 +30,103 @@ from nanovllm.structured_output.bitmask import TokenBitmask
 
 
 def verify(sampler: Sampler, logits: torch.Tensor, rows: list[tuple[Sequence, list[int]]],
-           allowed: TokenBitmask | None = None) -> SamplerOutput:
+           allowed: TokenBitmask | None = None, draft_probs: dict[int, torch.Tensor] | None = None) -> SamplerOutput:
     """`logits` holds `len(drafts) + 1` consecutive rows per `(seq, drafts)` in `rows`: the positions of its last
     token and of each draft. Returns each sequence's accepted drafts and the token after them (see the module).
     `allowed` (structured outputs) names the rows of `logits` it masks: a constrained sequence's row j under its
-    grammar after its first j drafts, so each position is sampled as it would be without drafts."""
+    grammar after its first j drafts, so each position is sampled as it would be without drafts. `draft_probs`: per
+    sequence id, the draft's probabilities at each of its drafts (`[len(drafts), vocab]`), for sequences whose drafts
+    were sampled (never constrained ones: the draft model does not propose for them); the others' are point
+    masses."""
+    sampled = [i for i, (seq, _) in enumerate(rows) if draft_probs and seq.seq_id in draft_probs]
+    if not sampled:
+        return _verify_point_masses(sampler, logits, rows, allowed)
+    point = [i for i in range(len(rows)) if i not in sampled]
+    first_rows = list(accumulate((1 + len(drafts) for _, drafts in rows), initial=0))
+
+    def logits_of(part: list[int]) -> torch.Tensor:
+        return logits[[r for i in part for r in range(first_rows[i], first_rows[i + 1])]]
+
+    outputs = [_verify_distributions(sampler, logits_of(sampled), [rows[i] for i in sampled], draft_probs)]
+    if point:
+        mask = None if allowed is None else replace(allowed, rows=_rows_within(point, first_rows, allowed.rows))
+        outputs.append(_verify_point_masses(sampler, logits_of(point), [rows[i] for i in point], mask))
+    return _merge([sampled, point], outputs)
+
+
+def _rows_within(part: list[int], first_rows: list[int], rows: list[int]) -> list[int]:
+    """`rows` of the whole `logits` renumbered as rows of the logits of `part` (sequence indices) alone."""
+    starts = dict(zip(part, accumulate((first_rows[i + 1] - first_rows[i] for i in part), initial=0)))
+    renumbered = []
+    for r in rows:
+        i = bisect_right(first_rows, r) - 1
+        renumbered.append(starts[i] + r - first_rows[i])
+    return renumbered
+
+
+def _merge(parts: list[list[int]], outputs: list[SamplerOutput]) -> SamplerOutput:
+    """One output in `rows` order from the outputs of disjoint parts of it."""
+    per_seq = {}
+    for part, output in zip(parts, outputs):
+        tokens = iter(output.token_ids)
+        logprobs = iter(output.logprobs) if output.logprobs is not None else None
+        for i, accepted in zip(part, output.num_accepted):
+            per_seq[i] = ([next(tokens) for _ in range(accepted + 1)],
+                          [next(logprobs) if logprobs is not None else None for _ in range(accepted + 1)], accepted)
+    token_ids, logprobs, num_accepted = [], [], []
+    for i in sorted(per_seq):
+        token_ids += per_seq[i][0]
+        logprobs += per_seq[i][1]
+        num_accepted.append(per_seq[i][2])
+    asked = any(output.logprobs is not None for output in outputs)
+    return SamplerOutput(token_ids, logprobs if asked else None, num_accepted=num_accepted)
+
+
+def _virtual_rows(rows: list[tuple[Sequence, list[int]]]) -> list[Sequence | SamplingRow]:
+    """What the sampler reads at each verified position: row j of a sequence sees its tokens and first j drafts."""
     virtual: list[Sequence | SamplingRow] = []
     for seq, drafts in rows:
         virtual.append(seq)
         virtual += [SamplingRow(seq.seq_id, seq.params, seq.token_ids + drafts[:j], seq.num_prompt_tokens)
                     for j in range(1, len(drafts) + 1)]
+    return virtual
+
+
+def _verify_distributions(sampler: Sampler, logits: torch.Tensor, rows: list[tuple[Sequence, list[int]]],
+                          draft_probs: dict[int, torch.Tensor]) -> SamplerOutput:
+    """Speculative sampling of sampled drafts (see the module); draws from torch's default generator."""
+    virtual = _virtual_rows(rows)
+    p = sampler.probabilities(logits, virtual)
+    q = torch.cat([draft_probs[seq.seq_id] for seq, _ in rows])
+    first_rows = list(accumulate((1 + len(drafts) for _, drafts in rows), initial=0))
+    draft_rows = [first + j for (_, drafts), first in zip(rows, first_rows) for j in range(len(drafts))]
+    drafted = torch.tensor([d for _, drafts in rows for d in drafts], dtype=torch.int64, device=p.device)
+    ratio = p[draft_rows, drafted] / q[torch.arange(len(drafted), device=p.device), drafted]
+    accepts = iter((torch.rand(len(drafted), device=p.device) < ratio).tolist())
+    num_accepted, final_rows, q_row = [], [], 0
+    for (_, drafts), first in zip(rows, first_rows):
+        verdicts = [next(accepts) for _ in drafts]
+        accepted = verdicts.index(False) if False in verdicts else len(drafts)
+        if accepted < len(drafts):
+            residual = (p[first + accepted] - q[q_row + accepted]).clamp_min_(0)
+            final_rows.append(residual if residual.sum() > 0 else p[first + accepted])
+        else:
+            final_rows.append(p[first + accepted])
+        num_accepted.append(accepted)
+        q_row += len(drafts)
+    finals = exponential_race(torch.stack(final_rows), {}).tolist()
+    token_ids, used = [], []
+    for (_, drafts), first, accepted, final in zip(rows, first_rows, num_accepted, finals):
+        token_ids += drafts[:accepted] + [final]
+        used += range(first, first + accepted + 1)
+    logprobs = sampler.logprobs(logits[used], [virtual[r] for r in used],
+                                torch.tensor(token_ids, dtype=torch.int64, device=logits.device))
+    return SamplerOutput(token_ids, logprobs, num_accepted=num_accepted)
+
+
+def _verify_point_masses(sampler: Sampler, logits: torch.Tensor, rows: list[tuple[Sequence, list[int]]],
+                         allowed: TokenBitmask | None = None) -> SamplerOutput:
+    virtual = _virtual_rows(rows)
     seeded = {seq.seq_id: _state(sampler, seq) for seq, drafts in rows
               if drafts and seq.params.seed is not None and seq.params.temperature > 0}
     sampled = sampler(logits, virtual, allowed)

@@ -118,7 +118,7 @@ def check_every_kind_of_row(block_size: int, heads: int, kv_heads: int, head_dim
 
 def test_bfloat16_weights_are_prepacked_where_the_cpu_runs_bfloat16_natively(tied_model, monkeypatch):
     from nanovllm import SamplingParams
-    from nanovllm.execution import model_runner
+    from nanovllm.execution import model_loading
 
     prompts = [[1, 2, 3, 4, 5], list(range(20, 60))]
     params = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
@@ -126,7 +126,7 @@ def test_bfloat16_weights_are_prepacked_where_the_cpu_runs_bfloat16_natively(tie
         native = native_bfloat16()
         assert all(layer.mlp.down_proj.weight.is_mkldnn == native for layer in llm.model_runner.model.model.layers)
         packed = [o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
-    monkeypatch.setattr(model_runner, "can_prepack", lambda dtype: False)
+    monkeypatch.setattr(model_loading, "can_prepack", lambda dtype: False)
     with LLM(tied_model, device="cpu", dtype="bfloat16") as llm:
         assert not llm.model_runner.model.model.layers[0].mlp.down_proj.weight.is_mkldnn
         assert [o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)] == packed

@@ -132,7 +132,7 @@ def test_penalized_requests_run_without_drafts(tied_model):
     ({"method": "ngram", "num_speculative_tokens": 2, "lookahead": 1}, "unknown speculative_config key(s)"),
     ({"method": "ngram", "num_speculative_tokens": 2, "prompt_lookup_min": 4, "prompt_lookup_max": 2},
      "'prompt_lookup_min'] (4) is larger than 'prompt_lookup_max' (2)"),
-    ({"method": "ngram", "num_speculative_tokens": 2, "model": "x"}, "method 'ngram' takes none"),
+    ({"method": "ngram", "num_speculative_tokens": 2, "model": "x"}, "method 'ngram' takes neither"),
     ({"model": "x", "num_speculative_tokens": 2, "prompt_lookup_max": 3}, "apply to method 'ngram' only"),
     ({"method": "ngram", "num_speculative_tokens": 2, "disable_by_batch_size": -1}, "'disable_by_batch_size'] must be"),
     ("ngram", "speculative_config must be a dict"),

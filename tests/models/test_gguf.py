@@ -18,6 +18,7 @@ from checkpoints import (
     teacher_forced,
 )
 
+import nanovllm.execution.model_loading as model_loading
 import nanovllm.execution.model_runner as model_runner
 from nanovllm import LLM, SamplingParams
 from nanovllm.cache import cache_dir
@@ -162,6 +163,7 @@ def test_a_tokenizer_given_as_vllm_takes_it(gguf_file, llama_dir, tmp_path):
 def test_without_cpu_kernels_gguf_weights_are_dequantized_at_load_and_match_transformers(
         gguf_file, converted, monkeypatch, caplog):
     monkeypatch.setattr(model_runner, "cpu_kernels", lambda: None)
+    monkeypatch.setattr(model_loading, "cpu_kernels", lambda: None)
     expected = hf_greedy(converted, PROMPTS, GREEDY.max_tokens)
     with caplog.at_level(logging.WARNING, "nanovllm"), \
             LLM(gguf_file, device="cpu", dtype="float32", kvcache_block_size=16, max_model_len=256) as llm:

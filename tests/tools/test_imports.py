@@ -10,11 +10,12 @@ PACKAGE = Path(__file__).resolve().parents[2] / "nanovllm"
 FLOORS = [
     ("bookkeeping, tensor-free", ["nanovllm.sampling_params", "nanovllm.outputs", "nanovllm.core", "nanovllm.config",
                                   "nanovllm.cache", "nanovllm.progress", "nanovllm.parallel.supervisor",
-                                  "nanovllm.spec_decode"]),
+                                  "nanovllm.spec_decode", "nanovllm.metrics"]),
     ("the tensor-parallel group", ["nanovllm.parallel.process_group"]),
     ("kernels and layers", ["nanovllm.backends", "nanovllm.quantization", "nanovllm.layers"]),
     ("models and their weights", ["nanovllm.models", "nanovllm.gguf_import"]),
     ("running a model", ["nanovllm.execution", "nanovllm.parallel.tensor_parallel", "nanovllm.spec_decode.verifier",
+                         "nanovllm.spec_decode.draft_model",
                          "nanovllm.structured_output"]),
     ("the engine", ["nanovllm.engine", "nanovllm.spec_decode.draft_check"]),
     ("entry points", ["nanovllm", "nanovllm.llm", "nanovllm.parallel", "nanovllm.ray", "nanovllm.smollm2",

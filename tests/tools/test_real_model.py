@@ -15,6 +15,7 @@ import torch
 from checkpoints import hf_greedy, hf_teacher_forced, teacher_forced
 from test_example import run_example
 
+import nanovllm.execution.model_loading as model_loading
 import nanovllm.execution.model_runner as model_runner
 from nanovllm import LLM, SamplingParams
 from nanovllm.gguf_import import cached_metadata
@@ -90,6 +91,7 @@ def test_perplexity_and_top1_against_transformers_float32_of_the_same_file(llm, 
 
 def test_greedy_matches_transformers_when_dequantized_at_load(smollm2, dequantized, monkeypatch):
     monkeypatch.setattr(model_runner, "cpu_kernels", lambda: None)
+    monkeypatch.setattr(model_loading, "cpu_kernels", lambda: None)
     params = SamplingParams(temperature=0, max_tokens=32)
     with LLM(smollm2, device="cpu", dtype="float32", kvcache_block_size=16, max_model_len=512) as engine:
         prompts = [engine.chat_prompt([{"role": "user", "content": m}]) for m in MESSAGES]

@@ -1,0 +1,49 @@
+"""`LLM.get_metrics()`: the engine's counters as vLLM v1's metric objects (`vllm.v1.metrics.reader`), so code that
+reads vLLM's speculative decoding metrics reads nanovllm's the same way. Each metric carries the labels
+`model_name` and `engine` (the data-parallel replica, "0" without data parallelism)."""
+from dataclasses import dataclass
+
+
+@dataclass
+class Metric:
+    name: str
+    labels: dict[str, str]
+
+
+@dataclass
+class Counter(Metric):
+    """A monotonically increasing integer counter."""
+
+    value: int
+
+
+@dataclass
+class Vector(Metric):
+    """An ordered array of integer counters (vLLM's one: `vllm:spec_decode_num_accepted_tokens_per_pos`)."""
+
+    values: list[int]
+
+
+@dataclass
+class Gauge(Metric):
+    """A numerical value that can go up or down."""
+
+    value: float
+
+
+def metrics_from_stats(stats: dict, model_name: str, engine: int = 0) -> list[Metric]:
+    """One engine's `stats()` as vLLM's metrics: preemptions, prefix cache hits (tokens), KV cache usage, and with
+    speculative decoding the drafts (verification rows), draft tokens, accepted tokens and accepted tokens per
+    draft position."""
+    labels = {"model_name": model_name, "engine": str(engine)}
+    metrics: list[Metric] = [
+        Counter("vllm:num_preemptions", labels, stats["num_preemptions"]),
+        Counter("vllm:prefix_cache_hits", labels, stats["num_cached_tokens"]),
+        Gauge("vllm:kv_cache_usage_perc", labels, 1 - stats["num_free_blocks"] / stats["num_blocks"])]
+    if "num_draft_tokens" in stats:
+        metrics += [Counter("vllm:spec_decode_num_drafts", labels, stats["num_spec_rows"]),
+                    Counter("vllm:spec_decode_num_draft_tokens", labels, stats["num_draft_tokens"]),
+                    Counter("vllm:spec_decode_num_accepted_tokens", labels, stats["num_accepted_tokens"]),
+                    Vector("vllm:spec_decode_num_accepted_tokens_per_pos", labels,
+                           stats["num_accepted_per_position"])]
+    return metrics
