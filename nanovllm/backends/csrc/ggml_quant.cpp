@@ -548,6 +548,18 @@ struct Avx2 {
   static I izero() { return _mm256_setzero_si256(); }
   static I iadd(I a, I b) { return _mm256_add_epi32(a, b); }
   static void storef(float* p, F v) { _mm256_storeu_ps(p, v); }
+  // The sums of 4 products of one weight row's chunk u and an activation chunk q, as 8 int32 (what `reduce` takes)
+  template <bool kSigned>
+  static __m256i dot_row(__m256i u, __m256i q) { return dot<kSigned>(_mm256_setzero_si256(), u, q); }
+  // lane n = the sum of the 8 lanes of p[n], for 8 vectors
+  static I reduce(const __m256i* p) {
+    I t[4], u[2];
+    for (int i = 0; i < 4; ++i)
+      t[i] = _mm256_add_epi32(_mm256_unpacklo_epi32(p[2 * i], p[2 * i + 1]), _mm256_unpackhi_epi32(p[2 * i], p[2 * i + 1]));
+    for (int i = 0; i < 2; ++i)
+      u[i] = _mm256_add_epi32(_mm256_unpacklo_epi64(t[2 * i], t[2 * i + 1]), _mm256_unpackhi_epi64(t[2 * i], t[2 * i + 1]));
+    return _mm256_add_epi32(_mm256_permute2x128_si256(u[0], u[1], 0x20), _mm256_permute2x128_si256(u[0], u[1], 0x31));
+  }
   // out[g] = dword g of each of the 8 rows of 32 bytes at `rows` (32 bytes apart)
   static void transpose(const uint8_t* rows, uint8_t* out) {
     I z[8], t[8], s[8];
@@ -590,6 +602,20 @@ struct Avx512 {
   static I izero() { return _mm512_setzero_si512(); }
   static I iadd(I a, I b) { return _mm512_add_epi32(a, b); }
   static void storef(float* p, F v) { _mm512_storeu_ps(p, v); }
+  template <bool kSigned>
+  static __m256i dot_row(__m256i u, __m256i q) { return _mm256_dpbusd_epi32(_mm256_setzero_si256(), u, q); }
+  static I reduce(const __m256i* p) {  // 16 vectors; rows n and n + 8 share a register until the last step
+    I z[8], t[4], u[2];
+    for (int i = 0; i < 8; ++i) z[i] = _mm512_inserti64x4(_mm512_castsi256_si512(p[i]), p[i + 8], 1);
+    for (int i = 0; i < 4; ++i)
+      t[i] = _mm512_add_epi32(_mm512_unpacklo_epi32(z[2 * i], z[2 * i + 1]), _mm512_unpackhi_epi32(z[2 * i], z[2 * i + 1]));
+    for (int i = 0; i < 2; ++i)
+      u[i] = _mm512_add_epi32(_mm512_unpacklo_epi64(t[2 * i], t[2 * i + 1]), _mm512_unpackhi_epi64(t[2 * i], t[2 * i + 1]));
+    // 128-bit lanes of u[0]: rows 0-3 (first and second half of their vectors), rows 8-11 (both halves); u[1]: 4-7, 12-15
+    const I s = _mm512_add_epi32(_mm512_shuffle_i32x4(u[0], u[1], _MM_SHUFFLE(2, 0, 2, 0)),
+                                 _mm512_shuffle_i32x4(u[0], u[1], _MM_SHUFFLE(3, 1, 3, 1)));  // rows 0-3, 8-11, 4-7, 12-15
+    return _mm512_shuffle_i32x4(s, s, _MM_SHUFFLE(3, 1, 2, 0));
+  }
   static void transpose(const uint8_t* rows, uint8_t* out) {
     I z[8], t[8], s[8];
     for (int i = 0; i < 8; ++i)  // rows i and i + 8 side by side
@@ -635,10 +661,12 @@ void pack(const uint8_t* w, int64_t w_stride, int rows, int64_t blocks, uint8_t*
   using P = Packed<T, V>;
   constexpr int C = T::kValues / 32, L = V::L;
   alignas(64) uint8_t stage[C][L][32];
+  const uint8_t* row[L];
+  for (int n = 0; n < L; ++n) row[n] = w + std::min(n, rows - 1) * w_stride;
   for (int64_t i = 0; i < blocks; ++i) {
     uint8_t* chunk0 = out + i * C * P::kBytes;
     for (int n = 0; n < L; ++n) {
-      const uint8_t* block = w + std::min(n, rows - 1) * w_stride + i * T::kBytes;
+      const uint8_t* block = row[n] + i * T::kBytes;
       T::simd(block, [&](int c, __m256i u, float a0, float a1, float b0, float b1) LAMBDA_INLINE {
         if constexpr (T::kSigned && zero_of<T, V>() == 128) u = _mm256_xor_si256(u, bytes(0x80));
         _mm256_store_si256(reinterpret_cast<__m256i*>(stage[c][n]), u);
@@ -698,6 +726,38 @@ void tile_rows(const uint8_t* packed, int64_t chunks, const XBlock* x, int64_t s
 #pragma GCC unroll 8
   for (int r = 0; r < R; ++r) V::storef(out + r * L, T::kOffset ? V::add(acc[r], off[r]) : acc[r]);
 }
+
+// One activation row against L weight rows of a type with one chunk a block, straight from the weights (no packing:
+// at one row the packing would cost more than the products): each row's chunk dotted with the activation chunk, the L
+// partial vectors summed across lanes at once. The same integer sums, so the same results as `tile_rows`.
+template <class T, class V>
+void row_tile(const uint8_t* w, int64_t w_stride, int rows, int64_t blocks, const XBlock* x, float* out) {
+  static_assert(T::kValues == 32);
+  constexpr int L = V::L;
+  using F = typename V::F;
+  const uint8_t* row[L];
+  for (int n = 0; n < L; ++n) row[n] = w + std::min(n, rows - 1) * w_stride;
+  F acc = V::zero(), off = V::zero();
+  for (int64_t i = 0; i < blocks; ++i) {
+    const XBlock& blk = x[i];
+    const __m256i q = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(blk.q));
+    __m256i p[L];
+    alignas(64) float a[L], b[L];
+#pragma GCC unroll 16
+    for (int n = 0; n < L; ++n) {
+      T::simd(row[n] + i * T::kBytes, [&](int, __m256i u, float a0, float, float b0, float) LAMBDA_INLINE {
+        if constexpr (T::kSigned && zero_of<T, V>() == 128) u = _mm256_xor_si256(u, bytes(0x80));
+        p[n] = V::template dot_row<T::kSigned>(u, q);
+        a[n] = a0;
+        b[n] = b0;
+      });
+    }
+    const typename V::I isum = V::iadd(V::reduce(p), V::set1(blk.z32));
+    acc = V::fma(V::cvt(isum), V::mul(V::loadf(reinterpret_cast<const uint8_t*>(a)), V::set1f(blk.d)), acc);
+    if constexpr (T::kOffset) off = V::fma(V::loadf(reinterpret_cast<const uint8_t*>(b)), V::set1f(blk.s), off);
+  }
+  V::storef(out, T::kOffset ? V::add(acc, off) : acc);
+}
 #endif
 
 constexpr int MAX_ROWS = 8;  // activation rows one pass over a packed tile serves (registers: 3 vectors a row)
@@ -705,12 +765,14 @@ constexpr int MAX_LANES = 16;
 
 using TileFn = void (*)(const uint8_t* packed, int64_t chunks, const XBlock* x, int64_t stride, float* out);
 using PackFn = void (*)(const uint8_t* w, int64_t w_stride, int rows, int64_t blocks, uint8_t* out);
+using RowTileFn = void (*)(const uint8_t* w, int64_t w_stride, int rows, int64_t blocks, const XBlock* x, float* out);
 using RowFn = void (*)(const uint8_t* w, int64_t blocks, const XBlock* x, int64_t stride, int64_t M, float* acc,
                       float* off);
 
 struct Kernel {
   TileFn tiles[4] = {};  // 1, 2, 4, 8 rows a pass (as many as the ISA's registers hold)
   PackFn pack = nullptr;
+  RowTileFn row_tile = nullptr;  // one activation row, unpacked (types of 32-value blocks)
   RowFn row = nullptr;   // portable
   int lanes = 1, max_rows = 1, zero = 0;
   int64_t values = 0, bytes = 0, packed_chunk = 0;
@@ -726,6 +788,7 @@ Kernel kernel_for() {
     using V = Avx512;
     k.tiles[0] = tile_rows<T, V, 1>, k.tiles[1] = tile_rows<T, V, 2>, k.tiles[2] = tile_rows<T, V, 4>;
     k.tiles[3] = tile_rows<T, V, 8>;
+    if constexpr (T::kValues == 32) k.row_tile = row_tile<T, V>;
     k.pack = pack<T, V>, k.lanes = V::L, k.max_rows = 8, k.zero = zero_of<T, V>(), k.packed_chunk = Packed<T, V>::kBytes;
     return k;
   }
@@ -734,6 +797,7 @@ Kernel kernel_for() {
   if constexpr (ISA == AVX2) {
     using V = Avx2;
     k.tiles[0] = tile_rows<T, V, 1>, k.tiles[1] = tile_rows<T, V, 2>, k.tiles[2] = tile_rows<T, V, 4>;
+    if constexpr (T::kValues == 32) k.row_tile = row_tile<T, V>;
     k.pack = pack<T, V>, k.lanes = V::L, k.max_rows = 4, k.zero = zero_of<T, V>(), k.packed_chunk = Packed<T, V>::kBytes;
     return k;
   }
@@ -807,6 +871,11 @@ void quantized_matmul(const Kernel& k, const T* x, int64_t M, int64_t K, const u
     alignas(64) float res[MAX_ROWS * MAX_LANES];
     for (int64_t t = t0; t < t1; ++t) {
       const int64_t n = t * L, count = std::min(L, N - n);
+      if (M == 1 && k.row_tile) {
+        k.row_tile(w + n * w_stride, w_stride, static_cast<int>(count), blocks, xq.data(), res);
+        write_out(res, n, count, bias, out);
+        continue;
+      }
       k.pack(w + n * w_stride, w_stride, static_cast<int>(count), blocks, buf);
       for (int64_t m = 0, R; m < M; m += R) {
         int level = 0;
