@@ -1,29 +1,32 @@
 // Matmuls over weights in GGML's block formats (GGUF tensor types), read byte for byte as the file holds them.
 //
 // As llama.cpp does, each activation row is first quantized per 32 values to int8 (`XBlock`: scale d, d * the sums
-// per 16 values); a weight block is then unpacked to unsigned bytes u with a float scale a and offset b per 16 or 32
-// values (w = a * u + b; Q8_0 keeps signed bytes), and the product is an integer dot per 32 values:
-//   sum w * x = d * (a * sum(u * q) + b * sum(q)).
-// Three paths, picked by the caller (`isa`): PORTABLE (plain C++, every type unpacked to int8 then dotted), AVX2
-// (`maddubs`: u8 x s8 pairs into int16) and AVX512 (AVX512-VNNI `vpdpbusd`, u8 x s8 quads into int32). The AVX2 and
-// AVX512 paths share the unpacking of each type; the build is -march=native, so a path exists only where this CPU
-// runs it. Threads split the output rows (`at::parallel_for`); an output tile reuses each unpacked weight block for
-// up to `MAX_ROWS` activation rows. Every size of prompt goes through these integer products: dequantizing to bf16
-// for oneDNN measured ~3x faster per matmul at 32+ rows, but a path chosen by the number of rows would make a row's
-// result depend on its batch mates.
+// per 16 values, and integer corrections); a weight block is then unpacked to unsigned bytes u = v + zero with a float
+// scale a and offset b per 16 or 32 values (w = a * v + b), and the product is an exact integer dot per 32 (or 16)
+// values, scaled in float: sum w * x = a * d * sum(v * q) + b * d * sum(q) (see "the products" for the exact order).
+// Three paths, picked by the caller (`isa`): PORTABLE (plain C++), AVX2 (`maddubs`: u8 x s8 pairs into int16) and
+// AVX512 (AVX512-VNNI `vpdpbusd`, u8 x s8 quads into int32); the build is -march=native, so a path exists only where
+// this CPU runs it. The SIMD paths unpack a tile of 16 (AVX-512) or 8 (AVX2) weight rows once per call into a packed
+// buffer with the rows side by side in the vector lanes (`pack`), and run up to 8 activation rows at a time past it
+// (`tile_rows`): one instruction multiplies 4 values of every row of the tile, no horizontal sums. A single
+// activation row skips the packing where it costs more than it saves (`row_tile`). Threads split the tiles
+// (`at::parallel_for`). Every size of prompt goes through these integer products: dequantizing to bf16 for oneDNN
+// was ~3x faster per matmul at 32+ rows before the packed tiles, but a path chosen by the number of rows would make a
+// row's result depend on its batch mates.
 //
-// F32, F16 and BF16 weights take float32 dot products through the same row tiles (their own kernels, not oneDNN's:
+// F32, F16 and BF16 weights take float32 dot products through row tiles of their own (`tiled_matmul`, not oneDNN's:
 // one reduction order whatever the number of rows).
 //
-// A row's result never depends on how many rows share its call: each row's arithmetic is the same sequence in every
-// row-tile instantiation, and contraction is off so that the compiler rounds the scalar parts alike in each
-// (explicit FMA intrinsics stay FMAs).
+// A row's result never depends on how many rows share its call, nor on the path: the integer sums are exact, and the
+// float operations around them are one fixed sequence per row in every variant; contraction is off so that the
+// compiler rounds the scalar parts alike (explicit FMA intrinsics stay FMAs).
 #pragma GCC optimize("fp-contract=off")
 #include <ATen/Dispatch.h>
 #include <ATen/Parallel.h>
 #include <ATen/core/Tensor.h>
 #include <c10/util/Optional.h>
 
+#include <memory>
 #include <type_traits>
 #include <vector>
 
@@ -639,6 +642,18 @@ struct Avx512 {
 };
 #endif
 
+// The next tile's weights on their way to the cache while this one computes, a slice of it for each block i of
+// `blocks`: a tile reads its rows side by side, too short a stream each for the hardware prefetchers (2x slower on
+// weights from memory without).
+struct Prefetch {
+  const uint8_t* next;
+  int64_t slice;  // bytes a block, whole cache lines
+  ALWAYS_INLINE void operator()(int64_t i) const {
+    if (!next) return;
+    for (int64_t b = i * slice; b < (i + 1) * slice; b += 64) __builtin_prefetch(next + b);
+  }
+};
+
 // The value stored weights are offset by: u = v + zero. Signed Q8_0 bytes become unsigned for `vpdpbusd` (v + 128);
 // AVX2 keeps them signed (`maddubs` would saturate on 255 * 127 * 2).
 template <class T, class V>
@@ -657,13 +672,14 @@ struct Packed {
 
 // Unpacks `rows` (<= L) weight rows of `blocks` blocks into `out`; lanes past `rows` repeat the last row.
 template <class T, class V>
-void pack(const uint8_t* w, int64_t w_stride, int rows, int64_t blocks, uint8_t* out) {
+void pack(const uint8_t* w, int64_t w_stride, int rows, int64_t blocks, uint8_t* out, Prefetch ahead) {
   using P = Packed<T, V>;
   constexpr int C = T::kValues / 32, L = V::L;
   alignas(64) uint8_t stage[C][L][32];
   const uint8_t* row[L];
   for (int n = 0; n < L; ++n) row[n] = w + std::min(n, rows - 1) * w_stride;
   for (int64_t i = 0; i < blocks; ++i) {
+    ahead(i);
     uint8_t* chunk0 = out + i * C * P::kBytes;
     for (int n = 0; n < L; ++n) {
       const uint8_t* block = row[n] + i * T::kBytes;
@@ -731,7 +747,8 @@ void tile_rows(const uint8_t* packed, int64_t chunks, const XBlock* x, int64_t s
 // at one row the packing would cost more than the products): each row's chunk dotted with the activation chunk, the L
 // partial vectors summed across lanes at once. The same integer sums, so the same results as `tile_rows`.
 template <class T, class V>
-void row_tile(const uint8_t* w, int64_t w_stride, int rows, int64_t blocks, const XBlock* x, float* out) {
+void row_tile(const uint8_t* w, int64_t w_stride, int rows, int64_t blocks, const XBlock* x, float* out,
+              Prefetch ahead) {
   static_assert(T::kValues == 32);
   constexpr int L = V::L;
   using F = typename V::F;
@@ -739,6 +756,7 @@ void row_tile(const uint8_t* w, int64_t w_stride, int rows, int64_t blocks, cons
   for (int n = 0; n < L; ++n) row[n] = w + std::min(n, rows - 1) * w_stride;
   F acc = V::zero(), off = V::zero();
   for (int64_t i = 0; i < blocks; ++i) {
+    ahead(i);
     const XBlock& blk = x[i];
     const __m256i q = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(blk.q));
     __m256i p[L];
@@ -764,8 +782,9 @@ constexpr int MAX_ROWS = 8;  // activation rows one pass over a packed tile serv
 constexpr int MAX_LANES = 16;
 
 using TileFn = void (*)(const uint8_t* packed, int64_t chunks, const XBlock* x, int64_t stride, float* out);
-using PackFn = void (*)(const uint8_t* w, int64_t w_stride, int rows, int64_t blocks, uint8_t* out);
-using RowTileFn = void (*)(const uint8_t* w, int64_t w_stride, int rows, int64_t blocks, const XBlock* x, float* out);
+using PackFn = void (*)(const uint8_t* w, int64_t w_stride, int rows, int64_t blocks, uint8_t* out, Prefetch ahead);
+using RowTileFn = void (*)(const uint8_t* w, int64_t w_stride, int rows, int64_t blocks, const XBlock* x, float* out,
+                          Prefetch ahead);
 using RowFn = void (*)(const uint8_t* w, int64_t blocks, const XBlock* x, int64_t stride, int64_t M, float* acc,
                       float* off);
 
@@ -866,17 +885,23 @@ void quantized_matmul(const Kernel& k, const T* x, int64_t M, int64_t K, const u
   }
   const int64_t L = k.lanes, tiles = (N + L - 1) / L;
   at::parallel_for(0, tiles, (grain(w_stride, M) + L - 1) / L, [&](int64_t t0, int64_t t1) {
-    std::vector<uint8_t> packed(xs * k.packed_chunk + 64);
-    uint8_t* buf = packed.data() + (64 - reinterpret_cast<uintptr_t>(packed.data()) % 64) % 64;
+    const bool packs = !(M == 1 && k.row_tile);
+    std::unique_ptr<uint8_t[]> packed(packs ? new uint8_t[xs * k.packed_chunk + 64] : nullptr);  // not zeroed
+    uint8_t* buf = packs ? packed.get() + (64 - reinterpret_cast<uintptr_t>(packed.get()) % 64) % 64 : nullptr;
     alignas(64) float res[MAX_ROWS * MAX_LANES];
     for (int64_t t = t0; t < t1; ++t) {
       const int64_t n = t * L, count = std::min(L, N - n);
-      if (M == 1 && k.row_tile) {
-        k.row_tile(w + n * w_stride, w_stride, static_cast<int>(count), blocks, xq.data(), res);
+      Prefetch ahead{nullptr, 0};
+      if (t + 1 < t1) {
+        const int64_t bytes = std::min(L, N - n - L) * w_stride;
+        ahead = {w + (n + L) * w_stride, ((bytes + blocks - 1) / blocks + 63) / 64 * 64};
+      }
+      if (!packs) {
+        k.row_tile(w + n * w_stride, w_stride, static_cast<int>(count), blocks, xq.data(), res, ahead);
         write_out(res, n, count, bias, out);
         continue;
       }
-      k.pack(w + n * w_stride, w_stride, static_cast<int>(count), blocks, buf);
+      k.pack(w + n * w_stride, w_stride, static_cast<int>(count), blocks, buf, ahead);
       for (int64_t m = 0, R; m < M; m += R) {
         int level = 0;
         while ((2 << level) <= std::min<int64_t>(k.max_rows, M - m)) ++level;
