@@ -1,7 +1,7 @@
 """Kernel benchmark of `ggml_linear` (compiled CPU kernels) at SmolLM2-135M's shapes, beside oneDNN's F.linear on
 the same weights dequantized (bfloat16 and float32, prepacked as `layers/prepack.py` packs them).
 
-    python -m nanovllm.benchmarks.ggml_kernels [--types Q4_1,Q8_0] [--rows 1,8,32,128] [--threads 2]
+    python -m nanovllm.benchmarks.ggml_kernels [--types Q4_1,Q8_0] [--rows 1,8,32,128,512] [--threads 2]
     python -m nanovllm.benchmarks.ggml_kernels --step [--rows 1,8,128]   # a whole forward's linear layers
 
 Prints, per shape (in -> out features) and activation rows, the best and the median time of the calls of a few
@@ -104,7 +104,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--types", default="Q4_1,Q8_0,Q4_0,Q4_K,Q6_K",
                         help=f"GGML types, comma-separated, of {', '.join(TYPES)}")
-    parser.add_argument("--rows", default="1,8,32,128", help="activation rows per call, comma-separated")
+    parser.add_argument("--rows", default="1,8,32,128,512", help="activation rows per call, comma-separated")
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--budget", type=float, default=0.1, help="seconds per timing")

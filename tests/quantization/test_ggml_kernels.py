@@ -22,6 +22,7 @@ pytestmark = pytest.mark.skipif(shutil.which("g++") is None and shutil.which("c+
                                 reason="no C++ compiler: the kernels cannot be built here (the reference runs)")
 PATHS = {"portable": 0, "avx2": 1, "avx512": 2}
 ROWS = (1, 7, 64)
+BATCH_ROWS = (1, 3, 4, 5, 8, 13, 64)  # passes of 8 (AVX-512) or 4 (AVX2) rows, tails of 1, 2 and 4
 OUT = 37  # odd, not a multiple of the kernels' row tiles
 
 
@@ -125,14 +126,29 @@ def test_bias_dtypes_and_leading_dimensions(name):
 
 @pytest.mark.parametrize("name", PATHS)
 def test_a_row_does_not_depend_on_its_batch(name):
-    """A row's result is bitwise the same however many rows share its call (row tiles of 1 to 4, threads)."""
+    """A row's result is bitwise the same however many rows share its call and wherever it sits among them: counts
+    that make whole passes of 8 and 4 rows and tails of them, on 70 outputs (whole tiles of 8 and 16 weight rows and a
+    partial one), for every type."""
     isa, k = path(name), 768
-    for qtype in (3, 8, 12, 14, 1):
+    x = torch.randn(64, k, generator=torch.Generator().manual_seed(0))
+    for qtype in BLOCK:
         weight = random_ggml_weight(qtype, 70, k, seed=3)
-        x = torch.randn(9, k)
-        together = run(x[:4], weight, qtype, isa) if qtype == 1 else run(x, weight, qtype, isa)
-        alone = torch.cat([run(x[i:i + 1], weight, qtype, isa) for i in range(len(together))])
-        assert torch.equal(together, alone), NAMES[qtype]
+        alone = torch.cat([run(x[i:i + 1], weight, qtype, isa) for i in range(len(x))])
+        for count in BATCH_ROWS:
+            assert torch.equal(run(x[:count], weight, qtype, isa), alone[:count]), (NAMES[qtype], count)
+            assert torch.equal(run(x[-count:], weight, qtype, isa), alone[-count:]), (NAMES[qtype], count)
+
+
+def test_every_path_computes_the_same_bits():
+    """The paths differ only in how they get each chunk's integer dot product, which is exact: the float arithmetic
+    around it is the same, so portable C++, AVX2 and AVX-512 agree bit for bit on every quantized type."""
+    k, best = 768, kernels().ggml_isa()
+    x = torch.randn(13, k, generator=torch.Generator().manual_seed(1))
+    for qtype in (q for q in BLOCK if BLOCK[q][0] > 1):
+        weight = random_ggml_weight(qtype, 37, k, seed=qtype)
+        portable = run(x, weight, qtype, 0)
+        for isa in range(1, best + 1):
+            assert torch.equal(run(x, weight, qtype, isa), portable), (NAMES[qtype], isa)
 
 
 def test_a_weight_read_in_place_from_a_read_only_buffer_with_padded_rows():

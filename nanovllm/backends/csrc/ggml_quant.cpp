@@ -1,29 +1,32 @@
 // Matmuls over weights in GGML's block formats (GGUF tensor types), read byte for byte as the file holds them.
 //
 // As llama.cpp does, each activation row is first quantized per 32 values to int8 (`XBlock`: scale d, d * the sums
-// per 16 values); a weight block is then unpacked to unsigned bytes u with a float scale a and offset b per 16 or 32
-// values (w = a * u + b; Q8_0 keeps signed bytes), and the product is an integer dot per 32 values:
-//   sum w * x = d * (a * sum(u * q) + b * sum(q)).
-// Three paths, picked by the caller (`isa`): PORTABLE (plain C++, every type unpacked to int8 then dotted), AVX2
-// (`maddubs`: u8 x s8 pairs into int16) and AVX512 (AVX512-VNNI `vpdpbusd`, u8 x s8 quads into int32). The AVX2 and
-// AVX512 paths share the unpacking of each type; the build is -march=native, so a path exists only where this CPU
-// runs it. Threads split the output rows (`at::parallel_for`); an output tile reuses each unpacked weight block for
-// up to `MAX_ROWS` activation rows. Every size of prompt goes through these integer products: dequantizing to bf16
-// for oneDNN measured ~3x faster per matmul at 32+ rows, but a path chosen by the number of rows would make a row's
-// result depend on its batch mates.
+// per 16 values, and integer corrections); a weight block is then unpacked to unsigned bytes u = v + zero with a float
+// scale a and offset b per 16 or 32 values (w = a * v + b), and the product is an exact integer dot per 32 (or 16)
+// values, scaled in float: sum w * x = a * d * sum(v * q) + b * d * sum(q) (see "the products" for the exact order).
+// Three paths, picked by the caller (`isa`): PORTABLE (plain C++), AVX2 (`maddubs`: u8 x s8 pairs into int16) and
+// AVX512 (AVX512-VNNI `vpdpbusd`, u8 x s8 quads into int32); the build is -march=native, so a path exists only where
+// this CPU runs it. The SIMD paths unpack a tile of 16 (AVX-512) or 8 (AVX2) weight rows once per call into a packed
+// buffer with the rows side by side in the vector lanes (`pack`), and run up to 8 activation rows at a time past it
+// (`tile_rows`): one instruction multiplies 4 values of every row of the tile, no horizontal sums. A single
+// activation row skips the packing where it costs more than it saves (`row_tile`). Threads split the tiles
+// (`at::parallel_for`). Every size of prompt goes through these integer products: dequantizing to bf16 for oneDNN
+// was ~3x faster per matmul at 32+ rows before the packed tiles, but a path chosen by the number of rows would make a
+// row's result depend on its batch mates.
 //
-// F32, F16 and BF16 weights take float32 dot products through the same row tiles (their own kernels, not oneDNN's:
+// F32, F16 and BF16 weights take float32 dot products through row tiles of their own (`tiled_matmul`, not oneDNN's:
 // one reduction order whatever the number of rows).
 //
-// A row's result never depends on how many rows share its call: each row's arithmetic is the same sequence in every
-// row-tile instantiation, and contraction is off so that the compiler rounds the scalar parts alike in each
-// (explicit FMA intrinsics stay FMAs).
+// A row's result never depends on how many rows share its call, nor on the path: the integer sums are exact, and the
+// float operations around them are one fixed sequence per row in every variant; contraction is off so that the
+// compiler rounds the scalar parts alike (explicit FMA intrinsics stay FMAs).
 #pragma GCC optimize("fp-contract=off")
 #include <ATen/Dispatch.h>
 #include <ATen/Parallel.h>
 #include <ATen/core/Tensor.h>
 #include <c10/util/Optional.h>
 
+#include <memory>
 #include <type_traits>
 #include <vector>
 
@@ -58,20 +61,7 @@ constexpr int64_t supported_isa() {
 #endif
 }
 
-constexpr int MAX_ROWS = 8;          // activation rows one pass over a weight row serves: 8 with AVX-512's 32
-                                     // vector registers, 4 with AVX2, 1 portable (`rows_per_pass`); passes take
-                                     // 1, 2, 4 or 8 rows (`RowsFn rows[log2 R]`: fewer variants to compile)
-constexpr int ROW_VARIANTS = 4;
-constexpr int64_t TILE = 16;         // weight rows reused from cache across the activation rows
-constexpr int64_t X_TILE = 32;       // activation rows reused from cache across the weight rows
 constexpr int64_t MIN_TASK = 1 << 15;  // weight bytes x rows below which another thread costs more than it saves
-
-struct XBlock {
-  float d;      // q * d ~ x
-  float s;      // d * sum(q)
-  float ds[2];  // d * sum(q) over each 16 values
-  int8_t q[32];
-};
 
 inline float half_at(const uint8_t* p) {
   uint16_t h;
@@ -138,6 +128,8 @@ inline __m256i bit_to_bytes(__m256i v, int bit, int value) {
 struct Q4_0 {
   static constexpr int kValues = 32, kBytes = 18;
   static constexpr bool kSigned = false, kGroup16 = false;
+  static constexpr int kZero = 8;
+  static constexpr bool kOffset = false;
   static void decode(const uint8_t* p, int8_t* v, float* a, float* b) {
     const uint8_t* qs = p + 2;
     for (int j = 0; j < 16; ++j) {
@@ -151,7 +143,7 @@ struct Q4_0 {
   template <class F>
   ALWAYS_INLINE static void simd(const uint8_t* p, F&& f) {
     const float d = half_at(p);
-    f(0, nibbles16(p + 2), d, d, -8.f * d, -8.f * d);
+    f(0, nibbles16(p + 2), d, d, 0.f, 0.f);
   }
 #endif
 };
@@ -159,6 +151,8 @@ struct Q4_0 {
 struct Q4_1 {
   static constexpr int kValues = 32, kBytes = 20;
   static constexpr bool kSigned = false, kGroup16 = false;
+  static constexpr int kZero = 0;
+  static constexpr bool kOffset = true;
   static void decode(const uint8_t* p, int8_t* v, float* a, float* b) {
     const uint8_t* qs = p + 4;
     for (int j = 0; j < 16; ++j) {
@@ -180,6 +174,8 @@ struct Q4_1 {
 struct Q5_0 {
   static constexpr int kValues = 32, kBytes = 22;
   static constexpr bool kSigned = false, kGroup16 = false;
+  static constexpr int kZero = 16;
+  static constexpr bool kOffset = false;
   static void decode(const uint8_t* p, int8_t* v, float* a, float* b) {
     const uint32_t qh = u32_at(p + 2);
     const uint8_t* qs = p + 6;
@@ -194,7 +190,7 @@ struct Q5_0 {
   template <class F>
   ALWAYS_INLINE static void simd(const uint8_t* p, F&& f) {
     const float d = half_at(p);
-    f(0, _mm256_or_si256(nibbles16(p + 6), bits_to_bytes(u32_at(p + 2), 16)), d, d, -16.f * d, -16.f * d);
+    f(0, _mm256_or_si256(nibbles16(p + 6), bits_to_bytes(u32_at(p + 2), 16)), d, d, 0.f, 0.f);
   }
 #endif
 };
@@ -202,6 +198,8 @@ struct Q5_0 {
 struct Q5_1 {
   static constexpr int kValues = 32, kBytes = 24;
   static constexpr bool kSigned = false, kGroup16 = false;
+  static constexpr int kZero = 0;
+  static constexpr bool kOffset = true;
   static void decode(const uint8_t* p, int8_t* v, float* a, float* b) {
     const uint32_t qh = u32_at(p + 4);
     const uint8_t* qs = p + 8;
@@ -224,6 +222,8 @@ struct Q5_1 {
 struct Q8_0 {
   static constexpr int kValues = 32, kBytes = 34;
   static constexpr bool kSigned = true, kGroup16 = false;
+  static constexpr int kZero = 0;
+  static constexpr bool kOffset = false;
   static void decode(const uint8_t* p, int8_t* v, float* a, float* b) {
     std::memcpy(v, p + 2, 32);
     a[0] = a[1] = half_at(p);
@@ -242,6 +242,8 @@ struct Q8_0 {
 struct Q2_K {  // scales[16] (4-bit scale | 4-bit min), qs[64] (2 bits), d, dmin
   static constexpr int kValues = 256, kBytes = 84;
   static constexpr bool kSigned = false, kGroup16 = true;
+  static constexpr int kZero = 0;
+  static constexpr bool kOffset = true;
   static void decode(const uint8_t* p, int8_t* v, float* a, float* b) {
     const float d = half_at(p + 80), dmin = half_at(p + 82);
     for (int c = 0; c < 8; ++c) {
@@ -274,6 +276,8 @@ struct Q2_K {  // scales[16] (4-bit scale | 4-bit min), qs[64] (2 bits), d, dmin
 struct Q3_K {  // hmask[32] (high bit), qs[64] (low 2 bits), scales[12] (16 x 6 bits), d
   static constexpr int kValues = 256, kBytes = 110;
   static constexpr bool kSigned = false, kGroup16 = true;
+  static constexpr int kZero = 4;
+  static constexpr bool kOffset = false;
   static void decode(const uint8_t* p, int8_t* v, float* a, float* b) {
     const float d = half_at(p + 108);
     for (int c = 0; c < 8; ++c) {
@@ -303,7 +307,7 @@ struct Q3_K {  // hmask[32] (high bit), qs[64] (low 2 bits), scales[12] (16 x 6 
         const int c = 4 * n + j;
         const __m256i u = _mm256_or_si256(_mm256_and_si256(srl16(raw, 2 * j), bytes(3)), bit_to_bytes(hmask, c, 4));
         const float a0 = d * sc[2 * c], a1 = d * sc[2 * c + 1];
-        f(c, u, a0, a1, -4.f * a0, -4.f * a1);
+        f(c, u, a0, a1, 0.f, 0.f);
       }
     }
   }
@@ -313,6 +317,8 @@ struct Q3_K {  // hmask[32] (high bit), qs[64] (low 2 bits), scales[12] (16 x 6 
 struct Q4_K {  // d, dmin, scales[12] (8 x 6-bit scale and min), qs[128] (4 bits)
   static constexpr int kValues = 256, kBytes = 144;
   static constexpr bool kSigned = false, kGroup16 = false;
+  static constexpr int kZero = 0;
+  static constexpr bool kOffset = true;
   static void decode(const uint8_t* p, int8_t* v, float* a, float* b) {
     const float d = half_at(p), dmin = half_at(p + 2);
     for (int j = 0; j < 4; ++j) {
@@ -349,6 +355,8 @@ struct Q4_K {  // d, dmin, scales[12] (8 x 6-bit scale and min), qs[128] (4 bits
 struct Q5_K {  // d, dmin, scales[12], qh[32] (5th bits), qs[128]
   static constexpr int kValues = 256, kBytes = 176;
   static constexpr bool kSigned = false, kGroup16 = false;
+  static constexpr int kZero = 0;
+  static constexpr bool kOffset = true;
   static void decode(const uint8_t* p, int8_t* v, float* a, float* b) {
     const float d = half_at(p), dmin = half_at(p + 2);
     const uint8_t* qh = p + 16;
@@ -389,6 +397,8 @@ struct Q5_K {  // d, dmin, scales[12], qh[32] (5th bits), qs[128]
 struct Q6_K {  // ql[128] (low 4 bits), qh[64] (high 2 bits), scales[16] (int8), d
   static constexpr int kValues = 256, kBytes = 210;
   static constexpr bool kSigned = false, kGroup16 = true;
+  static constexpr int kZero = 32;
+  static constexpr bool kOffset = false;
   static void decode(const uint8_t* p, int8_t* v, float* a, float* b) {
     const float d = half_at(p + 208);
     for (int n = 0; n < 2; ++n) {
@@ -426,7 +436,7 @@ struct Q6_K {  // ql[128] (low 4 bits), qh[64] (high 2 bits), scales[16] (int8),
       for (int k = 0; k < 4; ++k) {
         const int c = 4 * n + k;
         const float a0 = d * sc[2 * c], a1 = d * sc[2 * c + 1];
-        f(c, u[k], a0, a1, -32.f * a0, -32.f * a1);
+        f(c, u[k], a0, a1, 0.f, 0.f);
       }
     }
   }
@@ -435,8 +445,19 @@ struct Q6_K {  // ql[128] (low 4 bits), qh[64] (high 2 bits), scales[16] (int8),
 
 // ---- activations ----
 
+// One activation block: 32 values quantized to int8, with what each weight type's products need of it.
+struct alignas(64) XBlock {
+  float d;         // q * d ~ x
+  float s;         // d * sum(q)
+  float ds[2];     // d * sum(q) over each 16 values
+  int32_t z32;     // -zero * sum(q): the integer correction for weights stored as u = v + zero (`zero_of`)
+  int32_t z16[2];  // the same over each 16 values
+  int32_t pad;
+  int8_t q[32];
+};
+
 template <typename T>
-void quantize_row(const T* x, XBlock* out, int64_t blocks) {
+void quantize_row(const T* x, XBlock* out, int64_t blocks, int zero) {
   for (int64_t i = 0; i < blocks; ++i) {
     float v[32], amax = 0.f;
     for (int j = 0; j < 32; ++j) {
@@ -455,128 +476,354 @@ void quantize_row(const T* x, XBlock* out, int64_t blocks) {
     b.s = d * static_cast<float>(s0 + s1);
     b.ds[0] = d * static_cast<float>(s0);
     b.ds[1] = d * static_cast<float>(s1);
+    b.z32 = -zero * (s0 + s1);
+    b.z16[0] = -zero * s0;
+    b.z16[1] = -zero * s1;
+    b.pad = 0;
   }
 }
 
-// ---- dot products of one weight row with R activation rows (x rows `stride` blocks apart) ----
+// ---- the products ----
+//
+// Every path computes, for activation row m and weight row n, the same float arithmetic: per chunk c of 32 values
+// (per half h of 16 for kGroup16 types), in order, with the chunk's exact integer dot product
+// isum = sum (u - zero) * q,
+//   acc = fma(float(isum), a * x.d, acc)   and, for kOffset types,   off = fma(b, x.s (or x.ds[h]), off);
+// the result is acc + off (kOffset) or acc. Integer sums are exact whatever their order, so a path may compute isum
+// any way it likes: the float operations, one IEEE rounding each, make the result. Hence a row's result never
+// depends on its batch mates, how rows are grouped, or the ISA path (portable, AVX2 and AVX-512 agree bit for bit).
 
-using RowsFn = void (*)(const uint8_t* w, int64_t blocks, const XBlock* x, int64_t stride, float* out);
-
-template <class T, int R>
-void portable_rows(const uint8_t* w, int64_t blocks, const XBlock* x, int64_t stride, float* out) {
-  constexpr int G = T::kValues / 16;
+// Portable: one weight row against M activation rows (`stride` blocks apart), each block unpacked once to signed
+// values (zero already taken off); acc and off hold M floats each.
+template <class T>
+void portable_rows(const uint8_t* w, int64_t blocks, const XBlock* x, int64_t stride, int64_t M, float* acc,
+                   float* off) {
+  constexpr int G = T::kValues / 16, H = T::kGroup16 ? 2 : 1, n = 32 / H;
   int8_t v[T::kValues];
-  float a[G], b[G], acc[R] = {};
+  float a[G], b[G];
+  std::fill(acc, acc + M, 0.f);
+  std::fill(off, off + M, 0.f);
   for (int64_t i = 0; i < blocks; ++i) {
     T::decode(w + i * T::kBytes, v, a, b);
-    for (int r = 0; r < R; ++r) {
-      const XBlock* xb = x + r * stride + i * (T::kValues / 32);
-      for (int g = 0; g < G; ++g) {
-        const XBlock& blk = xb[g / 2];
-        const int h = g % 2;
-        int32_t s = 0;
-        for (int l = 0; l < 16; ++l) s += v[16 * g + l] * blk.q[16 * h + l];
-        acc[r] += a[g] * blk.d * static_cast<float>(s) + b[g] * blk.ds[h];
+    for (int64_t m = 0; m < M; ++m)
+      for (int c = 0; c < T::kValues / 32; ++c) {
+        const XBlock& blk = x[m * stride + i * (T::kValues / 32) + c];
+        for (int h = 0; h < H; ++h) {
+          int32_t s = 0;
+          for (int l = 0; l < n; ++l) s += v[32 * c + n * h + l] * blk.q[n * h + l];
+          acc[m] = std::fma(static_cast<float>(s), a[2 * c + h] * blk.d, acc[m]);
+          if constexpr (T::kOffset) off[m] = std::fma(b[2 * c + h], H == 2 ? blk.ds[h] : blk.s, off[m]);
+        }
       }
-    }
   }
-  for (int r = 0; r < R; ++r) out[r] = acc[r];
+  if constexpr (T::kOffset)
+    for (int64_t m = 0; m < M; ++m) acc[m] += off[m];
 }
 
 #ifdef NV_AVX2
-// Sums of 4 adjacent products of unsigned u and signed s bytes, as 8 int32.
-template <int ISA>
-inline __m256i dot_u8s8(__m256i u, __m256i s) {
-#ifdef NV_AVX512
-  if constexpr (ISA == AVX512) return _mm256_dpbusd_epi32(_mm256_setzero_si256(), u, s);
-#endif
-  return _mm256_madd_epi16(_mm256_maddubs_epi16(u, s), _mm256_set1_epi16(1));
-}
-
-inline float hsum(__m256 v) {
-  __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
-  s = _mm_add_ps(s, _mm_movehl_ps(s, s));
-  s = _mm_add_ss(s, _mm_movehdup_ps(s));
-  return _mm_cvtss_f32(s);
-}
-
-template <int R>
-struct Sums {
-  __m256 v[R];   // sum of the scaled integer products
-  float o[R];    // sum of the offsets' terms (scale and offset per 32 values)
-  __m128 o2[R];  // sums of the offsets' terms of each 16 (scales and offsets per 16 values)
+// The SIMD paths put L weight rows side by side: a tile of L rows is unpacked once into a packed buffer (`pack`),
+// where each 4 values of a chunk are a vector of L 4-byte lanes, one per weight row, followed by the chunk's scales
+// (and offsets) as L floats. One multiply-add instruction then takes 4 values of every weight row against the same 4
+// activation values (broadcast), and the lanes end up holding whole chunk sums: no horizontal sums, and each packed
+// vector serves up to R activation rows from registers.
+struct Avx2 {
+  static constexpr int L = 8;
+  using I = __m256i;
+  using F = __m256;
+  static I load(const uint8_t* p) { return _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)); }
+  static F loadf(const uint8_t* p) { return _mm256_loadu_ps(reinterpret_cast<const float*>(p)); }
+  static I set1(int32_t v) { return _mm256_set1_epi32(v); }
+  static F set1f(float v) { return _mm256_set1_ps(v); }
+  static I bcast4(const int8_t* q) { return _mm256_set1_epi32(static_cast<int32_t>(u32_at(reinterpret_cast<const uint8_t*>(q)))); }
+  // acc + the sums of 4 products of u (unsigned bytes; signed where `kSigned`) and s (signed bytes), per lane
+  template <bool kSigned>
+  static I dot(I acc, I u, I s) {
+    const I ones = _mm256_set1_epi16(1);
+    if constexpr (kSigned)
+      return _mm256_add_epi32(acc, _mm256_madd_epi16(_mm256_maddubs_epi16(_mm256_abs_epi8(u), _mm256_sign_epi8(s, u)),
+                                                     ones));
+    return _mm256_add_epi32(acc, _mm256_madd_epi16(_mm256_maddubs_epi16(u, s), ones));
+  }
+  static F fma(F a, F b, F c) { return _mm256_fmadd_ps(a, b, c); }
+  static F mul(F a, F b) { return _mm256_mul_ps(a, b); }
+  static F add(F a, F b) { return _mm256_add_ps(a, b); }
+  static F cvt(I v) { return _mm256_cvtepi32_ps(v); }
+  static F zero() { return _mm256_setzero_ps(); }
+  static I izero() { return _mm256_setzero_si256(); }
+  static I iadd(I a, I b) { return _mm256_add_epi32(a, b); }
+  static void storef(float* p, F v) { _mm256_storeu_ps(p, v); }
+  // The sums of 4 products of one weight row's chunk u and an activation chunk q, as 8 int32 (what `reduce` takes)
+  template <bool kSigned>
+  static __m256i dot_row(__m256i u, __m256i q) { return dot<kSigned>(_mm256_setzero_si256(), u, q); }
+  // lane n = the sum of the 8 lanes of p[n], for 8 vectors
+  static I reduce(const __m256i* p) {
+    I t[4], u[2];
+    for (int i = 0; i < 4; ++i)
+      t[i] = _mm256_add_epi32(_mm256_unpacklo_epi32(p[2 * i], p[2 * i + 1]), _mm256_unpackhi_epi32(p[2 * i], p[2 * i + 1]));
+    for (int i = 0; i < 2; ++i)
+      u[i] = _mm256_add_epi32(_mm256_unpacklo_epi64(t[2 * i], t[2 * i + 1]), _mm256_unpackhi_epi64(t[2 * i], t[2 * i + 1]));
+    return _mm256_add_epi32(_mm256_permute2x128_si256(u[0], u[1], 0x20), _mm256_permute2x128_si256(u[0], u[1], 0x31));
+  }
+  // out[g] = dword g of each of the 8 rows of 32 bytes at `rows` (32 bytes apart)
+  static void transpose(const uint8_t* rows, uint8_t* out) {
+    I z[8], t[8], s[8];
+    for (int i = 0; i < 8; ++i) z[i] = load(rows + 32 * i);
+    for (int i = 0; i < 4; ++i) {
+      t[2 * i] = _mm256_unpacklo_epi32(z[2 * i], z[2 * i + 1]);
+      t[2 * i + 1] = _mm256_unpackhi_epi32(z[2 * i], z[2 * i + 1]);
+    }
+    for (int j = 0; j < 2; ++j) {  // s[4j + e]: element e of each 128-bit lane of rows 4j .. 4j + 3
+      s[4 * j] = _mm256_unpacklo_epi64(t[4 * j], t[4 * j + 2]);
+      s[4 * j + 1] = _mm256_unpackhi_epi64(t[4 * j], t[4 * j + 2]);
+      s[4 * j + 2] = _mm256_unpacklo_epi64(t[4 * j + 1], t[4 * j + 3]);
+      s[4 * j + 3] = _mm256_unpackhi_epi64(t[4 * j + 1], t[4 * j + 3]);
+    }
+    for (int e = 0; e < 4; ++e) {
+      _mm256_storeu_si256(reinterpret_cast<__m256i*>(out + 32 * e), _mm256_permute2x128_si256(s[e], s[4 + e], 0x20));
+      _mm256_storeu_si256(reinterpret_cast<__m256i*>(out + 32 * (4 + e)),
+                          _mm256_permute2x128_si256(s[e], s[4 + e], 0x31));
+    }
+  }
 };
 
-template <class T, int ISA, int R>
-void simd_rows(const uint8_t* w, int64_t blocks, const XBlock* x, int64_t stride, float* out) {
-  // Even chunks of block i add to `first`, odd ones to `second`: two independent chains of FMAs.
-  auto block = [&](int64_t i, Sums<R>& first, Sums<R>& second) LAMBDA_INLINE {
-    const XBlock* xi = x + i * (T::kValues / 32);
-    T::simd(w + i * T::kBytes, [&](int c, __m256i u, float a0, float a1, float b0, float b1) LAMBDA_INLINE {
-      [[maybe_unused]] const __m256 scales = _mm256_set_m128(_mm_set1_ps(a1), _mm_set1_ps(a0));
-      [[maybe_unused]] const __m128 offsets = _mm_setr_ps(b0, b1, 0.f, 0.f);
-      Sums<R>& a = c % 2 ? second : first;
+#ifdef NV_AVX512
+struct Avx512 {
+  static constexpr int L = 16;
+  using I = __m512i;
+  using F = __m512;
+  static I load(const uint8_t* p) { return _mm512_loadu_si512(p); }
+  static F loadf(const uint8_t* p) { return _mm512_loadu_ps(p); }
+  static I set1(int32_t v) { return _mm512_set1_epi32(v); }
+  static F set1f(float v) { return _mm512_set1_ps(v); }
+  static I bcast4(const int8_t* q) { return _mm512_set1_epi32(static_cast<int32_t>(u32_at(reinterpret_cast<const uint8_t*>(q)))); }
+  template <bool kSigned>  // signed weights are packed as u = v + 128 (`zero_of`)
+  static I dot(I acc, I u, I s) { return _mm512_dpbusd_epi32(acc, u, s); }
+  static F fma(F a, F b, F c) { return _mm512_fmadd_ps(a, b, c); }
+  static F mul(F a, F b) { return _mm512_mul_ps(a, b); }
+  static F add(F a, F b) { return _mm512_add_ps(a, b); }
+  static F cvt(I v) { return _mm512_cvtepi32_ps(v); }
+  static F zero() { return _mm512_setzero_ps(); }
+  static I izero() { return _mm512_setzero_si512(); }
+  static I iadd(I a, I b) { return _mm512_add_epi32(a, b); }
+  static void storef(float* p, F v) { _mm512_storeu_ps(p, v); }
+  template <bool kSigned>
+  static __m256i dot_row(__m256i u, __m256i q) { return _mm256_dpbusd_epi32(_mm256_setzero_si256(), u, q); }
+  static I reduce(const __m256i* p) {  // 16 vectors; rows n and n + 8 share a register until the last step
+    I z[8], t[4], u[2];
+    for (int i = 0; i < 8; ++i) z[i] = _mm512_inserti64x4(_mm512_castsi256_si512(p[i]), p[i + 8], 1);
+    for (int i = 0; i < 4; ++i)
+      t[i] = _mm512_add_epi32(_mm512_unpacklo_epi32(z[2 * i], z[2 * i + 1]), _mm512_unpackhi_epi32(z[2 * i], z[2 * i + 1]));
+    for (int i = 0; i < 2; ++i)
+      u[i] = _mm512_add_epi32(_mm512_unpacklo_epi64(t[2 * i], t[2 * i + 1]), _mm512_unpackhi_epi64(t[2 * i], t[2 * i + 1]));
+    // 128-bit lanes of u[0]: rows 0-3 (first and second half of their vectors), rows 8-11 (both halves); u[1]: 4-7, 12-15
+    const I s = _mm512_add_epi32(_mm512_shuffle_i32x4(u[0], u[1], _MM_SHUFFLE(2, 0, 2, 0)),
+                                 _mm512_shuffle_i32x4(u[0], u[1], _MM_SHUFFLE(3, 1, 3, 1)));  // rows 0-3, 8-11, 4-7, 12-15
+    return _mm512_shuffle_i32x4(s, s, _MM_SHUFFLE(3, 1, 2, 0));
+  }
+  static void transpose(const uint8_t* rows, uint8_t* out) {
+    I z[8], t[8], s[8];
+    for (int i = 0; i < 8; ++i)  // rows i and i + 8 side by side
+      z[i] = _mm512_inserti64x4(_mm512_castsi256_si512(Avx2::load(rows + 32 * i)), Avx2::load(rows + 32 * (i + 8)), 1);
+    for (int i = 0; i < 4; ++i) {
+      t[2 * i] = _mm512_unpacklo_epi32(z[2 * i], z[2 * i + 1]);
+      t[2 * i + 1] = _mm512_unpackhi_epi32(z[2 * i], z[2 * i + 1]);
+    }
+    for (int j = 0; j < 2; ++j) {
+      s[4 * j] = _mm512_unpacklo_epi64(t[4 * j], t[4 * j + 2]);
+      s[4 * j + 1] = _mm512_unpackhi_epi64(t[4 * j], t[4 * j + 2]);
+      s[4 * j + 2] = _mm512_unpacklo_epi64(t[4 * j + 1], t[4 * j + 3]);
+      s[4 * j + 3] = _mm512_unpackhi_epi64(t[4 * j + 1], t[4 * j + 3]);
+    }
+    const I low = _mm512_setr_epi64(0, 1, 8, 9, 4, 5, 12, 13), high = _mm512_setr_epi64(2, 3, 10, 11, 6, 7, 14, 15);
+    for (int e = 0; e < 4; ++e) {
+      _mm512_storeu_si512(out + 64 * e, _mm512_permutex2var_epi64(s[e], low, s[4 + e]));
+      _mm512_storeu_si512(out + 64 * (4 + e), _mm512_permutex2var_epi64(s[e], high, s[4 + e]));
+    }
+  }
+};
+#endif
+
+// The next tile's weights on their way to the cache while this one computes, a slice of it for each block i of
+// `blocks`: a tile reads its rows side by side, too short a stream each for the hardware prefetchers (2x slower on
+// weights from memory without).
+struct Prefetch {
+  const uint8_t* next;
+  int64_t slice;  // bytes a block, whole cache lines
+  ALWAYS_INLINE void operator()(int64_t i) const {
+    if (!next) return;
+    for (int64_t b = i * slice; b < (i + 1) * slice; b += 64) __builtin_prefetch(next + b);
+  }
+};
+
+// The value stored weights are offset by: u = v + zero. Signed Q8_0 bytes become unsigned for `vpdpbusd` (v + 128);
+// AVX2 keeps them signed (`maddubs` would saturate on 255 * 127 * 2).
+template <class T, class V>
+constexpr int zero_of() {
+  if constexpr (T::kSigned) return V::L == 16 ? 128 : 0;
+  return T::kZero;
+}
+
+// The packed layout of a chunk for L weight rows: 8 vectors of L 4-byte lanes (values 4g .. 4g + 3 of each row),
+// then H vectors of L scales, then (kOffset) H vectors of L offsets; H = 2 halves for kGroup16 types, else 1.
+template <class T, class V>
+struct Packed {
+  static constexpr int H = T::kGroup16 ? 2 : 1;
+  static constexpr int64_t kBytes = 4 * V::L * (8 + H * (T::kOffset ? 2 : 1));
+};
+
+// Unpacks `rows` (<= L) weight rows of `blocks` blocks into `out`; lanes past `rows` repeat the last row.
+template <class T, class V>
+void pack(const uint8_t* w, int64_t w_stride, int rows, int64_t blocks, uint8_t* out, Prefetch ahead) {
+  using P = Packed<T, V>;
+  constexpr int C = T::kValues / 32, L = V::L;
+  alignas(64) uint8_t stage[C][L][32];
+  const uint8_t* row[L];
+  for (int n = 0; n < L; ++n) row[n] = w + std::min(n, rows - 1) * w_stride;
+  for (int64_t i = 0; i < blocks; ++i) {
+    ahead(i);
+    uint8_t* chunk0 = out + i * C * P::kBytes;
+    for (int n = 0; n < L; ++n) {
+      const uint8_t* block = row[n] + i * T::kBytes;
+      T::simd(block, [&](int c, __m256i u, float a0, float a1, float b0, float b1) LAMBDA_INLINE {
+        if constexpr (T::kSigned && zero_of<T, V>() == 128) u = _mm256_xor_si256(u, bytes(0x80));
+        _mm256_store_si256(reinterpret_cast<__m256i*>(stage[c][n]), u);
+        float* f = reinterpret_cast<float*>(chunk0 + c * P::kBytes + 32 * L);
+        f[n] = a0;
+        if constexpr (P::H == 2) f[L + n] = a1;
+        if constexpr (T::kOffset) {
+          f[P::H * L + n] = b0;
+          if constexpr (P::H == 2) f[(P::H + 1) * L + n] = b1;
+        }
+      });
+    }
+    for (int c = 0; c < C; ++c) V::transpose(&stage[c][0][0], chunk0 + c * P::kBytes);
+  }
+}
+
+// R activation rows (`stride` blocks apart) against the L packed weight rows: out[r * L + lane].
+template <class T, class V, int R>
+void tile_rows(const uint8_t* packed, int64_t chunks, const XBlock* x, int64_t stride, float* out) {
+  using P = Packed<T, V>;
+  using F = typename V::F;
+  using I = typename V::I;
+  constexpr int H = P::H, G = 8 / H, L = V::L;
+  constexpr int S = R <= 2 ? 2 : 1;  // integer chains per row (latency at few rows; the sums are exact either way)
+  F acc[R], off[R];
+#pragma GCC unroll 8
+  for (int r = 0; r < R; ++r) acc[r] = off[r] = V::zero();
+  for (int64_t c = 0; c < chunks; ++c) {
+    const uint8_t* p = packed + c * P::kBytes;
+#pragma GCC unroll 2
+    for (int h = 0; h < H; ++h) {
+      I isum[S][R];
 #pragma GCC unroll 8
       for (int r = 0; r < R; ++r) {
-        const XBlock& blk = xi[r * stride + c];
-        const __m256i q = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(blk.q));
-        __m256i p;
-        if constexpr (T::kSigned) {
-          p = dot_u8s8<ISA>(_mm256_sign_epi8(u, u), _mm256_sign_epi8(q, u));
-        } else {
-          p = dot_u8s8<ISA>(u, q);
-        }
-        __m256 scale;
-        if constexpr (T::kGroup16) {
-          scale = _mm256_mul_ps(scales, _mm256_broadcast_ss(&blk.d));
-          const __m128 ds = _mm_castpd_ps(_mm_load_sd(reinterpret_cast<const double*>(blk.ds)));
-          a.o2[r] = _mm_fmadd_ps(offsets, ds, a.o2[r]);
-        } else {
-          scale = _mm256_set1_ps(a0 * blk.d);
-          if constexpr (!T::kSigned) a.o[r] += b0 * blk.s;
-        }
-        a.v[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(p), scale, a.v[r]);
+        const XBlock& blk = x[r * stride + c];
+        isum[0][r] = V::set1(H == 2 ? blk.z16[h] : blk.z32);
+        if constexpr (S == 2) isum[1][r] = V::izero();
       }
-    });
-  };
-  Sums<R> even, odd;
 #pragma GCC unroll 8
-  for (int r = 0; r < R; ++r) {
-    even.v[r] = odd.v[r] = _mm256_setzero_ps();
-    even.o[r] = odd.o[r] = 0.f;
-    even.o2[r] = odd.o2[r] = _mm_setzero_ps();
-  }
-  int64_t i = 0;
-  for (; i + 2 <= blocks; i += 2) {
-    block(i, even, odd);
-    block(i + 1, odd, even);
-  }
-  if (i < blocks) block(i, even, odd);
+      for (int g = 0; g < G; ++g) {
+        const I u = V::load(p + 4 * L * (G * h + g));
 #pragma GCC unroll 8
-  for (int r = 0; r < R; ++r) {
-    const __m128 o2 = _mm_add_ps(even.o2[r], odd.o2[r]);
-    out[r] = hsum(_mm256_add_ps(even.v[r], odd.v[r])) + even.o[r] + odd.o[r] + _mm_cvtss_f32(_mm_add_ss(o2,
-                                                                                                      _mm_movehdup_ps(o2)));
+        for (int r = 0; r < R; ++r)
+          isum[g % S][r] = V::template dot<T::kSigned>(isum[g % S][r], u, V::bcast4(x[r * stride + c].q + 4 * (G * h + g)));
+      }
+      const F a = V::loadf(p + 32 * L + 4 * L * h);
+#pragma GCC unroll 8
+      for (int r = 0; r < R; ++r) {
+        const XBlock& blk = x[r * stride + c];
+        const I sum = S == 2 ? V::iadd(isum[0][r], isum[S - 1][r]) : isum[0][r];
+        acc[r] = V::fma(V::cvt(sum), V::mul(a, V::set1f(blk.d)), acc[r]);
+        if constexpr (T::kOffset)
+          off[r] = V::fma(V::loadf(p + 32 * L + 4 * L * (H + h)), V::set1f(H == 2 ? blk.ds[h] : blk.s), off[r]);
+      }
+    }
   }
+#pragma GCC unroll 8
+  for (int r = 0; r < R; ++r) V::storef(out + r * L, T::kOffset ? V::add(acc[r], off[r]) : acc[r]);
+}
+
+// One activation row against L weight rows of a type with one chunk a block, straight from the weights (no packing:
+// at one row the packing would cost more than the products): each row's chunk dotted with the activation chunk, the L
+// partial vectors summed across lanes at once. The same integer sums, so the same results as `tile_rows`.
+template <class T, class V>
+void row_tile(const uint8_t* w, int64_t w_stride, int rows, int64_t blocks, const XBlock* x, float* out,
+              Prefetch ahead) {
+  static_assert(T::kValues == 32);
+  constexpr int L = V::L;
+  using F = typename V::F;
+  const uint8_t* row[L];
+  for (int n = 0; n < L; ++n) row[n] = w + std::min(n, rows - 1) * w_stride;
+  F acc = V::zero(), off = V::zero();
+  for (int64_t i = 0; i < blocks; ++i) {
+    ahead(i);
+    const XBlock& blk = x[i];
+    const __m256i q = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(blk.q));
+    __m256i p[L];
+    alignas(64) float a[L], b[L];
+#pragma GCC unroll 16
+    for (int n = 0; n < L; ++n) {
+      T::simd(row[n] + i * T::kBytes, [&](int, __m256i u, float a0, float, float b0, float) LAMBDA_INLINE {
+        if constexpr (T::kSigned && zero_of<T, V>() == 128) u = _mm256_xor_si256(u, bytes(0x80));
+        p[n] = V::template dot_row<T::kSigned>(u, q);
+        a[n] = a0;
+        b[n] = b0;
+      });
+    }
+    const typename V::I isum = V::iadd(V::reduce(p), V::set1(blk.z32));
+    acc = V::fma(V::cvt(isum), V::mul(V::loadf(reinterpret_cast<const uint8_t*>(a)), V::set1f(blk.d)), acc);
+    if constexpr (T::kOffset) off = V::fma(V::loadf(reinterpret_cast<const uint8_t*>(b)), V::set1f(blk.s), off);
+  }
+  V::storef(out, T::kOffset ? V::add(acc, off) : acc);
 }
 #endif
 
+constexpr int MAX_ROWS = 8;  // activation rows one pass over a packed tile serves (registers: 3 vectors a row)
+constexpr int MAX_LANES = 16;
+
+using TileFn = void (*)(const uint8_t* packed, int64_t chunks, const XBlock* x, int64_t stride, float* out);
+using PackFn = void (*)(const uint8_t* w, int64_t w_stride, int rows, int64_t blocks, uint8_t* out, Prefetch ahead);
+using RowTileFn = void (*)(const uint8_t* w, int64_t w_stride, int rows, int64_t blocks, const XBlock* x, float* out,
+                          Prefetch ahead);
+using RowFn = void (*)(const uint8_t* w, int64_t blocks, const XBlock* x, int64_t stride, int64_t M, float* acc,
+                      float* off);
+
 struct Kernel {
-  RowsFn rows[ROW_VARIANTS];
-  int rows_per_pass;
-  int64_t values, bytes;
+  TileFn tiles[4] = {};  // 1, 2, 4, 8 rows a pass (as many as the ISA's registers hold)
+  PackFn pack = nullptr;
+  RowTileFn row_tile = nullptr;  // one activation row, unpacked (types of 32-value blocks)
+  RowFn row = nullptr;   // portable
+  int lanes = 1, max_rows = 1, zero = 0;
+  int64_t values = 0, bytes = 0, packed_chunk = 0;
 };
 
 template <class T, int ISA>
 Kernel kernel_for() {
-#ifdef NV_AVX2
-  if constexpr (ISA == AVX512)
-    return {{simd_rows<T, ISA, 1>, simd_rows<T, ISA, 2>, simd_rows<T, ISA, 4>, simd_rows<T, ISA, 8>}, 8, T::kValues,
-            T::kBytes};
-  if constexpr (ISA == AVX2)
-    return {{simd_rows<T, ISA, 1>, simd_rows<T, ISA, 2>, simd_rows<T, ISA, 4>}, 4, T::kValues, T::kBytes};
+  Kernel k;
+  k.values = T::kValues;
+  k.bytes = T::kBytes;
+#ifdef NV_AVX512
+  if constexpr (ISA == AVX512) {
+    using V = Avx512;
+    k.tiles[0] = tile_rows<T, V, 1>, k.tiles[1] = tile_rows<T, V, 2>, k.tiles[2] = tile_rows<T, V, 4>;
+    k.tiles[3] = tile_rows<T, V, 8>;
+    if constexpr (T::kValues == 32) k.row_tile = row_tile<T, V>;
+    k.pack = pack<T, V>, k.lanes = V::L, k.max_rows = 8, k.zero = zero_of<T, V>(), k.packed_chunk = Packed<T, V>::kBytes;
+    return k;
+  }
 #endif
-  return {{portable_rows<T, 1>}, 1, T::kValues, T::kBytes};
+#ifdef NV_AVX2
+  if constexpr (ISA == AVX2) {
+    using V = Avx2;
+    k.tiles[0] = tile_rows<T, V, 1>, k.tiles[1] = tile_rows<T, V, 2>, k.tiles[2] = tile_rows<T, V, 4>;
+    if constexpr (T::kValues == 32) k.row_tile = row_tile<T, V>;
+    k.pack = pack<T, V>, k.lanes = V::L, k.max_rows = 4, k.zero = zero_of<T, V>(), k.packed_chunk = Packed<T, V>::kBytes;
+    return k;
+  }
+#endif
+  k.row = portable_rows<T>;
+  return k;
 }
 
 template <int ISA>
@@ -606,9 +853,73 @@ bool kernel_of(int64_t qtype, int64_t isa, Kernel& k) {
   return kernel_of<PORTABLE>(qtype, k);
 }
 
+// Weight rows a thread takes at least: enough work to pay for the thread.
 int64_t grain(int64_t row_bytes, int64_t rows) {
-  return std::max<int64_t>(TILE, MIN_TASK / std::max<int64_t>(row_bytes * rows, 1));
+  return std::max<int64_t>(MAX_LANES, MIN_TASK / std::max<int64_t>(row_bytes * rows, 1));
 }
+
+template <typename T>
+void write_out(const float* res, int64_t n, int64_t count, const T* bias, T* out) {
+  for (int64_t j = 0; j < count; ++j) out[n + j] = from_float<T>(res[j] + (bias ? to_float(bias[n + j]) : 0.f));
+}
+
+// out[M, N] = x[M] . w[N] + bias. Threads split the weight rows in tiles of L (the ISA's lanes); a thread packs each
+// of its tiles once (K / 32 chunks of a few hundred bytes: in L1 or L2 for any layer) and runs every activation row
+// past it, R rows a pass (8, 4, 2, 1: the most that are left).
+template <typename T>
+void quantized_matmul(const Kernel& k, const T* x, int64_t M, int64_t K, const uint8_t* w, int64_t w_stride,
+                      int64_t N, const T* bias, T* out) {
+  const int64_t xs = K / 32, blocks = K / k.values;
+  std::vector<XBlock> xq(M * xs);
+  at::parallel_for(0, M, std::max<int64_t>(1, MIN_TASK / std::max<int64_t>(K, 1)), [&](int64_t begin, int64_t end) {
+    for (int64_t m = begin; m < end; ++m) quantize_row(x + m * K, xq.data() + m * xs, xs, k.zero);
+  });
+  if (!k.pack) {
+    at::parallel_for(0, N, grain(w_stride, M), [&](int64_t n0, int64_t n1) {
+      std::vector<float> res(2 * M);
+      for (int64_t n = n0; n < n1; ++n) {
+        k.row(w + n * w_stride, blocks, xq.data(), xs, M, res.data(), res.data() + M);
+        for (int64_t m = 0; m < M; ++m) write_out(&res[m], n, 1, bias, out + m * N);
+      }
+    });
+    return;
+  }
+  const int64_t L = k.lanes, tiles = (N + L - 1) / L;
+  at::parallel_for(0, tiles, (grain(w_stride, M) + L - 1) / L, [&](int64_t t0, int64_t t1) {
+    const bool packs = !(M == 1 && k.row_tile);
+    std::unique_ptr<uint8_t[]> packed(packs ? new uint8_t[xs * k.packed_chunk + 64] : nullptr);  // not zeroed
+    uint8_t* buf = packs ? packed.get() + (64 - reinterpret_cast<uintptr_t>(packed.get()) % 64) % 64 : nullptr;
+    alignas(64) float res[MAX_ROWS * MAX_LANES];
+    for (int64_t t = t0; t < t1; ++t) {
+      const int64_t n = t * L, count = std::min(L, N - n);
+      Prefetch ahead{nullptr, 0};
+      if (t + 1 < t1) {
+        const int64_t bytes = std::min(L, N - n - L) * w_stride;
+        ahead = {w + (n + L) * w_stride, ((bytes + blocks - 1) / blocks + 63) / 64 * 64};
+      }
+      if (!packs) {
+        k.row_tile(w + n * w_stride, w_stride, static_cast<int>(count), blocks, xq.data(), res, ahead);
+        write_out(res, n, count, bias, out);
+        continue;
+      }
+      k.pack(w + n * w_stride, w_stride, static_cast<int>(count), blocks, buf, ahead);
+      for (int64_t m = 0, R; m < M; m += R) {
+        int level = 0;
+        while ((2 << level) <= std::min<int64_t>(k.max_rows, M - m)) ++level;
+        R = int64_t{1} << level;
+        k.tiles[level](buf, xs, xq.data() + m * xs, xs, res);
+        for (int64_t r = 0; r < R; ++r) write_out(res + r * L, n, count, bias, out + (m + r) * N);
+      }
+    }
+  });
+}
+
+// ---- float weights (F32, F16, BF16): dot products in float32 ----
+
+constexpr int ROW_VARIANTS = 3;       // passes of 1, 2 or 4 activation rows (`rows[log2 R]`)
+constexpr int FLOAT_ROWS = 4;
+constexpr int64_t TILE = 16;          // weight rows reused from cache across the activation rows
+constexpr int64_t X_TILE = 32;        // activation rows reused from cache across the weight rows
 
 // out[M, N] = x[M] . w[N] + bias: threads over tiles of weight rows; each weight row serves up to `per_pass` activation
 // rows (R = 2^level rows: `rows[level]`) per pass, while its tile stays in L1 and a tile of X_TILE activation rows in
@@ -619,7 +930,7 @@ void tiled_matmul(void (*const* rows)(const uint8_t*, int64_t, const A*, int64_t
                   const A* x, int64_t x_stride, int64_t M, const uint8_t* w, int64_t w_stride, int64_t N,
                   const T* bias, T* out) {
   at::parallel_for(0, N, grain(w_stride, M), [&](int64_t n0, int64_t n1) {
-    float res[MAX_ROWS], tile[X_TILE][TILE];  // a tile of results, written out row by row
+    float res[FLOAT_ROWS], tile[X_TILE][TILE];  // a tile of results, written out row by row
     for (int64_t m0 = 0; m0 < M; m0 += X_TILE) {
       const int64_t m1 = std::min(m0 + X_TILE, M);
       for (int64_t t0 = n0; t0 < n1; t0 += TILE) {
@@ -641,18 +952,6 @@ void tiled_matmul(void (*const* rows)(const uint8_t*, int64_t, const A*, int64_t
   });
 }
 
-template <typename T>
-void quantized_matmul(const Kernel& k, const T* x, int64_t M, int64_t K, const uint8_t* w, int64_t w_stride,
-                      int64_t N, const T* bias, T* out) {
-  const int64_t xs = K / 32;
-  std::vector<XBlock> xq(M * xs);
-  at::parallel_for(0, M, std::max<int64_t>(1, MIN_TASK / std::max<int64_t>(K, 1)), [&](int64_t begin, int64_t end) {
-    for (int64_t m = begin; m < end; ++m) quantize_row(x + m * K, xq.data() + m * xs, xs);
-  });
-  tiled_matmul(k.rows, k.rows_per_pass, K / k.values, xq.data(), xs, M, w, w_stride, N, bias, out);
-}
-
-// ---- float weights (F32, F16, BF16): dot products in float32 ----
 
 using FloatRowsFn = void (*)(const uint8_t* w, int64_t K, const float* x, int64_t stride, float* out);
 
@@ -668,6 +967,13 @@ void portable_float_rows(const uint8_t* wb, int64_t K, const float* x, int64_t s
 }
 
 #ifdef NV_AVX2
+inline float hsum(__m256 v) {
+  __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+  s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+  s = _mm_add_ss(s, _mm_movehdup_ps(s));
+  return _mm_cvtss_f32(s);
+}
+
 template <typename W>
 inline __m256 load8(const W* p) {
   if constexpr (std::is_same_v<W, float>) {
