@@ -9,7 +9,8 @@ greedy and sampled) satisfy their constraint. `--baseline vllm` runs vLLM on the
 the same load.
 
 What makes the two engines' figures comparable: with `--baseline vllm` a GGUF model (the default one) is dequantized
-into a float32 directory that both engines load, in the same dtype, so they compute with the same weights; every
+into a float32 directory that both engines load, in the same dtype, so they compute with the same weights (nanovllm
+also runs the file as it is, a row of its own: what its users run, and vLLM's CPU build cannot); every
 timed run has prompts of its own (the documents are labelled per run), so neither engine's prefix cache carries
 one run's prompts into the next, and the time to first token is that of a prompt no run has seen, computed in full
 by both (vLLM's CPU build caches 128-token blocks, nanovllm 256-token ones: a repeated 171-token prompt is 43
@@ -43,17 +44,19 @@ def constrained(case: Case, **settings) -> SamplingParams:
 
 
 @contextmanager
-def benchmark_weights(model: str, baseline: str) -> Iterator[tuple[str, str]]:
-    """(the model both engines load, what it is): with vLLM as the baseline a GGUF file is dequantized to a float32
-    directory for both, so they run the same weights in the same dtype; otherwise the model as given."""
+def benchmark_weights(model: str, baseline: str) -> Iterator[tuple[str, str, str | None]]:
+    """(the model both engines load, what it is, a GGUF file nanovllm also runs as it is): with vLLM as the baseline
+    a GGUF file is dequantized to a float32 directory for both, so they run the same weights in the same dtype, and
+    nanovllm runs the file as it is too (what its users run; vLLM's CPU build has no GGUF kernels); otherwise the
+    model as given."""
     gguf = find_gguf(model)
     if baseline != "vllm" or not gguf:
-        yield model, Path(os.path.normpath(model)).name
+        yield model, Path(os.path.normpath(model)).name, None
         return
     with tempfile.TemporaryDirectory(prefix="nanovllm-bench-") as tmp:
         print(f"converting {gguf} to float32, the weights both engines load ...", file=sys.stderr)
         convert_gguf(gguf, tmp)
-        yield tmp, f"{Path(gguf).name} dequantized (both engines)"
+        yield tmp, f"{Path(gguf).name} dequantized (both engines)", gguf
 
 
 def run_structured(args: argparse.Namespace) -> dict:
@@ -64,21 +67,25 @@ def run_structured(args: argparse.Namespace) -> dict:
     checks = varied_cases()
     max_tokens = args.max_output_len or 384
     result = {"model": given, "num_requests": count, "max_tokens": max_tokens, "engines": {}}
-    with benchmark_weights(given, args.baseline) as (model, weights), ExitStack() as stack:
-        llms = {backend: stack.enter_context(LLM(model, device=args.device, dtype=args.dtype,
-                                                 structured_outputs_config={"backend": backend}))
-                for backend in args.structured_backend}
+    with benchmark_weights(given, args.baseline) as (model, weights, as_is), ExitStack() as stack:
+        engines = {f"nanovllm ({backend})": (model, backend) for backend in args.structured_backend}
+        if as_is:
+            engines |= {f"nanovllm ({backend}), {Path(as_is).name} as is": (as_is, backend)
+                        for backend in args.structured_backend}
+        llms = {name: stack.enter_context(LLM(path, device=args.device, dtype=args.dtype,
+                                              structured_outputs_config={"backend": backend}))
+                for name, (path, backend) in engines.items()}
         llm = next(iter(llms.values()))
         dtype = str(llm.config.torch_dtype).removeprefix("torch.")
         workload = Workload.make(llm, count, checks, max_tokens, args.repeat)
         if args.jump_forward_compare:
             rows = []
-            for backend, engine in llms.items():
+            for name, engine in llms.items():
                 figures = compare_jump_forward(engine, workload.rounds[0]["constrained"],
                                                [constrained(c, temperature=0, max_tokens=max_tokens)
                                                 for c in workload.cases], args.repeat)
-                result["engines"][f"nanovllm ({backend})"] = {"jump_forward": figures}
-                rows.append(jump_forward_row(f"nanovllm, {backend}", figures))
+                result["engines"][name] = {"jump_forward": figures}
+                rows.append(jump_forward_row(name, figures))
             print(f"\n{count} JSON-schema requests (8 shapes), greedy, up to {max_tokens} tokens, {weights}, {dtype}, "
                   f"jump-forward off and on interleaved in one engine, {args.repeat} run(s) each (median); "
                   "steps/token: forward passes per completion token")
@@ -87,8 +94,8 @@ def run_structured(args: argparse.Namespace) -> dict:
         vllm_python = find_vllm_python(args.vllm_python, "cpu") if args.baseline == "vllm" else None
         rounds: dict[str, list[dict]] = {}
         for number in range(args.repeat):
-            for backend, engine in llms.items():
-                rounds.setdefault(f"nanovllm ({backend})", []).append(measure(engine, workload, number))
+            for name, engine in llms.items():
+                rounds.setdefault(name, []).append(measure(engine, workload, number))
             if vllm_python:
                 figures = run_vllm(vllm_python, model, workload, number, dtype)
                 rounds.setdefault(figures.pop("engine"), []).append(figures)
@@ -98,9 +105,10 @@ def run_structured(args: argparse.Namespace) -> dict:
         result["engines"][name] = figures
         rows.append(row(name, figures))
     if vllm_python:
-        ours, theirs = result["engines"][f"nanovllm ({args.structured_backend[0]})"], result["engines"][rows[-1][0]]
-        print(f"\n{rows[0][0]} / {rows[-1][0]}, constrained tok/s: "
-              f"{ours['tokens_per_s']['constrained'] / theirs['tokens_per_s']['constrained']:.2f}x")
+        theirs = result["engines"][rows[-1][0]]["tokens_per_s"]["constrained"]
+        for name in llms:
+            print(f"{name} / {rows[-1][0]}, constrained tok/s: "
+                  f"{result['engines'][name]['tokens_per_s']['constrained'] / theirs:.2f}x")
     print(f"\n{count} JSON-schema requests (8 shapes), greedy, up to {max_tokens} tokens, {weights}, {dtype}, "
           f"{args.repeat} round(s) per figure, engines in turn (median); TTFT: one-token request alone, a prompt no "
           f"run has seen, median of {FRESH} per round; valid: outputs of {len(checks)} varied constraints, greedy and "
