@@ -1104,16 +1104,16 @@ template void nanovllm::ggml_matmul<c10::Half>(const c10::Half*, int64_t, int64_
 namespace {
 
 // Row `row` of K values as gguf-py's numpy dequantizer computes it: a * v, plus the offset b for the types that have
-// one (`offset`), in float32, then rounded to T.
+// one (kOffset: adding a zero offset would turn -0 into +0), in float32, then rounded to T.
 template <class Q, typename T>
-void dequantize_row(const uint8_t* row, int64_t K, bool offset, T* out) {
+void dequantize_row(const uint8_t* row, int64_t K, T* out) {
   int8_t v[Q::kValues];
   float a[Q::kValues / 16], b[Q::kValues / 16];
   for (int64_t i = 0; i < K / Q::kValues; ++i) {
     Q::decode(row + i * Q::kBytes, v, a, b);
     for (int j = 0; j < Q::kValues; ++j) {
       const float w = a[j / 16] * static_cast<float>(v[j]);
-      out[i * Q::kValues + j] = from_float<T>(offset ? w + b[j / 16] : w);
+      out[i * Q::kValues + j] = from_float<T>(Q::kOffset ? w + b[j / 16] : w);
     }
   }
 }
@@ -1127,7 +1127,6 @@ void convert_row(const uint8_t* row, int64_t K, T* out) {
 template <typename T>
 void dequantize_rows(const uint8_t* w, int64_t w_stride, const int64_t* ids, int64_t n, int64_t K, int64_t qtype,
                      T* out) {
-  const bool offset = qtype == 3 || qtype == 7 || qtype == 10 || qtype == 12 || qtype == 13;  // Q4_1/5_1, Q2/4/5_K
   for (int64_t r = 0; r < n; ++r) {
     const uint8_t* row = w + ids[r] * w_stride;
     T* o = out + r * K;
@@ -1135,16 +1134,16 @@ void dequantize_rows(const uint8_t* w, int64_t w_stride, const int64_t* ids, int
       case 0: convert_row<float>(row, K, o); break;
       case 1: convert_row<c10::Half>(row, K, o); break;
       case 30: convert_row<c10::BFloat16>(row, K, o); break;
-      case 2: dequantize_row<Q4_0>(row, K, offset, o); break;
-      case 3: dequantize_row<Q4_1>(row, K, offset, o); break;
-      case 6: dequantize_row<Q5_0>(row, K, offset, o); break;
-      case 7: dequantize_row<Q5_1>(row, K, offset, o); break;
-      case 8: dequantize_row<Q8_0>(row, K, offset, o); break;
-      case 10: dequantize_row<Q2_K>(row, K, offset, o); break;
-      case 11: dequantize_row<Q3_K>(row, K, offset, o); break;
-      case 12: dequantize_row<Q4_K>(row, K, offset, o); break;
-      case 13: dequantize_row<Q5_K>(row, K, offset, o); break;
-      case 14: dequantize_row<Q6_K>(row, K, offset, o); break;
+      case 2: dequantize_row<Q4_0>(row, K, o); break;
+      case 3: dequantize_row<Q4_1>(row, K, o); break;
+      case 6: dequantize_row<Q5_0>(row, K, o); break;
+      case 7: dequantize_row<Q5_1>(row, K, o); break;
+      case 8: dequantize_row<Q8_0>(row, K, o); break;
+      case 10: dequantize_row<Q2_K>(row, K, o); break;
+      case 11: dequantize_row<Q3_K>(row, K, o); break;
+      case 12: dequantize_row<Q4_K>(row, K, o); break;
+      case 13: dequantize_row<Q5_K>(row, K, o); break;
+      case 14: dequantize_row<Q6_K>(row, K, o); break;
       default: TORCH_CHECK(false, "ggml_embedding: GGML type ", qtype, " is not supported");
     }
   }
