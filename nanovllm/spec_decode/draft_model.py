@@ -72,8 +72,9 @@ class DraftModel:
 
     @torch.inference_mode()
     def propose(self, batch: ScheduledBatch, sampler: Sampler) -> dict[int, torch.Tensor]:
-        """Replace the placeholders in `batch.drafts` by the draft's tokens; returns, per sequence whose drafts were
-        sampled, the draft's probabilities at each of them (`[len(drafts), vocab]`)."""
+        """Replace the placeholders in `batch.drafts` by the draft's tokens (not the drafts of constrained
+        sequences: `DraftModelProposer` reserves none for them, and their grammar's forced tokens stay); returns, per
+        sequence whose drafts were sampled, the draft's probabilities at each of them (`[len(drafts), vocab]`)."""
         for seq_id in batch.finished_seq_ids:
             self.computed.pop(seq_id, None)
             self.last_start.pop(seq_id, None)
@@ -82,7 +83,7 @@ class DraftModel:
             if seq.seq_id not in self.last_start or start <= self.last_start[seq.seq_id]:
                 self.computed[seq.seq_id] = start  # (re)admitted: what the prefix cache served is trusted
             self.last_start[seq.seq_id] = start
-            if drafts:
+            if drafts and seq.grammar is None:  # a constrained sequence's drafts are its grammar's forced tokens
                 speculating.append((seq, start, drafts))
         if not speculating:
             return {}

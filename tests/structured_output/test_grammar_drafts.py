@@ -175,6 +175,18 @@ def test_output_is_the_same_with_and_without_jump_forward_and_speculation(tied_m
     assert spec_stats["num_steps"] < jump_stats["num_steps"]
 
 
+def test_a_draft_model_leaves_constrained_sequences_their_forced_tokens(tied_model, tokenizer):
+    """A draft model proposes for the unconstrained requests only: the constrained ones keep the forced tokens their
+    masks were built for (the drafts replacing them would be verified under the wrong masks)."""
+    prompts, params = mixed_batch(tokenizer)
+    expected, _, _ = run(tied_model, prompts, params, structured_outputs_config={"jump_forward": False})
+    draft = {"model": tied_model, "quantization": "int8", "num_speculative_tokens": 4}
+    drafted, completions, stats = run(tied_model, prompts, params, speculative_config=draft)
+    assert drafted == expected
+    assert stats["num_accepted_tokens"] > 0
+    assert_valid(completions, params)
+
+
 def test_preemption_and_chunked_prefill_with_drafts_mid_grammar_keep_outputs_exact(tied_model, tokenizer):
     prompts, params = mixed_batch(tokenizer)
     expected, _, _ = run(tied_model, prompts, params, structured_outputs_config={"jump_forward": False})
