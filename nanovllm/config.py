@@ -15,6 +15,14 @@ QUANTIZATIONS = (None, "int8", "int4")
 STRUCTURED_OUTPUT_BACKENDS = ("auto", "guidance", "xgrammar")
 
 
+def default_block_size(device: str) -> int:
+    """Tokens per KV block unless set: 256 on CUDA (flash-attn 2's paged KV needs a multiple of 256), 16 on CPU, where
+    the attention kernels take any size and small blocks let prompts share more of a cached prefix (extraction
+    prompts sharing a ~150-token instruction and schema reuse all but its last partial block; with 256-token blocks,
+    none of it) at no measured cost to decode (`bench.py --attention-micro --kvcache-block-size N`)."""
+    return 256 if device == "cuda" else 16
+
+
 @dataclass
 class Config:
     """Everything the engine needs to know before it starts.
@@ -28,7 +36,8 @@ class Config:
     `attention_backend` names the attention kernels ("auto", "flash-attn", "flash-attn-4", "triton", "torch"; see
     `nanovllm.backends.select_backend`); like `device` and `dtype`, "auto" is replaced by what was chosen.
     On CPU the KV cache is sized from `cpu_kvcache_gib` (GiB of host memory); on CUDA from `gpu_memory_utilization`
-    of the device memory. A positive `num_kvcache_blocks` overrides both. `max_model_len` defaults to the model's
+    of the device memory. A positive `num_kvcache_blocks` overrides both. `kvcache_block_size` (tokens per KV block,
+    the prefix cache's unit) defaults to `default_block_size(device)`. `max_model_len` defaults to the model's
     `max_position_embeddings` (without chunked prefill, at most `max_num_batched_tokens`), lowered when the KV cache
     is allocated to what it holds; a value given explicitly is never lowered.
     Worker processes (tensor-parallel ranks, data-parallel replicas) have `worker_start_timeout_s` to start and set
@@ -50,7 +59,7 @@ class Config:
     gpu_memory_utilization: float = 0.9
     tensor_parallel_size: int = 1
     enforce_eager: bool = False
-    kvcache_block_size: int = 256
+    kvcache_block_size: int | None = None
     num_kvcache_blocks: int = -1
     device: str = "auto"
     dtype: str = "auto"
@@ -78,7 +87,7 @@ class Config:
         for name in ("max_num_batched_tokens", "max_num_seqs", "max_model_len", "kvcache_block_size",
                      "tensor_parallel_size"):
             value = getattr(self, name)
-            if name == "max_model_len" and value is None:
+            if name in ("max_model_len", "kvcache_block_size") and value is None:
                 continue
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 raise ValueError(f"{name} must be a positive integer, got {value!r}")

@@ -31,7 +31,7 @@ from nanovllm.benchmarks.machine import PeakMemory, matmul_peak, synchronize
 from nanovllm.benchmarks.options import SAMPLING, SCHEDULING, parse_args, resolve_workload
 from nanovllm.benchmarks.report import Measured, Row, Served, format_report, markdown_table, median, percentiles
 from nanovllm.benchmarks.workload import Requests, count_parameters, make_requests, write_random_checkpoint
-from nanovllm.config import Config
+from nanovllm.config import default_block_size
 from nanovllm.engine.setup import resolve_device, resolve_dtype
 from nanovllm.execution.kv_cache import kv_block_bytes
 from nanovllm.gguf_import import cached_metadata, convert_gguf, find_gguf
@@ -147,7 +147,7 @@ def micro(args: argparse.Namespace, device: str) -> dict:
 
     cfg = AutoConfig.from_pretrained(config_dir(args.model) if args.model else args.config)
     dtype = resolve_dtype(args.dtype, device, cfg)
-    block_size = args.kvcache_block_size or Config.kvcache_block_size
+    block_size = args.kvcache_block_size or default_block_size(device)
     names = attention_backends(args.attention_backend, cfg, device, dtype, block_size, auto_means_all=True)
     try:
         for name in names:
@@ -275,7 +275,7 @@ def measure(args: argparse.Namespace, device: str, dtype: torch.dtype, cfg, mode
     """Every nanovllm row and the baseline, `--repeat` times, interleaved (every row, then the baseline, again), each
     condition (quiet, and busy with `--compete`) in turn."""
     names = attention_backends(args.attention_backend, cfg, device, dtype,
-                               args.kvcache_block_size or Config.kvcache_block_size)
+                               args.kvcache_block_size or default_block_size(device))
     vllm_python = find_vllm_python(args.vllm_python, device) if args.baseline == "vllm" else None
     conditions = (False, True) if args.compete else (False,)
     specs = [None] + ([speculation_label(args)] if args.speculative else [])

@@ -8,7 +8,7 @@ import torch
 from transformers import AutoConfig, PretrainedConfig
 
 from nanovllm.backends import ATTENTION_BACKENDS, choose_backend
-from nanovllm.config import Config
+from nanovllm.config import Config, default_block_size
 from nanovllm.gguf_import import cached_metadata, find_gguf
 from nanovllm.layers.prepack import native_bfloat16
 from nanovllm.models import kv_sliding_window, model_class
@@ -51,6 +51,7 @@ def resolve_config(model: str | None, settings: dict) -> Config:
     cfg = config.hf_config
     config.device = resolve_device(config.device)
     config.torch_dtype = resolve_dtype(config.dtype, config.device, cfg)
+    config.kvcache_block_size = config.kvcache_block_size or default_block_size(config.device)
     config.attention_backend = choose_backend(config.attention_backend, config.device, config.torch_dtype,
                                               config.kvcache_block_size, head_dim(cfg))
     _resolve_max_model_len(config)

@@ -73,9 +73,9 @@ def test_prefix_cache_hits_and_keeps_tokens(request, model):
 
 
 def test_whole_prompt_cache_hit_still_computes_last_token(tied_model):
-    prompt = random_prompts([64], seed=3)[0]  # exactly 4 blocks of 16
+    prompt = random_prompts([64], seed=3)[0]  # exactly 4 blocks of 16, the CPU's default block size
     expected = hf_greedy(tied_model, [prompt], MAX_TOKENS)
-    with LLM(tied_model, kvcache_block_size=16, max_model_len=1024, device="cpu", dtype="float32") as llm:
+    with LLM(tied_model, max_model_len=1024, device="cpu", dtype="float32") as llm:
         for _ in range(2):
             assert llm.generate([prompt], GREEDY, use_tqdm=False)[0]["token_ids"] == expected[0]
         assert llm.stats()["num_cached_tokens"] == 48
