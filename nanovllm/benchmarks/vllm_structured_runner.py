@@ -10,7 +10,8 @@ REQUESTS.json: `{"prompts": {"constrained": [[token ids], ...], "unconstrained":
 "schemas": [schema, ...]}, "checks": {"prompts": [...], "constraints": [...]}}`. Greedy, as nanovllm's side of the
 benchmark: a short warm-up request, then the constrained prompts, then the unconstrained prompts with `ignore_eos`
 and each request's constrained length; then one-token requests alone, alternately with a schema never seen before
-and without one, each on a prompt of its own (`ttft.prompts`, two per schema); then the outputs of the `checks` requests (greedy, and sampled with a seed), if any.
+and without one, each on a prompt of its own (`ttft.prompts`, two per schema); then the outputs of the `checks`
+requests (greedy, and sampled with a seed), if any.
 """
 import argparse
 import json
