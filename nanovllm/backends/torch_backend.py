@@ -157,12 +157,10 @@ class TorchBackend:
         return o
 
 
-def _decode_short_rows(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, ctx: Context, cu_q: list[int],
-                       lengths: list[int], scale: float, o: torch.Tensor, window: int, softcap: float) -> bool:
-    """The query rows of every CPU sequence with at most `SHORT_QUERIES` queries (decodes, drafts being verified,
-    short chunks) in one compiled-kernel call, into `o`: row r of a sequence with n queries and context length L is a
-    single query over its first L - n + 1 + r tokens, computed exactly as that token's decode would be. False
-    (nothing done) without the kernel."""
+def short_query_rows(cu_q: list[int], lengths: list[int]) -> tuple[list[int], list[int], list[int]]:
+    """The query rows of every sequence with at most `SHORT_QUERIES` queries, each as a decode: its sequence, its row,
+    and the context length it attends over (row r of a sequence with n queries and context length L: its first
+    L - n + 1 + r tokens)."""
     sequences, rows, context_lens = [], [], []
     for i, length in enumerate(lengths):
         n = cu_q[i + 1] - cu_q[i]
@@ -170,6 +168,16 @@ def _decode_short_rows(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Te
             sequences += [i] * n
             rows += range(cu_q[i], cu_q[i + 1])
             context_lens += range(length - n + 1, length + 1)
+    return sequences, rows, context_lens
+
+
+def _decode_short_rows(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, ctx: Context, cu_q: list[int],
+                       lengths: list[int], scale: float, o: torch.Tensor, window: int, softcap: float) -> bool:
+    """The query rows of every CPU sequence with at most `SHORT_QUERIES` queries (decodes, drafts being verified,
+    short chunks) in one compiled-kernel call, into `o`: row r of a sequence with n queries and context length L is a
+    single query over its first L - n + 1 + r tokens, computed exactly as that token's decode would be. False
+    (nothing done) without the kernel."""
+    sequences, rows, context_lens = short_query_rows(cu_q, lengths)
     if not rows:
         return True
     rows = torch.tensor(rows)

@@ -8,6 +8,7 @@ import torch
 from nanovllm.backends import Platform, importable, load_backend
 from nanovllm.backends.context import get_context, reset_context, set_context
 from nanovllm.backends.cpu_kernels import cpu_kernels
+from nanovllm.backends.torch_backend import SHORT_QUERIES
 from nanovllm.config import Config
 from nanovllm.core.scheduler import ScheduledBatch
 from nanovllm.core.sequence import Sequence
@@ -148,7 +149,7 @@ class ModelRunner:
         replay = self.graphs is not None and ctx.is_decode and ctx.rope_lengths is None
         if replay and self.graphs.fits(input_ids.size(0)):
             hidden_states = self.graphs.run(input_ids, positions, ctx)
-        elif self.cpu_decoder is not None and ctx.is_decode:
+        elif self.cpu_decoder is not None and ctx.max_seqlen_q <= SHORT_QUERIES:
             hidden_states = self.cpu_decoder(input_ids, positions)
         else:
             hidden_states = self.model(input_ids, positions)

@@ -5,12 +5,14 @@ hundred tensor allocations, some twenty operators per layer) than in its matmuls
 exactly Llama's (a pre-norm RMSNorm layer: fused QKV, rotary over whole heads, full attention without a cap, a gated
 SiLU MLP, no multipliers) with its linear weights in GGML blocks, the model runner builds a `CpuDecoder` once at
 load, and decode steps run every layer in one call, through the same kernels in the same order: the hidden states
-are the layer-by-layer path's, bit for bit. Prompt steps, and every other model, run layer by layer.
+are the layer-by-layer path's, bit for bit. So do steps whose every sequence has at most `SHORT_QUERIES` queries
+(drafts being verified: speculation, a grammar's forced tokens), each query row attending as its token's decode, as
+the layer-by-layer path computes them. Longer prompt steps, and every other model, run layer by layer.
 """
 import torch
 
 from nanovllm.backends.context import get_context
-from nanovllm.backends.torch_backend import TorchBackend
+from nanovllm.backends.torch_backend import TorchBackend, short_query_rows
 from nanovllm.layers.layernorm import RMSNorm
 from nanovllm.layers.linear import LinearBase
 from nanovllm.models.decoder import DecoderForCausalLM, DecoderLayer, DecoderMLP, DecoderOptions
@@ -33,10 +35,17 @@ class CpuDecoder:
 
     @torch.inference_mode()
     def __call__(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
-        """The final norm's hidden states of a decode step (every sequence one query; see `Context`)."""
+        """The final norm's hidden states of a step whose every sequence has at most `SHORT_QUERIES` queries (see
+        `Context`): decodes, drafts being verified, short prompts. Each query row attends as its token's decode
+        would, as the layer-by-layer path computes such rows (`short_query_rows`)."""
         ctx = get_context()
+        block_tables, context_lens = ctx.block_tables, ctx.context_lens
+        if not ctx.is_decode:
+            sequences, _, lengths = short_query_rows(ctx.cu_seqlens_q.tolist(), context_lens.tolist())
+            block_tables = block_tables[torch.tensor(sequences)]
+            context_lens = torch.tensor(lengths, dtype=torch.int32)
         hidden_states = self.model.embed(input_ids)
-        return self.stack.forward(hidden_states, positions, ctx.slot_mapping, ctx.block_tables, ctx.context_lens)
+        return self.stack.forward(hidden_states, positions, ctx.slot_mapping, block_tables, context_lens)
 
 
 def cpu_decoder(model: torch.nn.Module) -> CpuDecoder | None:

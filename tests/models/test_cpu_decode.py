@@ -28,9 +28,9 @@ def qwen2_dir(tmp_path_factory) -> str:
     return make_checkpoint(str(tmp_path_factory.mktemp("qwen2")), family="qwen2", seed=4)
 
 
-def run_both_paths(llm: LLM) -> list[int]:
-    """Generate `PROMPTS` with every decode step computed both ways, asserting the logits are bitwise equal; the
-    number of rows of each decode step."""
+def run_both_paths(llm: LLM, prompts: list[list[int]] = PROMPTS) -> list[int]:
+    """Generate `prompts` with every step the one-call path takes computed both ways, asserting the logits are bitwise
+    equal; the number of rows of each such step."""
     runner = llm.engine.model_runner
     fused, rows = runner.cpu_decoder, []
 
@@ -43,7 +43,7 @@ def run_both_paths(llm: LLM) -> list[int]:
 
     runner.cpu_decoder = both
     try:
-        llm.generate(PROMPTS, GREEDY, use_tqdm=False)
+        llm.generate(prompts, GREEDY, use_tqdm=False)
     finally:
         runner.cpu_decoder = fused
     return rows
@@ -55,6 +55,18 @@ def test_decode_steps_equal_the_layer_by_layer_path_bitwise(mixed_gguf, dtype):
         model = llm.engine.model_runner.model
         assert model.model.layers[0].self_attn.qkv_proj.weight.qtypes == [Q4_1, F32]
         assert run_both_paths(llm) == [len(PROMPTS)] * (GREEDY.max_tokens - 1)  # every decode step, batched
+
+
+def test_verify_steps_and_short_prompts_too(mixed_gguf):
+    """Steps whose every sequence has at most `SHORT_QUERIES` queries take the one call as well, each row attending as
+    its token's decode: the short prompts' first step, and n-gram drafts being verified (the prompts repeat, so
+    drafts are proposed)."""
+    prompts = [[5, 9, 200, 17] * 3, [300] * 3, [7, 8] * 4]
+    speculation = {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_min": 1, "prompt_lookup_max": 2}
+    with LLM(mixed_gguf, device="cpu", dtype="float32", max_model_len=256, speculative_config=speculation) as llm:
+        rows = run_both_paths(llm, prompts)
+        assert rows[0] == sum(map(len, prompts))
+        assert any(n > len(prompts) for n in rows[1:]) and llm.stats()["num_draft_tokens"] > 0
 
 
 def test_biases_and_split_projections_too(qwen2_dir):
