@@ -5,10 +5,10 @@ and vLLM:
 
     VLLM_PYTHON vllm_structured_runner.py MODEL_DIR REQUESTS.json --dtype bfloat16
 
-REQUESTS.json: `{"prompts": {"constrained": [[token ids], ...], "unconstrained": [...]}, "warmup": [token ids],
+REQUESTS.json: `{"prompts": {"constrained": [[token ids], ...], "unconstrained": [...]}, "warmup": [[token ids], ...],
 "constraints": [{"json": schema} | {"regex": ...} | ..., ...], "max_tokens": n, "ttft": {"prompts": [...],
 "schemas": [schema, ...]}, "checks": {"prompts": [...], "constraints": [...]}}`. Greedy, as nanovllm's side of the
-benchmark: a short warm-up request, then the constrained prompts, then the unconstrained prompts with `ignore_eos`
+benchmark: a warm-up batch, then the constrained prompts, then the unconstrained prompts with `ignore_eos`
 and each request's constrained length; then one-token requests alone, alternately with a schema never seen before
 and without one, each on a prompt of its own (`ttft.prompts`, two per schema); then the outputs of the `checks`
 requests (greedy, and sampled with a seed), if any.
@@ -52,7 +52,7 @@ def main() -> None:
     load = [os.getloadavg()[0]]
     prompts = spec["prompts"]
     checks = spec["checks"]
-    timed(tokens([spec["warmup"]]), SamplingParams(temperature=0, max_tokens=4))
+    timed(tokens(spec["warmup"]), SamplingParams(temperature=0, max_tokens=4))
     seconds, outputs = timed(tokens(prompts["constrained"]), [constrained(c, temperature=0,
                                                                           max_tokens=spec["max_tokens"])
                                                               for c in spec["constraints"]])
