@@ -40,8 +40,8 @@ FRESH = 5  # one-token requests with a fresh schema (and as many without), inter
 
 def warmup_prompts(prompts: list[list[int]]) -> list[list[int]]:
     """A round's warm-up batch, as large as its timed ones: its prompts reversed, so that no timed prompt shares a
-    cached block with them. An engine's first step of that size pays for memory it touches for the first time
-    (nanovllm's first 32-prompt step took ~2 s more than later ones; vLLM runs a batch at start-up)."""
+    cached block with them. An engine's first step of that size pays a one-time cost (nanovllm's first 32-prompt step
+    took ~2 s more than later ones; vLLM runs a batch at start-up)."""
     return [p[::-1] for p in prompts]
 
 
