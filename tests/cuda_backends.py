@@ -2,7 +2,7 @@
 import pytest
 import torch
 
-from nanovllm.backends import ATTENTION_BACKENDS, Backend, Platform, load_backend, unsupported
+from nanovllm.kernels.attention import ATTENTION_BACKENDS, Backend, Platform, load_backend, unsupported
 
 BACKENDS = ATTENTION_BACKENDS[1:]
 

@@ -7,7 +7,7 @@ from transformers import PreTrainedTokenizerBase
 from nanovllm.config import Config
 from nanovllm.outputs import RequestOutput
 from nanovllm.sampling_params import SamplingParams
-from nanovllm.structured_output.backends import check_constraint, resolve_backend
+from nanovllm.structured_output.backends import check_constraint
 
 Prompt = str | list[int] | dict
 """Text; vLLM's `{"prompt": text}` or `{"prompt_token_ids": ids}`; or (nanovllm's shorthand) a list of token ids."""
@@ -109,7 +109,7 @@ class PromptFrontend:
         if params.structured_outputs is not None:
             if self.tokenizer is None:
                 raise ValueError(f"structured outputs need a tokenizer and {self.config.model!r} has none")
-            check_constraint(params.structured_outputs, resolve_backend(self.config.structured_outputs_backend))
+            check_constraint(params.structured_outputs, self.config.structured_outputs_backend)
         params = replace(params, max_tokens=params.max_tokens or max(self.max_model_len - len(token_ids), 1))
         return CheckedPrompt(text, token_ids, params, priority)
 

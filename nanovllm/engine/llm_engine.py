@@ -1,5 +1,4 @@
 import logging
-import os
 import threading
 import time
 from collections.abc import Iterable, Iterator
@@ -7,7 +6,6 @@ from contextlib import contextmanager
 from itertools import count
 
 from tqdm.auto import tqdm
-from transformers import AutoTokenizer, PreTrainedTokenizerBase
 
 from nanovllm.config import Config
 from nanovllm.core.scheduler import ScheduledBatch, Scheduler, SchedulerConfig
@@ -15,6 +13,7 @@ from nanovllm.core.sequence import Sequence
 from nanovllm.core.stopping import token_finish
 from nanovllm.engine.frontend import CheckedPrompt, Params, Prompt, PromptFrontend
 from nanovllm.engine.request import Completion, Request
+from nanovllm.engine.tokenizer import load_tokenizer
 from nanovllm.execution.model_runner import ModelRunner
 from nanovllm.metrics import Metric, metrics_from_stats
 from nanovllm.models import kv_sliding_window
@@ -26,19 +25,9 @@ from nanovllm.spec_decode.stats import spec_decode_stats
 from nanovllm.structured_output.backends import check_constraint
 from nanovllm.structured_output.manager import StructuredOutputs
 
-_TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "vocab.json", "tokenizer.model")
-
 logger = logging.getLogger("nanovllm")
 
 
-def load_tokenizer(model: str) -> PreTrainedTokenizerBase | None:
-    """The model directory's tokenizer, or None when it ships none (token-id prompts still work)."""
-    if not any(os.path.isfile(os.path.join(model, name)) for name in _TOKENIZER_FILES):
-        return None
-    try:
-        return AutoTokenizer.from_pretrained(model)
-    except (OSError, ValueError) as e:
-        raise ValueError(f"could not load the tokenizer in {model!r}: {e}") from e
 
 
 class LLMEngine(PromptFrontend):

@@ -7,18 +7,16 @@ from dataclasses import fields, replace
 import torch
 from transformers import AutoConfig, PretrainedConfig
 
-from nanovllm.backends import ATTENTION_BACKENDS, choose_backend
-from nanovllm.config import Config, default_block_size
-from nanovllm.gguf_import import cached_metadata, find_gguf
+from nanovllm.config import QUANTIZATIONS, STEP_COST, Config, default_block_size
+from nanovllm.engine.tokenizer import check_same_vocabulary
+from nanovllm.kernels.attention import ATTENTION_BACKENDS, choose_backend
+from nanovllm.kernels.ggml import BLOCK, TYPE_IDS
 from nanovllm.layers.prepack import native_bfloat16
 from nanovllm.models import kv_sliding_window, model_class
-from nanovllm.models.gguf_weights import check_table, read_table
+from nanovllm.models.gguf.metadata import cached_metadata, find_gguf
+from nanovllm.models.gguf.weights import check_table, read_table
 from nanovllm.models.hf_config import head_dim
 from nanovllm.models.loader import find_weight_files
-from nanovllm.quantization.ggml_ops import BLOCK
-from nanovllm.quantization.ggml_weight import QUANTIZATION
-from nanovllm.spec_decode.config import STEP_COST
-from nanovllm.spec_decode.draft_check import check_same_vocabulary
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -112,7 +110,7 @@ def _check_quantization(config: Config) -> None:
     """quantization= splits rows into 32-value blocks: every linear input, and each rank's share of a split one,
     must be whole blocks."""
     cfg, tp = config.hf_config, config.tensor_parallel_size
-    values = BLOCK[QUANTIZATION[config.quantization]][0]
+    values = BLOCK[TYPE_IDS[QUANTIZATIONS[config.quantization]]][0]
     inputs = {"hidden_size": cfg.hidden_size, "intermediate_size / tensor_parallel_size": cfg.intermediate_size // tp,
               "num_attention_heads x head_dim / tensor_parallel_size": cfg.num_attention_heads * head_dim(cfg) // tp}
     bad = [f"{name} = {size}" for name, size in inputs.items() if size % values]

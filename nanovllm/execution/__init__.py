@@ -1,3 +1,6 @@
-"""Execution: turning scheduled sequences into tensors and running them (model runner, KV cache sizing, CUDA graphs,
-sampling, CPU threads). Bookkeeping in `nanovllm.core` and `nanovllm.engine` never imports this package's internals;
-only `LLMEngine` holds a `ModelRunner`."""
+"""Execution: turning scheduled sequences into tensors and running them. `model_runner` owns one rank's model, KV
+cache (`kv_cache`) and decode graphs (`cuda_graph`), runs each step (the one-call CPU decode, `cpu_decode`, where it
+applies) and samples (`sampler`, its tensor math in `sampling_ops`); `verifier` checks drafts against the target and
+`draft_model` runs a speculative draft model beside it; `tensor_parallel` drives the other ranks' runners in worker
+processes; `cpu_threads` keeps torch's CPU threads from collapsing under load. Only `LLMEngine` holds a `ModelRunner`;
+nothing here imports the engine."""

@@ -9,7 +9,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from nanovllm.backends.context import Context, reset_context, set_context
+from nanovllm.kernels.attention.context import Context, reset_context, set_context
 
 MAX_GRAPH_BATCH_SIZE = 512
 

@@ -14,12 +14,12 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from nanovllm.backends.context import reset_context, set_context
 from nanovllm.config import Config
+from nanovllm.distributed.process_group import min_over_ranks
 from nanovllm.execution.sampler import Sampler, SamplingRow
+from nanovllm.kernels.attention.context import reset_context, set_context
 from nanovllm.layers.attention import Attention
 from nanovllm.models.hf_config import head_dim
-from nanovllm.parallel.process_group import min_over_ranks
 from nanovllm.sampling_params import SamplingParams
 
 logger = logging.getLogger("nanovllm")
@@ -42,7 +42,7 @@ def kv_cache_shape(config: Config, num_blocks: int) -> tuple[int, ...]:
 
 def kv_block_bytes(config: Config) -> int:
     """Bytes one block takes on one rank, over every layer, keys and values; with a draft model, its own cache's
-    block too (the draft's cache has the same blocks, see `nanovllm.spec_decode.draft_model`)."""
+    block too (the draft's cache has the same blocks, see `nanovllm.execution.draft_model`)."""
     own = math.prod(kv_cache_shape(config, 1)) * config.torch_dtype.itemsize
     return own + (kv_block_bytes(config.draft) if config.draft is not None else 0)
 

@@ -7,13 +7,13 @@ from contextlib import contextmanager
 import torch
 from torch import nn
 
-from nanovllm.backends import Backend
-from nanovllm.backends.cpu_kernels import cpu_kernels
 from nanovllm.config import Config
+from nanovllm.kernels.attention import Backend
+from nanovllm.kernels.cpu import cpu_kernels
 from nanovllm.layers.attention import Attention
 from nanovllm.layers.prepack import can_prepack, prepack_linear_weights
 from nanovllm.models import build_model
-from nanovllm.models.gguf_weights import read_table
+from nanovllm.models.gguf.weights import read_table
 from nanovllm.models.loader import init_dummy_weights, load_model
 
 logger = logging.getLogger("nanovllm")

@@ -5,24 +5,24 @@ from contextlib import AbstractContextManager, nullcontext
 
 import torch
 
-from nanovllm.backends import Platform, importable, load_backend
-from nanovllm.backends.context import get_context, reset_context, set_context
-from nanovllm.backends.cpu_kernels import cpu_kernels
-from nanovllm.backends.torch_backend import SHORT_QUERIES
 from nanovllm.config import Config
 from nanovllm.core.scheduler import ScheduledBatch
 from nanovllm.core.sequence import Sequence
+from nanovllm.execution.cpu_decode import cpu_decoder
 from nanovllm.execution.cpu_threads import ThreadGovernor
 from nanovllm.execution.cuda_graph import DecodeGraphs
+from nanovllm.execution.draft_model import DraftModel
 from nanovllm.execution.kv_cache import bind_kv_cache, cache_slots, create_kv_cache
 from nanovllm.execution.model_loading import load_runner_model
 from nanovllm.execution.sampler import PromptRows, Sampler, SamplerOutput
+from nanovllm.execution.tensor_parallel import WorkerGroup, started
 from nanovllm.execution.tensors import to_device
-from nanovllm.layers.fused import set_fused_ops
-from nanovllm.models.cpu_decode import cpu_decoder
-from nanovllm.parallel.tensor_parallel import WorkerGroup, started
-from nanovllm.spec_decode.draft_model import DraftModel
-from nanovllm.spec_decode.verifier import verify
+from nanovllm.execution.verifier import verify
+from nanovllm.kernels.attention import Platform, importable, load_backend
+from nanovllm.kernels.attention.context import get_context, reset_context, set_context
+from nanovllm.kernels.attention.torch_backend import SHORT_QUERIES
+from nanovllm.kernels.cpu import cpu_kernels
+from nanovllm.kernels.fused import set_fused_ops
 from nanovllm.structured_output.bitmask import TokenBitmask
 
 logger = logging.getLogger("nanovllm")
@@ -59,7 +59,7 @@ class ModelRunner:
         self.kv_cache = create_kv_cache(self.model, self.sampler, config, self.device)
         if self.drafter is not None:
             self.drafter.bind(self.kv_cache.num_blocks)
-        self.cpu_decoder = None  # decode steps in one C++ call (`nanovllm.models.cpu_decode`)
+        self.cpu_decoder = None  # decode steps in one C++ call (`nanovllm.execution.cpu_decode`)
         if not on_gpu and cpu_kernels() is not None and not config.enforce_eager:
             self.cpu_decoder = cpu_decoder(self.model)
         self.governor = None  # tensor-parallel ranks keep their threads: a rank on one thread would hold up the rest
@@ -159,7 +159,7 @@ class ModelRunner:
 
     def run(self, batch: ScheduledBatch, allowed: TokenBitmask | None = None) -> SamplerOutput | None:
         """Run one scheduled step; rank 0 returns a sampled token for each sequence that samples, in batch order
-        (with drafts to verify: its accepted drafts and the token after them, see `nanovllm.spec_decode.verifier`),
+        (with drafts to verify: its accepted drafts and the token after them, see `nanovllm.execution.verifier`),
         within `allowed` (structured outputs) at the sampling rows it names."""
         if self.rank == 0:
             self.sampler.release(batch.finished_seq_ids)

@@ -2,7 +2,7 @@
 with per-row settings as `[batch]` tensors. Each keeps the inputs unchanged; `execution/sampler.py` chains them."""
 import torch
 
-from nanovllm.layers.fused import fused_op
+from nanovllm.kernels.fused import fused_op
 
 NEG_INF = float("-inf")
 

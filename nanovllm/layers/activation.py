@@ -2,7 +2,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from nanovllm.layers.fused import fused_op
+from nanovllm.kernels.fused import fused_op
 
 ACTIVATIONS = ("silu", "gelu", "gelu_pytorch_tanh")
 """Hugging Face `hidden_act` names the MLPs implement: SiLU, exact GELU, GELU's tanh approximation."""

@@ -1,14 +1,14 @@
 import torch
 from torch import nn
 
-from nanovllm.backends import TORCH
-from nanovllm.backends.context import get_context
+from nanovllm.kernels.attention import TORCH
+from nanovllm.kernels.attention.context import get_context
 
 
 class Attention(nn.Module):
     """Writes this step's K/V into the paged cache, then attends over the cache (see `Context`).
 
-    The model runner assigns `backend` (a `nanovllm.backends.Backend`), and the cache through
+    The model runner assigns `backend` (a `nanovllm.kernels.attention.Backend`), and the cache through
     `nanovllm.execution.kv_cache.bind_kv_cache`. `sliding_window` > 0: a query sees only the last that many
     positions (itself included); `softcap` > 0: scores are capped by `softcap * tanh(score / softcap)`.
     """

@@ -7,9 +7,9 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
+from nanovllm.distributed.process_group import tp_rank_and_size
+from nanovllm.layers.ggml_weight import GGMLTensor, GGMLWeight
 from nanovllm.layers.linear import linear
-from nanovllm.parallel.process_group import tp_rank_and_size
-from nanovllm.quantization.ggml_weight import GGMLTensor, GGMLWeight
 
 
 def embedding(ids: torch.Tensor, weight: torch.Tensor | GGMLWeight) -> torch.Tensor:

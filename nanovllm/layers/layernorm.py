@@ -3,8 +3,8 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
-from nanovllm.layers.fused import fused_op
-from nanovllm.parallel.process_group import tp_rank_and_size
+from nanovllm.distributed.process_group import tp_rank_and_size
+from nanovllm.kernels.fused import fused_op
 
 
 def _rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:

@@ -10,8 +10,8 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
-from nanovllm.parallel.process_group import tp_rank_and_size
-from nanovllm.quantization.ggml_weight import GGMLTensor, GGMLWeight
+from nanovllm.distributed.process_group import tp_rank_and_size
+from nanovllm.layers.ggml_weight import GGMLTensor, GGMLWeight
 
 
 def linear(x: torch.Tensor, weight: torch.Tensor | GGMLWeight, bias: torch.Tensor | None = None) -> torch.Tensor:

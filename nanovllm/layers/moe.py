@@ -7,7 +7,7 @@ weights are prepacked for oneDNN like every other linear weight (see `layers/pre
 touches every expert with a few rows each, where the plain product spends more time re-packing the weight than
 multiplying.
 
-On CUDA the experts run as two Triton kernels over the same sorted pairs (`backends/triton_moe.py`), with no host
+On CUDA the experts run as two Triton kernels over the same sorted pairs (`kernels/triton_moe.py`), with no host
 sync, so CUDA graphs capture the decode step.
 
 Tensor parallel splits every expert's intermediate dimension (gate/up rows, down columns), like the dense MLP, so
@@ -20,10 +20,10 @@ projection becomes one `GGMLWeight` per expert, which `grouped_experts` runs lik
 import torch
 from torch import nn
 
+from nanovllm.distributed.process_group import tp_rank_and_size
 from nanovllm.layers.activation import silu_and_mul
+from nanovllm.layers.ggml_weight import GGMLTensor, GGMLWeight
 from nanovllm.layers.linear import linear
-from nanovllm.parallel.process_group import tp_rank_and_size
-from nanovllm.quantization.ggml_weight import GGMLTensor, GGMLWeight
 
 
 def select_experts(router_logits: torch.Tensor, top_k: int, renormalize: bool) -> tuple[torch.Tensor, torch.Tensor]:
@@ -87,7 +87,7 @@ class FusedMoE(nn.Module):
         self.compute = grouped_experts
         if self.gate_up_proj.is_cuda:
             try:
-                from nanovllm.backends.triton_moe import fused_experts  # Triton: only where there is a GPU
+                from nanovllm.kernels.triton_moe import fused_experts  # Triton: only where there is a GPU
             except ImportError:
                 raise ValueError("mixture-of-experts models on CUDA compute their experts with Triton, which does "
                                  "not import here; install it (pip install triton)") from None

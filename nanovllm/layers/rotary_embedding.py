@@ -9,7 +9,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from nanovllm.layers.fused import fused_op
+from nanovllm.kernels.fused import fused_op
 
 
 def default_inv_freq(base: float, dim: int) -> torch.Tensor:

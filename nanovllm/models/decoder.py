@@ -10,7 +10,8 @@ import torch
 from torch import nn
 from transformers import PretrainedConfig
 
-from nanovllm.backends.context import get_context
+from nanovllm.distributed.process_group import tp_rank_and_size
+from nanovllm.kernels.attention.context import get_context
 from nanovllm.layers.activation import ActAndMul, Activation
 from nanovllm.layers.attention import Attention
 from nanovllm.layers.embed_head import ParallelLMHead, VocabParallelEmbedding
@@ -23,7 +24,6 @@ from nanovllm.layers.linear import (
 )
 from nanovllm.layers.rotary_embedding import RotaryEmbedding
 from nanovllm.models.hf_config import head_dim, layer_types, rope_scaling, rope_theta, rotary_dim
-from nanovllm.parallel.process_group import tp_rank_and_size
 
 
 @dataclass(frozen=True)

@@ -14,10 +14,12 @@ from safetensors import SafetensorError, safe_open
 from torch import nn
 from transformers import AutoModelForCausalLM, PretrainedConfig
 
+from nanovllm.config import QUANTIZATIONS
+from nanovllm.kernels.ggml import TYPE_IDS
+from nanovllm.layers.ggml_weight import GGMLTensor, GGMLWeight, quantize
 from nanovllm.layers.moe import FusedMoE
-from nanovllm.models.gguf_weights import drop_resident_pages, gguf_weights, map_file
+from nanovllm.models.gguf.weights import drop_resident_pages, gguf_weights, map_file
 from nanovllm.models.hf_config import head_dim
-from nanovllm.quantization.ggml_weight import QUANTIZATION, GGMLTensor, GGMLWeight, quantize
 
 
 def find_weight_files(model: str) -> list[str]:
@@ -124,7 +126,7 @@ def install_ggml_weights(model: nn.Module) -> None:
 def _as_loaded(weights: Iterable[tuple[str, torch.Tensor | GGMLTensor]], quantization: str | None,
                keep_ggml: bool) -> Iterator[tuple[str, torch.Tensor | GGMLTensor]]:
     """Linear weights quantized (`quantization`), and GGML weights dequantized unless `keep_ggml`."""
-    qtype = QUANTIZATION[quantization] if quantization else None
+    qtype = TYPE_IDS[QUANTIZATIONS[quantization]] if quantization else None
     for name, tensor in weights:
         if qtype is not None and name.endswith("_proj.weight"):
             tensor = quantize(tensor, qtype)

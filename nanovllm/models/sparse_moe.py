@@ -7,10 +7,10 @@ import torch.distributed as dist
 from torch import nn
 from transformers import PretrainedConfig
 
+from nanovllm.distributed.process_group import tp_rank_and_size
 from nanovllm.layers.linear import ReplicatedLinear
 from nanovllm.layers.moe import FusedMoE
 from nanovllm.models.decoder import DecoderMLP, DecoderOptions
-from nanovllm.parallel.process_group import tp_rank_and_size
 
 QWEN_EXPERT_MODULES = {"gate_proj": ("gate_up_proj", 0), "up_proj": ("gate_up_proj", 1),
                        "down_proj": ("down_proj", 0)}

@@ -2,8 +2,8 @@
 tokens it keeps: the adaptive rule that turns speculation down where it stops paying."""
 from collections.abc import Callable
 
+from nanovllm.config import SpeculativeConfig
 from nanovllm.core.sequence import Sequence
-from nanovllm.spec_decode.config import SpeculativeConfig
 from nanovllm.spec_decode.ngram import ngram_proposal
 
 # A sequence's per-draft acceptance before it has verified any: PRIOR_ACCEPTED of PRIOR_TRIALS.
@@ -109,7 +109,7 @@ def keep_model_drafts(proposals: dict[Sequence, list[int]], num_seqs: int, num_r
 class DraftModelProposer(NgramProposer):
     """Reserves a draft model's proposals: placeholder tokens (0), as many as `keep_model_drafts` keeps of the
     `num_speculative_tokens` a sequence has room for; the model runner's draft model
-    (`nanovllm.spec_decode.draft_model`) replaces them by its tokens once the scheduler has given them KV slots.
+    (`nanovllm.execution.draft_model`) replaces them by its tokens once the scheduler has given them KV slots.
     `forward_ratio(n)`: what a draft forward over n sequences costs, in target steps (measured by the draft model)."""
 
     def __init__(self, spec: SpeculativeConfig, max_model_len: int, forward_ratio: Callable[[int], float]):

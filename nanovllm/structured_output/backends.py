@@ -1,4 +1,5 @@
-"""The grammar backends by name, and the check every constraint passes at submission (before any work)."""
+"""The grammar backends by name (`nanovllm.config.STRUCTURED_OUTPUT_BACKENDS` lists them), and the check every
+constraint passes at submission (before any work)."""
 from functools import lru_cache
 from importlib import import_module
 
@@ -7,16 +8,9 @@ from transformers import PreTrainedTokenizerBase
 from nanovllm.sampling_params import StructuredOutputsParams
 from nanovllm.structured_output.spec import GrammarSpec, grammar_spec
 
-BACKENDS = ("auto", "guidance", "xgrammar")
-DEFAULT_BACKEND = "guidance"
 _MODULES = {"guidance": ("nanovllm.structured_output.guidance", "GuidanceBackend"),
             "xgrammar": ("nanovllm.structured_output.xgrammar_backend", "XgrammarBackend")}
 _CHECKED = 4096
-
-
-def resolve_backend(name: str) -> str:
-    """"auto" is the default backend (llguidance: see the README's measurements)."""
-    return DEFAULT_BACKEND if name == "auto" else name
 
 
 @lru_cache(maxsize=_CHECKED)

@@ -10,7 +10,7 @@ import numpy as np
 import torch
 from transformers import PreTrainedTokenizerBase
 
-from nanovllm.structured_output.backends import create_backend, resolve_backend
+from nanovllm.structured_output.backends import create_backend
 from nanovllm.structured_output.bitmask import TokenBitmask
 from nanovllm.structured_output.spec import GrammarSpec
 
@@ -66,7 +66,7 @@ class StructuredOutputs:
 
     def __init__(self, backend: str, tokenizer: PreTrainedTokenizerBase | None, vocab_size: int,
                  eos_token_ids: set[int], max_rows: int, pin_memory: bool = False):
-        self.backend_name = resolve_backend(backend)
+        self.backend_name = backend
         self.tokenizer = tokenizer
         self.vocab_size = vocab_size
         self.eos_token_ids = sorted(eos_token_ids)

@@ -2,10 +2,10 @@
 blocks of rejected drafts released and only accepted tokens named for prefix caching."""
 from dataclasses import replace
 
+from nanovllm.config import STEP_COST, parse_speculative_config
 from nanovllm.core.scheduler import Scheduler, SchedulerConfig
 from nanovllm.core.sequence import Sequence
 from nanovllm.sampling_params import SamplingParams
-from nanovllm.spec_decode.config import STEP_COST, parse_speculative_config
 from nanovllm.spec_decode.ngram import ngram_proposal
 from nanovllm.spec_decode.proposer import NgramProposer, acceptance, keep_drafts
 

@@ -7,7 +7,7 @@ from test_engine_parity import assert_all_blocks_free, random_prompts
 from test_speculative import GREEDY, MAX_TOKENS, assert_drafts_accepted, grounded_prompts, spec_llm
 
 from nanovllm import LLM, SamplingParams
-from nanovllm.spec_decode.draft_model import DraftModel
+from nanovllm.execution.draft_model import DraftModel
 
 
 @pytest.fixture(autouse=True)

@@ -3,8 +3,8 @@ import pytest
 import torch
 
 from nanovllm import LLM, SamplingParams
-from nanovllm.backends.context import Context, get_context, reset_context
 from nanovllm.execution.cuda_graph import DecodeBuffers, graph_batch_sizes, pick_batch_size
+from nanovllm.kernels.attention.context import Context, get_context, reset_context
 
 
 @pytest.mark.parametrize("max_num_seqs, expected", [

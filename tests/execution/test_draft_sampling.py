@@ -10,9 +10,9 @@ from test_spec_verifier import P, chi_square, chi_square_bound, peaked_model, tw
 
 from nanovllm import LLM, SamplingParams
 from nanovllm.core.sequence import Sequence
+from nanovllm.execution.draft_model import DraftModel
 from nanovllm.execution.sampler import Sampler
-from nanovllm.spec_decode.draft_model import DraftModel
-from nanovllm.spec_decode.verifier import verify
+from nanovllm.execution.verifier import verify
 
 Q = [torch.tensor(q) for q in ([0.1, 0.5, 0.1, 0.1, 0.1, 0.1], [0.3, 0.1, 0.1, 0.4, 0.05, 0.05])]
 

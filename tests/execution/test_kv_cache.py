@@ -3,7 +3,6 @@ import pytest
 import torch
 
 from nanovllm import LLM
-from nanovllm.backends.context import Context, get_context
 from nanovllm.execution.kv_cache import (
     WARMUP_SAMPLING,
     bind_kv_cache,
@@ -13,6 +12,7 @@ from nanovllm.execution.kv_cache import (
     warmup_batch_size,
     warmup_cache_blocks,
 )
+from nanovllm.kernels.attention.context import Context, get_context
 
 GiB = 2**30
 

@@ -10,7 +10,7 @@ from checkpoints import make_checkpoint
 from nanovllm import LLM, SamplingParams
 from nanovllm.core.sequence import Sequence
 from nanovllm.execution.sampler import Sampler
-from nanovllm.spec_decode.verifier import verify
+from nanovllm.execution.verifier import verify
 
 P = [torch.tensor(p) for p in ([0.4, 0.25, 0.15, 0.1, 0.06, 0.04], [0.05, 0.3, 0.3, 0.2, 0.1, 0.05],
                                [0.2, 0.2, 0.2, 0.2, 0.1, 0.1])]

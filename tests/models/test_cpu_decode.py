@@ -1,12 +1,12 @@
-"""Decode steps in one C++ call (`nanovllm.models.cpu_decode`): the same hidden states, bit for bit, as the model run
+"""Decode steps in one C++ call (`nanovllm.execution.cpu_decode`): the same hidden states, bit for bit, as the model run
 layer by layer, at every decode step of a batch; and only for the models whose layers are the standard one."""
 import pytest
 import torch
 from checkpoints import make_checkpoint, make_gguf
 
 from nanovllm import LLM, SamplingParams
-from nanovllm.models.cpu_decode import cpu_decoder
-from nanovllm.quantization.ggml_weight import GGMLTensor, GGMLWeight
+from nanovllm.execution.cpu_decode import cpu_decoder
+from nanovllm.layers.ggml_weight import GGMLTensor, GGMLWeight
 
 pytest.importorskip("gguf")
 Q4_1, F32 = 3, 0

@@ -7,11 +7,11 @@ from checkpoints import CORPUS, hf_teacher_forced, make_checkpoint, teacher_forc
 from torch import nn
 
 from nanovllm import LLM
+from nanovllm.kernels.ggml import ggml_linear
 from nanovllm.layers.embed_head import VocabParallelEmbedding
+from nanovllm.layers.ggml_weight import GGMLTensor, GGMLWeight, quantize
 from nanovllm.layers.linear import QKVParallelLinear
 from nanovllm.models.loader import install_ggml_weights
-from nanovllm.quantization.ggml_ops import ggml_linear
-from nanovllm.quantization.ggml_weight import GGMLTensor, GGMLWeight, quantize
 
 pytest.importorskip("gguf")
 Q8_0, Q4_1, Q4_0, F32 = 8, 3, 2, 0

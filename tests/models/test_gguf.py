@@ -23,10 +23,11 @@ import nanovllm.execution.model_runner as model_runner
 from nanovllm import LLM, SamplingParams
 from nanovllm.cache import cache_dir
 from nanovllm.cli import main as cli
-from nanovllm.gguf_import import _parsed_once, cached_metadata, convert_gguf
-from nanovllm.models.gguf_weights import check_table, read_table
+from nanovllm.layers.ggml_weight import GGMLWeight
+from nanovllm.models.gguf.convert import convert_gguf
+from nanovllm.models.gguf.metadata import cached_metadata, parsed_once
+from nanovllm.models.gguf.weights import check_table, read_table
 from nanovllm.progress import Progress
-from nanovllm.quantization.ggml_weight import GGMLWeight
 
 gguf = pytest.importorskip("gguf")
 pytest.importorskip("accelerate")
@@ -78,7 +79,7 @@ def test_converted_weights_are_the_original_ones(llama_dir, converted):
 
 
 def test_converted_weights_are_transformers_own_dequantization(gguf_file, converted):
-    """Bit for bit what transformers' GGUF loader gives by itself, without the shared parse `_parsed_once` sets up."""
+    """Bit for bit what transformers' GGUF loader gives by itself, without the shared parse `parsed_once` sets up."""
     from safetensors.torch import load_file
     from transformers import AutoModelForCausalLM
 
@@ -108,7 +109,7 @@ def test_conversion_reports_its_phases_counts_its_tensors_and_restores_gguf(gguf
             ended.append((self.phase, self.count, self.total))
             super().__call__(phase, total, **kwargs)
 
-    with Recording("converted", out=io.StringIO()) as progress, _parsed_once(progress):
+    with Recording("converted", out=io.StringIO()) as progress, parsed_once(progress):
         convert_gguf(gguf_file, str(tmp_path / "out"), progress)
         tensors = len(gguf.GGUFReader(gguf_file).tensors)
     assert ("loading and dequantizing tensors", tensors, tensors) in ended and tensors > 0

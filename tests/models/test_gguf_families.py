@@ -11,9 +11,9 @@ from checkpoints import CORPUS, hf_greedy, hf_teacher_forced, make_checkpoint, m
 from gguf_files import write_gguf
 
 from nanovllm import LLM, SamplingParams
+from nanovllm.layers.ggml_weight import GGMLWeight
 from nanovllm.layers.moe import FusedMoE
-from nanovllm.models.gguf_config import Metadata, gguf_config
-from nanovllm.quantization.ggml_weight import GGMLWeight
+from nanovllm.models.gguf.config import Metadata, gguf_config
 
 MAX_TOKENS = 12
 PROMPTS = [[random.Random(n).randrange(300) for _ in range(n)] for n in (3, 30, 70)]

@@ -7,6 +7,7 @@ import torch.multiprocessing as tmp
 import torch.nn.functional as F
 from torch.testing import assert_close
 
+from nanovllm.distributed.process_group import join_tp_group, leave_tp_group, tp_rank_and_size
 from nanovllm.layers.embed_head import ParallelLMHead, VocabParallelEmbedding
 from nanovllm.layers.linear import (
     ColumnParallelLinear,
@@ -15,7 +16,6 @@ from nanovllm.layers.linear import (
     RowParallelLinear,
 )
 from nanovllm.layers.moe import FusedMoE
-from nanovllm.parallel.process_group import join_tp_group, leave_tp_group, tp_rank_and_size
 
 WORLD = 2
 

@@ -7,7 +7,7 @@ import time
 import pytest
 
 from nanovllm import LLM, SamplingParams
-from nanovllm.parallel.data_parallel import DataParallelLLM, ReplicaFailure
+from nanovllm.engine.data_parallel import DataParallelLLM, ReplicaFailure
 
 SETTINGS = dict(device="cpu", dtype="float32", kvcache_block_size=16, max_model_len=256, num_kvcache_blocks=64)
 SHARED = list(range(100, 132))  # two whole blocks

@@ -11,9 +11,9 @@ import torch
 import torch.distributed as dist
 from checkpoints import hf_greedy
 
+from benchmarks.compete import competing_process
 from nanovllm import LLM, SamplingParams
-from nanovllm.benchmarks.compete import competing_process
-from nanovllm.parallel.tensor_parallel import WorkerFailure
+from nanovllm.execution.tensor_parallel import WorkerFailure
 
 # Tiny blocks and a 16-block cache: four 28-token sequences need 28 blocks, so decoding preempts.
 SMALL_CACHE = dict(device="cpu", dtype="float32", kvcache_block_size=4, num_kvcache_blocks=16, max_model_len=64,

@@ -4,8 +4,8 @@ every output satisfies its constraint. Skipped unless the demo extra and llm-smo
 them)."""
 import pytest
 
+from benchmarks.structured_workload import Case, json_cases, varied_cases
 from nanovllm import LLM, SamplingParams, StructuredOutputsParams
-from nanovllm.benchmarks.structured_workload import Case, json_cases, varied_cases
 from nanovllm.smollm2 import default_model, default_model_file
 
 pytest.importorskip("gguf")

@@ -11,8 +11,8 @@ import torch
 from test_mask import prompts_of
 from transformers import AutoTokenizer
 
+from benchmarks.structured_jump import compare_jump_forward
 from nanovllm import LLM, SamplingParams, StructuredOutputsParams
-from nanovllm.benchmarks.structured_jump import compare_jump_forward
 from nanovllm.core.sequence import Sequence
 from nanovllm.spec_decode.grammar_drafts import GrammarDrafts
 from nanovllm.structured_output.backends import check_constraint

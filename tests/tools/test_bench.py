@@ -125,7 +125,7 @@ def test_bench_with_two_data_parallel_replicas(tied_model):
 def test_flops_count_what_was_computed_by_hand():
     from transformers import Qwen3Config, Qwen3MoeConfig
 
-    from nanovllm.benchmarks.flops import layer_matmul_flops_per_token, mfu, run_flops
+    from benchmarks.flops import layer_matmul_flops_per_token, mfu, run_flops
 
     shape = dict(hidden_size=8, num_attention_heads=2, num_key_value_heads=1, head_dim=4, intermediate_size=16,
                  num_hidden_layers=3, vocab_size=100)
@@ -172,7 +172,7 @@ def test_host_overhead_times_the_steps_outside_the_model():
 
 def test_compete_runs_every_row_again_beside_a_busy_process_and_reports_what_it_keeps(tiny_config, capsys,
                                                                                      monkeypatch):
-    from nanovllm.benchmarks import compete, throughput
+    from benchmarks import compete, throughput
 
     busy_during = []
     real = throughput.competing_process

@@ -7,7 +7,7 @@ import bench
 
 
 def test_bench_runs_each_row_with_and_without_a_draft_model(tied_model, capsys, monkeypatch):
-    from nanovllm.spec_decode.draft_model import DraftModel
+    from nanovllm.execution.draft_model import DraftModel
 
     monkeypatch.setattr(DraftModel, "forward_ratio", lambda self, num_seqs: 0.0)  # always speculate
     result = bench.main(["--model", tied_model, "--device", "cpu", "--num-seqs", "2", "--min-input-len", "30",

@@ -18,8 +18,8 @@ from test_example import run_example
 import nanovllm.execution.model_loading as model_loading
 import nanovllm.execution.model_runner as model_runner
 from nanovllm import LLM, SamplingParams
-from nanovllm.gguf_import import cached_metadata
-from nanovllm.quantization.ggml_weight import GGMLWeight
+from nanovllm.layers.ggml_weight import GGMLWeight
+from nanovllm.models.gguf.metadata import cached_metadata
 from nanovllm.smollm2 import default_model, default_model_file
 
 pytest.importorskip("gguf")
@@ -109,7 +109,7 @@ def rss():
 import torch
 base = rss()
 from nanovllm import LLM, SamplingParams
-from nanovllm.gguf_import import cached_metadata
+from nanovllm.models.gguf.metadata import cached_metadata
 from nanovllm.execution.kv_cache import kv_block_bytes
 with LLM(sys.argv[1], device="cpu", max_model_len=512, num_kvcache_blocks=4, kvcache_block_size=128) as llm:
     llm.generate(["Hello, my name is"], SamplingParams(temperature=0, max_tokens=8), use_tqdm=False)

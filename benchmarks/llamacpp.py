@@ -1,0 +1,124 @@
+"""`--baseline llamacpp`: llama.cpp's own benchmarks on the same GGUF file and thread count, beside nanovllm's
+prompt and decode rates at batch 1, 8 and 32.
+
+llama.cpp: `llama-bench` (pp128 and tg128: batch 1) and `llama-batched-bench` (128 prompt and 128 generated tokens for
+each of 8 and 32 parallel sequences). nanovllm: B requests of 128 fresh random prompt tokens (the prefix cache never
+hits) and 128 greedy output tokens each (`ignore_eos`), all submitted at once; prompt tok/s is B x 128 over the time
+to the last request's first token, decode tok/s the other B x 127 tokens over the rest. Rounds alternate the two
+engines (`--repeat`), and each rate's median is shown.
+"""
+import argparse
+import json
+import os
+import random
+import subprocess
+import sys
+import time
+from pathlib import Path
+from statistics import median
+
+import torch
+
+from benchmarks.report import markdown_table
+
+SETUP = "../shared/peers/setup-llamacpp.sh"
+TOOLS = ("llama-bench", "llama-batched-bench")
+BATCHES = (1, 8, 32)
+PROMPT_TOKENS = OUTPUT_TOKENS = 128
+
+Rates = dict[tuple[str, int], float]  # ("prompt" | "decode", batch size) -> tokens/s
+
+
+def find_llamacpp(directory: str | None) -> Path:
+    """The directory holding llama.cpp's benchmark tools; a clear exit naming the setup script when it does not."""
+    missing = [tool for tool in TOOLS if not (directory and os.access(Path(directory) / tool, os.X_OK))]
+    if missing:
+        where = f"--llamacpp-bin {directory!r} has no {', '.join(missing)}" if directory else \
+            "--baseline llamacpp needs --llamacpp-bin DIR (or $LLAMACPP_BIN)"
+        sys.exit(f"bench.py: error: {where}. Build llama.cpp's tools with `bash {SETUP}` (about 5 minutes, once; it "
+                 "prints the directory to pass)")
+    return Path(directory)
+
+
+def _run(command: list[str]) -> str:
+    done = subprocess.run(command, capture_output=True, text=True)
+    if done.returncode:
+        raise RuntimeError(f"{command[0]} failed (exit code {done.returncode}):\n{done.stderr[-3000:]}")
+    return done.stdout
+
+
+def llamacpp_rates(bin_dir: Path, model: str, threads: int) -> Rates:
+    """One round of llama-bench (batch 1) and llama-batched-bench (the larger batches) on `model`."""
+    rates: Rates = {}
+    single = json.loads(_run([str(bin_dir / "llama-bench"), "-m", model, "-t", str(threads), "-p", str(PROMPT_TOKENS),
+                              "-n", str(OUTPUT_TOKENS), "-r", "1", "-o", "json"]))
+    for test in single:
+        rates["decode" if test["n_gen"] else "prompt", 1] = test["avg_ts"]
+    batches = [b for b in BATCHES if b > 1]
+    context = max(batches) * (PROMPT_TOKENS + OUTPUT_TOKENS)
+    lines = _run([str(bin_dir / "llama-batched-bench"), "-m", model, "-t", str(threads), "-c", str(context),
+                  "-npp", str(PROMPT_TOKENS), "-ntg", str(OUTPUT_TOKENS), "-npl", ",".join(map(str, batches)),
+                  "--output-format", "jsonl"])
+    for line in lines.splitlines():
+        if line.startswith("{"):
+            result = json.loads(line)
+            rates["prompt", result["pl"]] = result["speed_pp"]
+            rates["decode", result["pl"]] = result["speed_tg"]
+    return rates
+
+
+def nanovllm_rates(llm, vocab_size: int, rng: random.Random) -> Rates:
+    """One round of nanovllm at each batch size (see the module's docstring)."""
+    from nanovllm import SamplingParams
+
+    rates: Rates = {}
+    params = SamplingParams(temperature=0, max_tokens=OUTPUT_TOKENS, ignore_eos=True)
+    for batch in BATCHES:
+        for _ in range(batch):
+            llm.add_request([rng.randrange(vocab_size) for _ in range(PROMPT_TOKENS)], params)
+        start, first, started = time.perf_counter(), None, set()
+        while not llm.is_finished():
+            for output in llm.step():
+                started.add(output.request_id)
+            if first is None and len(started) == batch:
+                first = time.perf_counter()
+        end = time.perf_counter()
+        rates["prompt", batch] = batch * PROMPT_TOKENS / (first - start)
+        rates["decode", batch] = batch * (OUTPUT_TOKENS - 1) / (end - first)
+    return rates
+
+
+def compare(args: argparse.Namespace) -> dict:
+    """Run both engines `args.repeat` times, alternating, and print the table of median rates and their ratio."""
+    from nanovllm import LLM, SamplingParams
+
+    bin_dir = find_llamacpp(args.llamacpp_bin)
+    threads = args.threads or torch.get_num_threads()
+    rng = random.Random(args.seed)
+    ours: list[Rates] = []
+    theirs: list[Rates] = []
+    with LLM(args.model, device="cpu", dtype=args.dtype, max_num_seqs=max(BATCHES),
+             max_model_len=PROMPT_TOKENS + OUTPUT_TOKENS) as llm:
+        vocab_size = llm.config.hf_config.vocab_size
+        llm.generate([[1, 2, 3]], SamplingParams(max_tokens=2), use_tqdm=False)  # warm-up
+        for _ in range(args.repeat):
+            print("llama.cpp ...", file=sys.stderr)
+            theirs.append(llamacpp_rates(bin_dir, args.model, threads))
+            print("nanovllm ...", file=sys.stderr)
+            ours.append(nanovllm_rates(llm, vocab_size, rng))
+        dtype = str(llm.config.torch_dtype).removeprefix("torch.")
+    rows = []
+    for kind, batch in [(kind, batch) for kind in ("prompt", "decode") for batch in BATCHES]:
+        us, them = median(r[kind, batch] for r in ours), median(r[kind, batch] for r in theirs)
+        rows.append({"rate": kind, "batch": batch, "nanovllm": us, "llamacpp": them, "ratio": us / them})
+    print(f"\n{Path(args.model).name}, {threads} threads, {PROMPT_TOKENS} prompt and {OUTPUT_TOKENS} output tokens per "
+          f"sequence, nanovllm activations in {dtype}, median of {args.repeat} round(s)")
+    print(markdown_table(["tok/s", "batch", "nanovllm", "llama.cpp", "nanovllm / llama.cpp"],
+                         [[r["rate"], str(r["batch"]), f"{r['nanovllm']:.1f}", f"{r['llamacpp']:.1f}",
+                           f"{r['ratio']:.2f}x"] for r in rows]))
+    return {"llamacpp": rows, "threads": threads, "rounds": {"nanovllm": [_plain(r) for r in ours],
+                                                             "llamacpp": [_plain(r) for r in theirs]}}
+
+
+def _plain(rates: Rates) -> dict[str, float]:
+    return {f"{kind} {batch}": value for (kind, batch), value in sorted(rates.items())}

@@ -1,0 +1,385 @@
+"""Data parallelism: `LLM(model, data_parallel_size=N)` runs N engine replicas in worker processes behind one API.
+
+Each replica is a whole `LLMEngine` (itself tensor-parallel with `tensor_parallel_size`) in a spawned process, on its
+own devices (CUDA: replica i sees GPUs i·tp … i·tp+tp−1) or its own share of the CPU cores. The front (in the
+caller's process) checks and tokenizes prompts, routes each request to a replica and gathers the outputs in prompt
+order. Routing keeps the prefix cache useful: prompts whose first KV block is the same (the block's xxh64 hash, as
+the block manager names it) go to the replica that got the first of them; other prompts go to the replica with the
+least outstanding work (prompt plus max_tokens). A replica sends back, after each of its steps, what is new for each
+of its requests.
+
+A replica that dies: the requests it held that nobody has seen output of yet (all of `generate`'s and `chat`'s) are
+retried on the other replicas, with a logged warning, so they complete exactly as they would have (greedy and seeded
+sampling do not depend on the replica); a `stream` that already yielded output of one of its requests raises
+`ReplicaFailure` naming the replica. The LLM goes on with the replicas left; with none, it raises `ReplicaFailure`
+and is closed. A replica whose engine raised is not retried: its requests fail with its traceback.
+"""
+import atexit
+import logging
+import os
+import threading
+import traceback
+from collections.abc import Iterable, Iterator
+from dataclasses import dataclass, field, replace
+from multiprocessing.connection import Connection, wait
+
+from tqdm.auto import tqdm
+
+from nanovllm.config import Config
+from nanovllm.distributed.supervisor import Child, spawn, stop
+from nanovllm.engine.frontend import CheckedPrompt, Params, Prompt, PromptFrontend
+from nanovllm.engine.llm_engine import LLMEngine
+from nanovllm.engine.router import PrefixRouter
+from nanovllm.engine.tokenizer import load_tokenizer
+from nanovllm.metrics import Metric, metrics_from_stats
+from nanovllm.outputs import CompletionOutput, RequestOutput
+from nanovllm.sampling_params import SamplingParams
+from nanovllm.spec_decode.stats import combine_stats
+
+logger = logging.getLogger("nanovllm")
+
+EXIT_TIMEOUT_S = 10.0
+
+
+class ReplicaFailure(RuntimeError):
+    """A data-parallel replica died (or its engine raised) and requests could not be completed elsewhere."""
+
+
+@dataclass
+class Routed:
+    """A request as the front tracks it: where it runs, and its output so far (merged from the replica's deltas)."""
+
+    request_id: str
+    checked: CheckedPrompt
+    replica: int = -1
+    output: RequestOutput | None = None
+    news: list[RequestOutput] = field(default_factory=list)  # deltas not yet read by a stream
+    seen: bool = False  # a stream yielded some of its output
+    error: BaseException | None = None
+
+    @property
+    def finished(self) -> bool:
+        return self.error is not None or self.output is not None and self.output.finished
+
+    @property
+    def work(self) -> int:
+        return len(self.checked.token_ids) + self.checked.params.max_tokens * self.checked.params.n
+
+
+def merge(total: RequestOutput | None, delta: RequestOutput) -> RequestOutput:
+    """`total` extended by `delta` (the completions' new text, tokens and logprobs, and the latest state)."""
+    if total is None:
+        return delta
+    completions = {c.index: c for c in total.outputs}
+    for new in delta.outputs:
+        old = completions.get(new.index)
+        completions[new.index] = new if old is None else replace(
+            new, text=old.text + new.text, token_ids=old.token_ids + new.token_ids,
+            logprobs=None if old.logprobs is None else old.logprobs + (new.logprobs or []))
+    return replace(delta, outputs=[completions[i] for i in sorted(completions)],
+                   prompt_logprobs=delta.prompt_logprobs or total.prompt_logprobs)
+
+
+@dataclass
+class Replica:
+    index: int
+    child: Child
+    alive: bool = True
+    load: int = 0
+    routed: int = 0
+    stats: dict | None = None
+
+
+class DataParallelLLM(PromptFrontend):
+    """N `LLMEngine` replicas in worker processes behind `generate`, `chat`, `stream`, `add_request`/`step`,
+    `abort_request` and `stats` (see the module docstring)."""
+
+    def __init__(self, config: Config, data_parallel_size: int):
+        """`config` as `nanovllm.engine.setup.resolve_config` made it; each replica runs an engine of it."""
+        self.config = config
+        self.tokenizer = load_tokenizer(config.tokenizer or config.model)
+        self._lock = threading.RLock()
+        self._requests: dict[str, Routed] = {}
+        self._next_id = 0
+        self._router = PrefixRouter(config.kvcache_block_size)
+        self.replicas: list[Replica] = []
+        tp = config.tensor_parallel_size
+        if config.device == "cuda":
+            import torch
+
+            if data_parallel_size * tp > torch.cuda.device_count():
+                raise ValueError(f"data_parallel_size={data_parallel_size} x tensor_parallel_size={tp} needs "
+                                 f"{data_parallel_size * tp} GPUs but {torch.cuda.device_count()} are visible")
+        cores = sorted(os.sched_getaffinity(0))
+        per = max(len(cores) // data_parallel_size, 1)
+        atexit.register(self.exit)
+        try:
+            for i in range(data_parallel_size):
+                devices = list(range(i * tp, (i + 1) * tp)) if config.device == "cuda" else None
+                share = cores[i * per:(i + 1) * per] or [cores[i % len(cores)]]
+                self.replicas.append(Replica(i, spawn(f"data-parallel replica {i}", _replica_main, config, devices,
+                                                      share)))
+            config.max_model_len = min(self._wait_ready(replica) for replica in self.replicas)
+        except BaseException:
+            self.exit()
+            raise
+
+    def _wait_ready(self, replica: Replica) -> int:
+        child = replica.child
+        if not wait([child.conn, child.process.sentinel], self.config.worker_start_timeout_s) or not child.conn.poll():
+            child.process.join(1.0)
+            raise ReplicaFailure(f"{child.describe()} and did not start within worker_start_timeout_s="
+                                 f"{self.config.worker_start_timeout_s:g}")
+        kind, payload = child.conn.recv()
+        if kind != "ready":
+            raise ReplicaFailure(f"data-parallel replica {replica.index} could not build its engine:\n{payload}")
+        return payload
+
+    # -- requests --
+
+    def _route(self, routed: Routed) -> None:
+        loads = {r.index: r.load for r in self.replicas if r.alive}
+        if not loads:
+            raise ReplicaFailure("no data-parallel replica is left; create a new LLM")
+        replica = self.replicas[self._router.choose(routed.checked.token_ids, loads)]
+        routed.replica = replica.index
+        replica.load += routed.work
+        replica.routed += 1
+        c = routed.checked
+        replica.child.conn.send(("add", routed.request_id, c.token_ids, c.params, c.priority))
+
+    def _submit(self, checked: list[CheckedPrompt]) -> list[Routed]:
+        if not self.replicas:
+            raise RuntimeError("this LLM has been shut down (exit() was called); create a new LLM")
+        with self._lock:
+            routed = []
+            for c in checked:
+                routed.append(Routed(str(self._next_id), c))
+                self._next_id += 1
+                self._requests[routed[-1].request_id] = routed[-1]
+                self._route(routed[-1])
+            return routed
+
+    def add_request(self, prompt: Prompt, sampling_params: SamplingParams | None = None, priority: int = 0) -> str:
+        return self._submit([self._check_prompt(prompt, sampling_params, priority)])[0].request_id
+
+    def abort_request(self, request_id: str | Iterable[str]) -> None:
+        ids = [request_id] if isinstance(request_id, str) else list(request_id)
+        with self._lock:
+            for routed in [self._requests[i] for i in ids if i in self._requests and not self._requests[i].finished]:
+                replica = self.replicas[routed.replica]
+                if replica.alive:
+                    replica.child.conn.send(("abort", [routed.request_id]))
+                self._finish(routed, aborted(routed))
+
+    def _finish(self, routed: Routed, last: RequestOutput) -> None:
+        routed.output = merge(routed.output, last)
+        routed.news.append(last)
+        self.replicas[routed.replica].load -= routed.work
+        self._requests.pop(routed.request_id, None)
+
+    def is_finished(self) -> bool:
+        return not self._requests
+
+    # -- receiving --
+
+    def _pump(self, timeout: float | None = None) -> list[Routed]:
+        """Wait for what replicas send (at most `timeout` seconds) and apply it; returns the requests with news."""
+        live = [r for r in self.replicas if r.alive]
+        if not live:
+            raise ReplicaFailure("no data-parallel replica is left; create a new LLM")
+        updated: dict[str, Routed] = {}
+        for ready in wait([r.child.conn for r in live] + [r.child.process.sentinel for r in live], timeout):
+            replica = next(r for r in live if ready in (r.child.conn, r.child.process.sentinel))
+            if not replica.alive:
+                continue
+            try:
+                if replica.child.conn.poll():  # one message: one engine step, at most a token per request
+                    self._receive(replica, replica.child.conn.recv(), updated)
+            except (EOFError, OSError):
+                self._lost(replica, None)
+            if replica.alive and not replica.child.alive:
+                self._lost(replica, None)
+        return list(updated.values())
+
+    def _receive(self, replica: Replica, message: tuple, updated: dict[str, Routed]) -> None:
+        kind, payload = message
+        if kind == "outputs":
+            for delta in payload:
+                routed = self._requests.get(delta.request_id)
+                if routed is None:  # aborted meanwhile
+                    continue
+                delta = replace(delta, prompt=routed.checked.text)
+                if delta.finished:
+                    self._finish(routed, delta)
+                else:
+                    routed.output = merge(routed.output, delta)
+                    routed.news.append(delta)
+                updated[routed.request_id] = routed
+        elif kind == "stats":
+            replica.stats = payload
+        elif kind == "crashed":
+            self._lost(replica, payload)
+
+    def _lost(self, replica: Replica, report: str | None) -> None:
+        """`replica` is gone: retry its unfinished requests elsewhere (or fail them, see the module docstring)."""
+        replica.alive = False
+        replica.child.process.join(EXIT_TIMEOUT_S)
+        orphans = [r for r in self._requests.values() if r.replica == replica.index and not r.finished]
+        what = replica.child.describe()
+        survivors = any(r.alive for r in self.replicas)
+        for routed in orphans:
+            if report is not None or routed.seen or not survivors:
+                reason = f"its engine raised:\n{report}" if report else "no replica is left" if not survivors \
+                    else "a stream had read part of its output"
+                routed.error = ReplicaFailure(f"request {routed.request_id} failed: {what}; {reason}")
+                self._requests.pop(routed.request_id, None)
+            else:
+                routed.output, routed.news = None, []
+                self._route(routed)
+        retried = [r.request_id for r in orphans if r.error is None]
+        logger.warning("%s; %s", what, f"requests {retried} retried on the others" if retried else
+                       "none of its requests could be retried")
+
+    @staticmethod
+    def _raise_if_failed(routed: list[Routed]) -> None:
+        failed = next((r for r in routed if r.error is not None), None)
+        if failed is not None:
+            raise failed.error
+
+    # -- the API --
+
+    def _generate(self, checked: list[CheckedPrompt], use_tqdm: bool) -> list[RequestOutput]:
+        routed = self._submit(checked)
+        try:
+            with tqdm(total=len(routed), desc="Generating", dynamic_ncols=True, disable=not use_tqdm) as pbar:
+                while not all(r.finished for r in routed):
+                    with self._lock:
+                        self._pump(1.0)
+                    pbar.update(sum(r.finished for r in routed) - pbar.n)
+        except BaseException:
+            self.abort_request([r.request_id for r in routed])
+            raise
+        self._raise_if_failed(routed)
+        return [r.output for r in routed]
+
+    def stream(self, prompts: Prompt | list[Prompt], sampling_params: Params = None,
+               priority: int | list[int] | None = None) -> Iterator[RequestOutput]:
+        routed = self._submit(self._check_prompts(prompts, sampling_params, priority))
+        try:
+            while True:
+                with self._lock:
+                    self._raise_if_failed(routed)
+                    news = [delta for r in routed for delta in r.news]
+                    for r in routed:
+                        r.seen |= bool(r.news)
+                        r.news = []
+                    if not news and all(r.finished for r in routed):
+                        break
+                    if not news:
+                        self._pump(1.0)
+                yield from news
+        except BaseException:
+            self.abort_request([r.request_id for r in routed])
+            raise
+
+    def step(self, delta: bool = False) -> list[RequestOutput]:
+        """Wait for the replicas' next outputs; returns those of the requests that got tokens (cumulative, or with
+        `delta` what is new since the last delta)."""
+        with self._lock:
+            if self.is_finished():
+                return []
+            updated = []
+            while not updated:
+                updated = self._pump(1.0)
+            outputs = []
+            for r in updated:
+                outputs += r.news if delta else [r.output]
+                r.news = []
+            return outputs
+
+    def stats(self) -> dict:
+        """The replicas' `LLMEngine.stats()` counters summed (rates recomputed from them), and per replica its
+        counters, outstanding work (prompt + max_tokens of its unfinished requests) and requests routed to it."""
+        with self._lock:
+            live = [r for r in self.replicas if r.alive]
+            for replica in live:
+                replica.stats = None
+                replica.child.conn.send(("stats", None))
+            while any(r.alive and r.stats is None for r in live):
+                self._pump(1.0)
+            per_replica = [{"replica": r.index, "alive": r.alive, "load": r.load, "num_requests": r.routed,
+                            **(r.stats or {})} for r in self.replicas]
+            return {**combine_stats([r for r in per_replica if r["alive"]]), "replicas": per_replica}
+
+    def get_metrics(self) -> list[Metric]:
+        """Each live replica's `stats()` as vLLM v1's metrics, labelled with its index as `engine` (as vLLM's data
+        parallelism labels them)."""
+        return [metric for replica in self.stats()["replicas"] if replica["alive"]
+                for metric in metrics_from_stats(replica, self.config.model, replica["replica"])]
+
+    def exit(self) -> None:
+        """Stop every replica (orderly, then killed after a timeout); safe to call twice."""
+        atexit.unregister(self.exit)
+        replicas, self.replicas = self.replicas, []
+        stop([replica.child for replica in replicas], ("exit", None), EXIT_TIMEOUT_S)
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.exit()
+
+
+def aborted(routed: Routed) -> RequestOutput:
+    """The last output of a request aborted before it finished."""
+    n = routed.checked.params.n
+    indices = range(n) if routed.output is None else [c.index for c in routed.output.outputs]
+    return RequestOutput(routed.request_id, routed.checked.text, routed.checked.token_ids,
+                         [CompletionOutput(i, "", [], finish_reason="abort") for i in indices], True)
+
+
+def _replica_main(config: Config, devices: list[int] | None, cores: list[int], conn: Connection) -> None:
+    """A replica: build the engine on its devices or cores, then take requests and send back each step's news."""
+    if devices is not None:
+        os.environ["CUDA_VISIBLE_DEVICES"] = ",".join(map(str, devices))
+    else:
+        import torch
+
+        os.sched_setaffinity(0, cores)
+        torch.set_num_threads(len(cores))
+    try:
+        engine = LLMEngine(config)
+    except BaseException:
+        conn.send(("failed", traceback.format_exc()))
+        return
+    ids: dict[str, str] = {}  # the engine's request id -> the front's
+    with engine:
+        conn.send(("ready", config.max_model_len))
+        while True:
+            try:
+                if engine.is_finished() or conn.poll():
+                    kind, *payload = conn.recv()
+                    if kind == "exit":
+                        return
+                    if kind == "add":
+                        front_id, token_ids, params, priority = payload
+                        ids[engine.add_request({"prompt_token_ids": token_ids}, params, priority)] = front_id
+                    elif kind == "abort":
+                        mine = [own for own, front in ids.items() if front in payload[0]]
+                        engine.abort_request(mine)
+                        for own in mine:
+                            del ids[own]
+                    elif kind == "stats":
+                        conn.send(("stats", engine.stats()))
+                    continue
+                deltas = engine.step(delta=True)
+                conn.send(("outputs", [replace(d, request_id=ids[d.request_id]) for d in deltas]))
+                for d in deltas:
+                    if d.finished:
+                        del ids[d.request_id]
+            except (EOFError, OSError):
+                return  # the front is gone
+            except BaseException:
+                conn.send(("crashed", traceback.format_exc()))
+                return

@@ -1,0 +1,175 @@
+"""A draft model's proposals: a smaller model (or a quantized copy of the target) with the target's vocabulary runs in
+the engine's process, on its device, and proposes each speculating sequence's next tokens autoregressively.
+
+Its KV cache has the target's blocks (vLLM's design): the same block ids, block tables and slots, in a tensor shaped
+for the draft, so the scheduler's one block manager serves both, and the slots the scheduler gives a step's drafts
+hold the draft's K/V too. Within a step, before the target verifies: the proposer (`DraftModelProposer`) has
+reserved placeholders, as many as the adaptive rule keeps; the draft catches up on the tokens it has not seen (its
+prompt when it first speculates, what the target accepted since), which yields the first draft, then runs one token
+per further draft, all speculating sequences batched. The draft computes lazily: a sequence that does not speculate
+in a step costs it nothing. A prompt's blocks served from the prefix cache are trusted to hold the draft's K/V
+too: true when the sequence that computed them speculated afterwards; otherwise (penalties, grammars, speculation
+off at large batch) the draft reads stale K/V there, which lowers acceptance and never changes the output.
+
+Greedy and seeded requests get the draft's most likely token (a point mass, verified as n-gram proposals are, so
+their output is the same as without speculation); unseeded requests at temperature > 0 get a token sampled from the
+draft's distribution q, kept for the verifier's speculative sampling.
+"""
+import time
+from collections.abc import Callable
+from contextlib import AbstractContextManager
+from itertools import accumulate
+
+import torch
+
+from nanovllm.config import Config
+from nanovllm.core.scheduler import ScheduledBatch
+from nanovllm.core.sequence import Sequence
+from nanovllm.execution.kv_cache import allocate_kv_cache, bind_kv_cache, cache_slots
+from nanovllm.execution.model_loading import load_runner_model
+from nanovllm.execution.sampler import Sampler, SamplingRow
+from nanovllm.execution.sampling_ops import exponential_race
+from nanovllm.execution.tensors import to_device
+from nanovllm.kernels.attention import Platform, load_backend
+from nanovllm.kernels.attention.context import reset_context, set_context
+
+PRIOR_RATIO = 0.25  # a draft forward's cost in target steps before one was measured
+
+
+def samples_drafts(seq: Sequence) -> bool:
+    """Whether `seq`'s drafts are drawn from the draft's distribution (verified by speculative sampling) rather
+    than its most likely token: unseeded sampling only, since a seeded request's output must not depend on how
+    many drafts its steps verified."""
+    return seq.params.temperature > 0 and seq.params.seed is None
+
+
+class DraftModel:
+    """The draft model and its KV cache (`bind` gives it the target's number of blocks); `propose` fills a scheduled
+    batch's placeholder drafts. `governed` wraps each of its forwards (the model runner's CPU thread governor)."""
+
+    def __init__(self, config: Config, device: torch.device, governed: Callable[[], AbstractContextManager]):
+        self.config = config
+        self.device = device
+        self.governed = governed
+        self.model = load_runner_model(config, device, load_backend(config.attention_backend,
+                                                                    Platform.probe(device.type)))
+        if self.model.rope_needs_lengths:
+            raise ValueError(f"the draft model {config.model!r} uses LongRoPE, whose K/V depend on the prompt's "
+                             "length; use a draft model with plain rope")
+        self.block_size = config.kvcache_block_size
+        self.kv_cache = None
+        self.computed: dict[int, int] = {}  # seq id -> positions whose draft K/V are in the cache
+        self.last_start: dict[int, int] = {}  # seq id -> where its last scheduled chunk started
+        self.ratios: dict[int, float] = {}  # size class of the speculating sequences -> a draft forward / target step
+        self.last_run: tuple[int, int, float] | None = None  # (sequences, forwards, seconds) of the last proposal
+
+    def bind(self, num_blocks: int) -> None:
+        self.kv_cache = allocate_kv_cache(self.model, self.config, num_blocks, self.device)
+
+    def exit(self) -> None:
+        self.kv_cache = None
+        bind_kv_cache(self.model, None)
+
+    @torch.inference_mode()
+    def propose(self, batch: ScheduledBatch, sampler: Sampler) -> dict[int, torch.Tensor]:
+        """Replace the placeholders in `batch.drafts` by the draft's tokens (not the drafts of constrained
+        sequences: `DraftModelProposer` reserves none for them, and their grammar's forced tokens stay); returns, per
+        sequence whose drafts were sampled, the draft's probabilities at each of them (`[len(drafts), vocab]`)."""
+        for seq_id in batch.finished_seq_ids:
+            self.computed.pop(seq_id, None)
+            self.last_start.pop(seq_id, None)
+        speculating = []
+        for seq, start, drafts in zip(batch.seqs, batch.starts, batch.drafts):
+            if seq.seq_id not in self.last_start or start <= self.last_start[seq.seq_id]:
+                self.computed[seq.seq_id] = start  # (re)admitted: what the prefix cache served is trusted
+            self.last_start[seq.seq_id] = start
+            if drafts and seq.grammar is None:  # a constrained sequence's drafts are its grammar's forced tokens
+                speculating.append((seq, start, drafts))
+        if not speculating:
+            return {}
+        chunks = []
+        for seq, start, _ in speculating:
+            first = min(start, self.computed[seq.seq_id])
+            chunks.append((seq, first, seq.token_ids[first:start + 1]))
+        probs: dict[int, list[torch.Tensor]] = {}
+        depth = max(len(drafts) for _, _, drafts in speculating)
+        for j in range(depth):
+            if j == 1:
+                started = time.perf_counter()
+            if j:
+                chunks = [(seq, start + j, [drafts[j - 1]]) for seq, start, drafts in speculating
+                          if len(drafts) > j]
+            rows = [(seq, drafts) for seq, _, drafts in speculating if len(drafts) > j]
+            self._draw(self._forward(chunks), rows, j, sampler, probs)
+        for seq, start, drafts in speculating:
+            self.computed[seq.seq_id] = start + len(drafts)
+        if depth > 1:  # the first forward also catches up (prompts included): only the others are timed
+            self.last_run = len(speculating), depth - 1, time.perf_counter() - started
+        return {seq_id: torch.stack(rows) for seq_id, rows in probs.items()}
+
+    def observe_target(self, seconds: float) -> None:
+        """The target's forward of the step just proposed for took `seconds`: update what a draft forward costs
+        against it, for the size class of the step's speculating sequences (a moving average)."""
+        if self.last_run is None:
+            return
+        (num_seqs, forwards, draft_seconds), self.last_run = self.last_run, None
+        ratio, size = draft_seconds / forwards / max(seconds, 1e-6), num_seqs.bit_length()
+        self.ratios[size] = ratio if size not in self.ratios else 0.7 * self.ratios[size] + 0.3 * ratio
+
+    def forward_ratio(self, num_seqs: int) -> float:
+        """What a draft forward over `num_seqs` sequences costs in target steps: as measured for their size class
+        (sizes within a factor of 2), else an optimistic `PRIOR_RATIO`, so that every size is tried. Each query
+        moves the class's figure 1% towards the prior: a class found too costly to speculate at (so no longer
+        measured) is tried again after some hundred steps, in case the machine was busy."""
+        size = num_seqs.bit_length()
+        if size not in self.ratios:
+            return PRIOR_RATIO
+        self.ratios[size] = 0.99 * self.ratios[size] + 0.01 * PRIOR_RATIO
+        return self.ratios[size]
+
+    def _draw(self, logits: torch.Tensor, rows: list[tuple[Sequence, list[int]]], j: int, sampler: Sampler,
+              probs: dict[int, list[torch.Tensor]]) -> None:
+        """Set draft `j` of each of `rows` from the draft's `logits` (one row each)."""
+        seqs = [SamplingRow(seq.seq_id, seq.params, seq.token_ids + drafts[:j], seq.num_prompt_tokens)
+                for seq, drafts in rows]
+        tokens = sampler.masked(logits, seqs).argmax(dim=-1)
+        sampled = [i for i, (seq, _) in enumerate(rows) if samples_drafts(seq)]
+        if sampled:
+            index = torch.tensor(sampled, dtype=torch.int64, device=logits.device)
+            q = sampler.probabilities(logits[index], [seqs[i] for i in sampled])
+            tokens[index] = exponential_race(q, {})
+            for i, row in zip(sampled, q):
+                probs.setdefault(rows[i][0].seq_id, []).append(row)
+        for (_, drafts), token in zip(rows, tokens.tolist()):
+            drafts[j] = token
+
+    def _forward(self, chunks: list[tuple[Sequence, int, list[int]]]) -> torch.Tensor:
+        """Run the draft over each `(seq, start, tokens)`: `tokens` at positions `start...`, writing their K/V into
+        `seq`'s blocks; returns the logits at each chunk's last token."""
+        input_ids, positions, slots, context_lens, cu_seqlens_q, last = [], [], [], [], [0], []
+        for seq, start, tokens in chunks:
+            end = start + len(tokens)
+            input_ids += tokens
+            positions += range(start, end)
+            slots += cache_slots(seq.block_table, self.block_size, start, end)
+            context_lens.append(end)
+            cu_seqlens_q.append(cu_seqlens_q[-1] + len(tokens))
+            last.append(cu_seqlens_q[-1] - 1)
+        width = max(len(seq.block_table) for seq, _, _ in chunks)
+        logits_indices = self._tensor(last, torch.int64)
+        set_context(cu_seqlens_q=self._tensor(cu_seqlens_q, torch.int32),
+                    cu_seqlens_k=self._tensor(list(accumulate(context_lens, initial=0)), torch.int32),
+                    max_seqlen_q=max(len(tokens) for _, _, tokens in chunks), max_seqlen_k=max(context_lens),
+                    context_lens=self._tensor(context_lens, torch.int32),
+                    block_tables=self._tensor([seq.block_table + [-1] * (width - len(seq.block_table))
+                                               for seq, _, _ in chunks], torch.int32),
+                    slot_mapping=self._tensor(slots, torch.int64), logits_indices=logits_indices)
+        try:
+            with self.governed():
+                hidden_states = self.model(self._tensor(input_ids, torch.int64), self._tensor(positions, torch.int64))
+                return self.model.compute_logits(hidden_states[logits_indices])
+        finally:
+            reset_context()
+
+    def _tensor(self, data: list, dtype: torch.dtype) -> torch.Tensor:
+        return to_device(data, dtype, self.device)

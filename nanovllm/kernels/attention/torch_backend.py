@@ -1,0 +1,204 @@
+"""Pure-torch attention backend: the CPU path, and the CUDA fallback of last resort."""
+import torch
+import torch.nn.functional as F
+from torch.nn.attention import SDPBackend, sdpa_kernel
+
+from nanovllm.kernels.attention.context import Context
+from nanovllm.kernels.cpu import cpu_kernels, paged_decode
+
+_CUDA_KERNELS = [SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH]
+# On CPU a sequence with this many queries or fewer (a decode with drafts to verify, a short chunk) runs each query
+# through the decode kernel: one call for all of them, and each row's result is its decode's.
+SHORT_QUERIES = 16
+
+
+def _sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor, scale: float) -> torch.Tensor:
+    """SDPA of q `[B, H, Lq, D]` over k/v `[B, Hkv, Lk, D]` under a boolean mask, by the same kernel for every call.
+
+    On CUDA, SDPA would otherwise pick its kernel by shape (flash for causal half-precision prefill, math for
+    grouped heads under a mask), and a query row's result would change with how many rows share the call:
+    a prefix-cache hit or another batch would change a request's tokens. So K/V heads are repeated (the
+    memory-efficient kernel has no grouped-query support) and that kernel runs every call; its rows do not
+    depend on one another. Math serves only shapes it cannot take, which depend on the model, not the batch.
+    """
+    if q.device.type != "cuda":
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale, enable_gqa=True)
+    group = q.size(1) // k.size(1)
+    k, v = k.repeat_interleave(group, 1), v.repeat_interleave(group, 1)
+    with sdpa_kernel(_CUDA_KERNELS):
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale)
+
+
+def _explicit(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor, scale: float,
+              softcap: float) -> torch.Tensor:
+    """Attention of q `[B, H, Lq, D]` over k/v `[B, Hkv, Lk, D]` with capped scores, in transformers' eager order:
+    scores scaled, capped by softcap * tanh(score / softcap), masked, softmax in float32 (SDPA cannot cap)."""
+    group = q.size(1) // k.size(1)
+    k, v = k.repeat_interleave(group, 1), v.repeat_interleave(group, 1)
+    scores = torch.matmul(q, k.transpose(2, 3)) * scale
+    scores = torch.tanh(scores / softcap) * softcap
+    scores = scores.masked_fill(~mask, float("-inf"))
+    return torch.matmul(torch.softmax(scores, dim=-1, dtype=torch.float32).to(q.dtype), v)
+
+
+def _attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float, window: int = 0,
+            softcap: float = 0.0) -> torch.Tensor:
+    """Causal attention of q `[Lq, H, D]` over k/v `[Lk, Hkv, D]`, queries aligned to the end of k; with `window`, a
+    query sees only the last `window` positions up to itself.
+
+    Always an explicit bottom-right mask, also when Lq == Lk: a prompt's rows are computed the same way
+    whether its prefix came from the cache or not.
+    """
+    lq, lk = q.size(0), k.size(0)
+    mask = torch.ones(lq, lk, dtype=torch.bool, device=q.device).tril(diagonal=lk - lq)
+    if window:
+        mask = mask.triu(diagonal=lk - lq - window + 1)
+    q, k, v = (x.transpose(0, 1)[None] for x in (q, k, v))  # fused SDPA kernels take 4-D inputs only
+    if softcap:
+        return _explicit(q, k, v, mask, scale, softcap)[0].transpose(0, 1)
+    return _sdpa(q, k, v, mask, scale)[0].transpose(0, 1)
+
+
+def _gather(cache: torch.Tensor, block_table: torch.Tensor, length: int, first: int = 0) -> torch.Tensor:
+    """Tokens `first`..`length - 1` of one sequence, read through its block table (`first` a block boundary: the
+    blocks before it may have been released)."""
+    block_size = cache.size(1)
+    num_blocks = (length + block_size - 1) // block_size
+    return cache[block_table[first // block_size:num_blocks]].flatten(0, 1)[:length - first]
+
+
+def _runs(block_table: list[int], length: int, block_size: int, start: int = 0) -> list[tuple[int, int]]:
+    """Cached tokens `start`..`length - 1` of a sequence as (first slot, count) runs of adjacent slots."""
+    runs: list[tuple[int, int]] = []
+    for i in range(start // block_size, (length + block_size - 1) // block_size):
+        skip = max(0, start - i * block_size)
+        first, count = block_table[i] * block_size + skip, min(block_size, length - i * block_size) - skip
+        if runs and sum(runs[-1]) == first:
+            runs[-1] = (runs[-1][0], runs[-1][1] + count)
+        else:
+            runs.append((first, count))
+    return runs
+
+
+def _decode_in_place(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_table: list[int],
+                     length: int, scale: float, window: int = 0) -> torch.Tensor:
+    """One decode query `[H, D]` over its sequence's cached K/V, read where it lies in the cache.
+
+    Copying K/V out of the paged cache costs more than the attention itself on CPU, so each run of
+    adjacent blocks is attended as a view and the partial results are merged by their
+    log-sum-exp (the flash-decoding split). A sequence whose blocks are adjacent takes one call.
+    """
+    k_flat, v_flat = k_cache.flatten(0, 1), v_cache.flatten(0, 1)
+    q = q[None, :, None, :]
+    outs, lses = [], []
+    for first, count in _runs(block_table, length, k_cache.size(1), max(0, length - window) if window else 0):
+        k = k_flat[first:first + count].transpose(0, 1)[None]
+        v = v_flat[first:first + count].transpose(0, 1)[None]
+        o, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(q, k, v, scale=scale)
+        outs.append(o)
+        lses.append(lse)
+    if len(outs) == 1:
+        return outs[0].view(q.size(1), q.size(3))
+    total = torch.logsumexp(torch.stack(lses), dim=0)
+    o = sum(o * (lse - total).exp().unsqueeze(-1) for o, lse in zip(outs, lses))
+    return o.view(q.size(1), q.size(3))
+
+
+class TorchBackend:
+    """Per-sequence SDPA; not capturable in a CUDA graph: the store's boolean mask syncs with the host, and decode
+    gathers whole block tables."""
+
+    @staticmethod
+    def prepare(device: str) -> None:
+        if device == "cpu":
+            cpu_kernels()
+
+    @staticmethod
+    def store_kvcache(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                      slot_mapping: torch.Tensor) -> None:
+        if k.device.type == "cpu" and (kernels := cpu_kernels()) is not None:
+            return kernels.store_kvcache(k, v, k_cache, v_cache, slot_mapping)
+        valid = slot_mapping >= 0
+        slots = slot_mapping[valid]
+        k_cache.view(-1, *k_cache.shape[2:]).index_copy_(0, slots, k[valid])
+        v_cache.view(-1, *v_cache.shape[2:]).index_copy_(0, slots, v[valid])
+
+    @staticmethod
+    def attend(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, ctx: Context, scale: float, *,
+               window: int = 0, softcap: float = 0.0) -> torch.Tensor:
+        """One sequence at a time, except single-query sequences (decodes): on CUDA a pure decode step is one batched
+        masked SDPA; on CPU every query of a sequence with few queries goes through one compiled-kernel call
+        (`cpu_kernels.paged_decode`; where it cannot be built, SDPA over its K/V in place, one call each). With a
+        sliding `window` only the blocks the window covers are read."""
+        cpu = q.device.type == "cpu"
+        if ctx.is_decode and not cpu:
+            return _decode_batched(q, k_cache, v_cache, ctx, scale, window, softcap)
+        if ctx.is_decode and (o := paged_decode(q, k_cache, v_cache, ctx.block_tables, ctx.context_lens,
+                                                scale, window, softcap)) is not None:
+            return o
+        o = torch.zeros_like(q)
+        cu_q, lengths = ctx.cu_seqlens_q.tolist(), ctx.context_lens.tolist()
+        tables = ctx.block_tables.tolist() if cpu else ctx.block_tables
+        decoded = cpu and _decode_short_rows(q, k_cache, v_cache, ctx, cu_q, lengths, scale, o, window, softcap)
+        block_size = k_cache.size(1)
+        for i, length in enumerate(lengths):
+            rows = slice(cu_q[i], cu_q[i + 1])
+            single = cu_q[i + 1] - cu_q[i] == 1
+            if not length or decoded and cu_q[i + 1] - cu_q[i] <= SHORT_QUERIES:  # padding rows attend to nothing
+                continue
+            if single and cpu and not softcap:
+                o[rows] = _decode_in_place(q[cu_q[i]], k_cache, v_cache, tables[i], length, scale, window)
+            else:
+                first = max(0, length - (cu_q[i + 1] - cu_q[i]) - window + 1) // block_size * block_size \
+                    if window else 0
+                table = torch.as_tensor(tables[i], device=q.device)
+                k, v = _gather(k_cache, table, length, first), _gather(v_cache, table, length, first)
+                o[rows] = _attend(q[rows], k, v, scale, window, softcap)
+        return o
+
+
+def short_query_rows(cu_q: list[int], lengths: list[int]) -> tuple[list[int], list[int], list[int]]:
+    """The query rows of every sequence with at most `SHORT_QUERIES` queries, each as a decode: its sequence, its row,
+    and the context length it attends over (row r of a sequence with n queries and context length L: its first
+    L - n + 1 + r tokens)."""
+    sequences, rows, context_lens = [], [], []
+    for i, length in enumerate(lengths):
+        n = cu_q[i + 1] - cu_q[i]
+        if n <= SHORT_QUERIES:
+            sequences += [i] * n
+            rows += range(cu_q[i], cu_q[i + 1])
+            context_lens += range(length - n + 1, length + 1)
+    return sequences, rows, context_lens
+
+
+def _decode_short_rows(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, ctx: Context, cu_q: list[int],
+                       lengths: list[int], scale: float, o: torch.Tensor, window: int, softcap: float) -> bool:
+    """The query rows of every CPU sequence with at most `SHORT_QUERIES` queries (decodes, drafts being verified,
+    short chunks) in one compiled-kernel call, into `o`: row r of a sequence with n queries and context length L is a
+    single query over its first L - n + 1 + r tokens, computed exactly as that token's decode would be. False
+    (nothing done) without the kernel."""
+    sequences, rows, context_lens = short_query_rows(cu_q, lengths)
+    if not rows:
+        return True
+    rows = torch.tensor(rows)
+    out = paged_decode(q[rows], k_cache, v_cache, ctx.block_tables[torch.tensor(sequences)],
+                       torch.tensor(context_lens, dtype=torch.int32), scale, window, softcap)
+    if out is None:
+        return False
+    o[rows] = out
+    return True
+
+
+def _decode_batched(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, ctx: Context, scale: float,
+                    window: int, softcap: float) -> torch.Tensor:
+    """Every sequence's single query over its whole block table, masked to its context length (and window)."""
+    k = k_cache[ctx.block_tables].flatten(1, 2).transpose(1, 2)
+    v = v_cache[ctx.block_tables].flatten(1, 2).transpose(1, 2)
+    keys = torch.arange(k.size(2), device=q.device)
+    mask = keys < ctx.context_lens[:, None]
+    if window:
+        mask &= keys >= ctx.context_lens[:, None] - window
+    mask = mask[:, None, None, :]
+    if softcap:
+        return _explicit(q.unsqueeze(2), k, v, mask, scale, softcap).squeeze(2)
+    return _sdpa(q.unsqueeze(2), k, v, mask, scale).squeeze(2)

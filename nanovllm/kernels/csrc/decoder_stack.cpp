@@ -1,0 +1,241 @@
+// A decode step of the standard pre-norm decoder (Llama's layer: RMSNorm, fused QKV, rotary, paged attention, O,
+// RMSNorm, gate-up, SiLU * up, down, over GGML weights) through all its layers in one call from Python, instead of
+// about twenty torch operators and their Python glue per layer: at batch 1 that glue cost more than the matmuls.
+//
+// It chains the same kernels the operators run (`cpu_ops.h`) in the same order, on the same rows, so its result is
+// the layer-by-layer path's bit for bit; only the tensors between them are gone (one workspace per step).
+// `nanovllm.execution.cpu_decode` builds a stack, once at load, for the models whose layers are exactly this one.
+#pragma GCC optimize("fp-contract=off")  // the bias added as torch adds it, not fused into an FMA
+#include <ATen/Parallel.h>
+#include <ATen/core/Tensor.h>
+#include <torch/custom_class.h>
+
+#include <cstring>
+#include <vector>
+
+#include "cpu_math.h"
+#include "cpu_ops.h"
+
+namespace {
+
+// fn(m) for rows m of `width` values each: on the calling thread at decode sizes, split over torch's threads for
+// larger batches (from 2^15 values, as `fused_ops.cpp` splits its rows).
+template <typename F>
+void for_rows(int64_t M, int64_t width, const F& fn) {
+  at::parallel_for(0, M, std::max<int64_t>(1, (int64_t{1} << 15) / std::max<int64_t>(width, 1)),
+                   [&](int64_t begin, int64_t end) {
+                     for (int64_t m = begin; m < end; ++m) fn(m);
+                   });
+}
+
+// A linear layer's weight as GGML row segments of one type each, in row order (`GGMLWeight`), and its bias.
+struct GGMLLinear : torch::CustomClassHolder {
+  std::vector<at::Tensor> segments;
+  std::vector<int64_t> qtypes;
+  int64_t in_features, out_features = 0, widest = 0;
+  std::optional<at::Tensor> bias;
+
+  GGMLLinear(std::vector<at::Tensor> segments_, std::vector<int64_t> qtypes_, int64_t in_features_,
+             std::optional<at::Tensor> bias_)
+      : segments(std::move(segments_)), qtypes(std::move(qtypes_)), in_features(in_features_), bias(std::move(bias_)) {
+    TORCH_CHECK(!segments.empty() && segments.size() == qtypes.size(), "GGMLLinear: one GGML type per segment");
+    for (const auto& s : segments) {
+      TORCH_CHECK(s.scalar_type() == at::kByte && s.dim() == 2 && s.stride(1) == 1,
+                  "GGMLLinear: segments are uint8 [rows, row_bytes] with contiguous rows");
+      out_features += s.size(0);
+      widest = std::max(widest, s.size(0));
+    }
+    TORCH_CHECK(!bias || (bias->is_contiguous() && bias->numel() == out_features), "GGMLLinear: the bias has ",
+                bias ? bias->numel() : 0, " values for ", out_features, " outputs");
+  }
+
+  // out [M, out_features] = x [M, in_features] . W^T + bias, as `GGMLWeight.linear` computes it: one segment takes
+  // the bias inside its kernel; several are computed apart (through `scratch`, M x `widest`), joined, and the bias
+  // is then added in T.
+  template <typename T>
+  void run(const T* x, int64_t M, T* out, T* scratch, int64_t isa) const {
+    const T* b = bias ? bias->const_data_ptr<T>() : nullptr;
+    if (segments.size() == 1) {
+      nanovllm::ggml_matmul(x, M, in_features, segments[0].const_data_ptr<uint8_t>(), segments[0].stride(0),
+                            out_features, qtypes[0], isa, b, out);
+      return;
+    }
+    int64_t column = 0;
+    for (size_t i = 0; i < segments.size(); ++i) {
+      const int64_t n = segments[i].size(0);
+      nanovllm::ggml_matmul<T>(x, M, in_features, segments[i].const_data_ptr<uint8_t>(), segments[i].stride(0), n,
+                               qtypes[i], isa, nullptr, scratch);
+      for (int64_t m = 0; m < M; ++m) std::memcpy(out + m * out_features + column, scratch + m * n, n * sizeof(T));
+      column += n;
+    }
+    if (b)
+      for (int64_t m = 0; m < M; ++m)
+        for (int64_t j = 0; j < out_features; ++j)
+          out[m * out_features + j] = from_float<T>(to_float(out[m * out_features + j]) + to_float(b[j]));
+  }
+};
+
+struct Layer {
+  at::Tensor input_norm, post_norm, k_cache, v_cache;
+  c10::intrusive_ptr<GGMLLinear> qkv, o, gate_up, down;
+};
+
+class DecoderStack : public torch::CustomClassHolder {
+ public:
+  DecoderStack(int64_t heads, int64_t kv_heads, int64_t head_dim, double eps, double scale, at::Tensor cos_sin,
+               at::Tensor final_norm, int64_t isa)
+      : heads_(heads), kv_heads_(kv_heads), head_dim_(head_dim), eps_(static_cast<float>(eps)),
+        scale_(static_cast<float>(scale)), cos_sin_(cos_sin.contiguous()), final_norm_(final_norm.contiguous()),
+        isa_(isa), hidden_(final_norm.numel()) {
+    TORCH_CHECK(cos_sin_.scalar_type() == at::kFloat && cos_sin_.size(1) == head_dim,
+                "DecoderStack: the rotary table is float32 [positions, head_dim]");
+  }
+
+  void add_layer(at::Tensor input_norm, c10::intrusive_ptr<GGMLLinear> qkv, c10::intrusive_ptr<GGMLLinear> o,
+                 at::Tensor post_norm, c10::intrusive_ptr<GGMLLinear> gate_up, c10::intrusive_ptr<GGMLLinear> down,
+                 at::Tensor k_cache, at::Tensor v_cache) {
+    const int64_t q = heads_ * head_dim_, kv = kv_heads_ * head_dim_;
+    TORCH_CHECK(qkv->in_features == hidden_ && qkv->out_features == q + 2 * kv && o->in_features == q &&
+                    o->out_features == hidden_ && gate_up->in_features == hidden_ && gate_up->out_features % 2 == 0 &&
+                    down->in_features == gate_up->out_features / 2 && down->out_features == hidden_,
+                "DecoderStack: the layer's projections do not fit its hidden size and heads");
+    TORCH_CHECK(input_norm.numel() == hidden_ && post_norm.numel() == hidden_, "DecoderStack: bad norm weights");
+    TORCH_CHECK(k_cache.is_contiguous() && v_cache.is_contiguous() && k_cache.dim() == 4 &&
+                    k_cache.sizes() == v_cache.sizes() && k_cache.size(2) == kv_heads_ && k_cache.size(3) == head_dim_,
+                "DecoderStack: the caches must be contiguous [blocks, block_size, kv_heads, head_dim]");
+    const auto dtype = k_cache.scalar_type();
+    bool same = input_norm.scalar_type() == dtype && post_norm.scalar_type() == dtype &&
+                final_norm_.scalar_type() == dtype;
+    for (const auto* linear : {qkv.get(), o.get(), gate_up.get(), down.get()})
+      same = same && (!linear->bias || linear->bias->scalar_type() == dtype);
+    TORCH_CHECK(same, "DecoderStack: the norms, biases and caches must share the activations' dtype");
+    layers_.push_back({input_norm.contiguous(), post_norm.contiguous(), k_cache, v_cache, qkv, o, gate_up, down});
+    mlp_ = std::max(mlp_, gate_up->out_features);
+    for (const auto* linear : {qkv.get(), o.get(), gate_up.get(), down.get()})
+      if (linear->segments.size() > 1) scratch_ = std::max(scratch_, linear->widest);
+  }
+
+  // The final norm's output [M, hidden] for M single-query rows: hidden [M, hidden] (the embeddings), their
+  // positions (int64), cache slots (int64, -1: not stored), block tables [M, width] and context lengths (int32).
+  at::Tensor forward(at::Tensor hidden, at::Tensor positions, at::Tensor slot_mapping, at::Tensor block_tables,
+                     at::Tensor context_lens) {
+    TORCH_CHECK(!layers_.empty() && hidden.dim() == 2 && hidden.size(1) == hidden_ &&
+                    hidden.scalar_type() == final_norm_.scalar_type(),
+                "DecoderStack: hidden must be [rows, ", hidden_, "] in the activations' dtype");
+    TORCH_CHECK(positions.scalar_type() == at::kLong && slot_mapping.scalar_type() == at::kLong &&
+                    block_tables.scalar_type() == at::kInt && context_lens.scalar_type() == at::kInt,
+                "DecoderStack: positions and slots are int64, block tables and context lengths int32");
+    const int64_t M = hidden.size(0);
+    TORCH_CHECK(positions.numel() == M && slot_mapping.numel() == M && context_lens.numel() == M &&
+                    block_tables.size(0) == M, "DecoderStack: one position, slot, block table and length per row");
+    hidden = hidden.contiguous();
+    positions = positions.contiguous();
+    slot_mapping = slot_mapping.contiguous();
+    block_tables = block_tables.contiguous();
+    context_lens = context_lens.contiguous();
+    auto out = hidden.new_empty(hidden.sizes());
+    auto workspace = hidden.new_empty({M * offset(WORKSPACE)});
+    auto run = [&](auto zero) {
+      using T = decltype(zero);
+      step<T>(hidden.const_data_ptr<T>(), M, positions.const_data_ptr<int64_t>(),
+              slot_mapping.const_data_ptr<int64_t>(), block_tables.const_data_ptr<int32_t>(), block_tables.size(1),
+              context_lens.const_data_ptr<int32_t>(), out.data_ptr<T>(), workspace.data_ptr<T>());
+    };
+    switch (hidden.scalar_type()) {
+      case at::kFloat: run(float{}); break;
+      case at::kBFloat16: run(c10::BFloat16{}); break;
+      case at::kHalf: run(c10::Half{}); break;
+      default: TORCH_CHECK(false, "DecoderStack: activations must be float32, bfloat16 or float16");
+    }
+    return out;
+  }
+
+ private:
+  // A step's intermediate rows, each buffer `width(buffer)` values per row, in this order in one workspace.
+  enum Buffer { RESIDUAL, NORMED, BLOCK_OUT, QKV, Q_ROT, K_ROT, ATTN, GATE_UP, ACT, SCRATCH, WORKSPACE };
+
+  // Where `buffer` starts in a row of the workspace (WORKSPACE: the row's width).
+  int64_t offset(Buffer buffer) const {
+    const int64_t q = heads_ * head_dim_, kv = kv_heads_ * head_dim_;
+    const int64_t widths[] = {hidden_, hidden_, hidden_, q + 2 * kv, q, kv, q, mlp_, mlp_ / 2, scratch_};
+    int64_t total = 0;
+    for (int i = 0; i < buffer; ++i) total += widths[i];
+    return total;
+  }
+
+  template <typename T>
+  void step(const T* hidden, int64_t M, const int64_t* positions, const int64_t* slots, const int32_t* tables,
+            int64_t table_width, const int32_t* context_lens, T* out, T* workspace) {
+    const int64_t H = hidden_, D = head_dim_, q = heads_ * D, kv = kv_heads_ * D, qkv_width = q + 2 * kv;
+    auto buffer = [&](Buffer b) { return workspace + M * offset(b); };
+    T *residual = buffer(RESIDUAL), *normed = buffer(NORMED), *block_out = buffer(BLOCK_OUT), *qkv = buffer(QKV),
+      *q_rot = buffer(Q_ROT), *k_rot = buffer(K_ROT), *attn = buffer(ATTN), *gate_up = buffer(GATE_UP),
+      *act = buffer(ACT), *scratch = buffer(SCRATCH);
+    const float* cos_sin = cos_sin_.const_data_ptr<float>();
+
+    std::memcpy(residual, hidden, M * H * sizeof(T));
+    for_rows(M, H, [&](int64_t m) {
+      nanovllm::rms_norm_row(hidden + m * H, layers_[0].input_norm.const_data_ptr<T>(), normed + m * H, H, eps_);
+    });
+    for (size_t i = 0; i < layers_.size(); ++i) {
+      const Layer& l = layers_[i];
+      if (i > 0)
+        for_rows(M, H, [&](int64_t m) {
+          nanovllm::add_rms_norm_row(block_out + m * H, residual + m * H, l.input_norm.const_data_ptr<T>(),
+                                     normed + m * H, residual + m * H, H, eps_);
+        });
+      l.qkv->run(normed, M, qkv, scratch, isa_);
+      for_rows(M, q + kv, [&](int64_t m) {
+        const T* row = qkv + m * qkv_width;
+        const float* table = cos_sin + positions[m] * D;
+        for (int64_t h = 0; h < heads_; ++h) nanovllm::rotary_row(row + h * D, q_rot + m * q + h * D, table, D / 2);
+        for (int64_t h = 0; h < kv_heads_; ++h)
+          nanovllm::rotary_row(row + q + h * D, k_rot + m * kv + h * D, table, D / 2);
+      });
+      T* k_cache = l.k_cache.data_ptr<T>();
+      T* v_cache = l.v_cache.data_ptr<T>();
+      for (int64_t m = 0; m < M; ++m) {
+        if (slots[m] < 0) continue;
+        std::memcpy(k_cache + slots[m] * kv, k_rot + m * kv, kv * sizeof(T));
+        std::memcpy(v_cache + slots[m] * kv, qkv + m * qkv_width + q + kv, kv * sizeof(T));
+      }
+      for (int64_t m = 0; m < M; ++m)  // a row that attends to nothing is zeros, as paged_decode returns it
+        if (context_lens[m] <= 0) std::fill(attn + m * q, attn + (m + 1) * q, from_float<T>(0.f));
+      nanovllm::paged_decode_rows(q_rot, k_cache, v_cache, tables, context_lens, attn, M, heads_, kv_heads_, D,
+                                  l.k_cache.size(1), table_width, scale_, 0, 0.f);
+      l.o->run(attn, M, block_out, scratch, isa_);
+      for_rows(M, H, [&](int64_t m) {
+        nanovllm::add_rms_norm_row(block_out + m * H, residual + m * H, l.post_norm.const_data_ptr<T>(),
+                                   normed + m * H, residual + m * H, H, eps_);
+      });
+      const int64_t width = l.gate_up->out_features, half = width / 2;
+      l.gate_up->run(normed, M, gate_up, scratch, isa_);
+      for_rows(M, width, [&](int64_t m) {
+        nanovllm::silu_mul_row(gate_up + m * width, gate_up + m * width + half, act + m * half, half);
+      });
+      l.down->run(act, M, block_out, scratch, isa_);
+    }
+    for_rows(M, H, [&](int64_t m) {
+      nanovllm::add_rms_norm_row(block_out + m * H, residual + m * H, final_norm_.const_data_ptr<T>(), out + m * H,
+                                 residual + m * H, H, eps_);
+    });
+  }
+
+  int64_t heads_, kv_heads_, head_dim_;
+  float eps_, scale_;
+  at::Tensor cos_sin_, final_norm_;
+  int64_t isa_, hidden_;
+  int64_t mlp_ = 0, scratch_ = 0;  // the widest gate-up, and the widest segment of a linear with several
+  std::vector<Layer> layers_;
+};
+
+}  // namespace
+
+TORCH_LIBRARY_FRAGMENT(nanovllm, m) {
+  m.class_<GGMLLinear>("GGMLLinear")
+      .def(torch::init<std::vector<at::Tensor>, std::vector<int64_t>, int64_t, std::optional<at::Tensor>>());
+  m.class_<DecoderStack>("DecoderStack")
+      .def(torch::init<int64_t, int64_t, int64_t, double, double, at::Tensor, at::Tensor, int64_t>())
+      .def("add_layer", &DecoderStack::add_layer)
+      .def("forward", &DecoderStack::forward);
+}

@@ -1,0 +1,138 @@
+"""Weights that stay in GGML's block formats inside the model: how a layer receives, slices and runs them.
+
+`GGMLTensor` is one checkpoint weight `[rows, in_features]` as GGML blocks (a GGUF tensor, memory-mapped, or a float
+weight quantized at load). The layers' weight loaders slice it as they slice float tensors: output rows freely,
+input columns only at block boundaries. `GGMLWeight` is what a layer runs once loaded: its rows as segments of one
+type each (a fused projection may join shards of different types, as Q4_K_M files mix Q4_K and Q6_K), computed by
+`nanovllm.kernels.ggml`.
+"""
+import torch
+from torch import nn
+
+from nanovllm.kernels.ggml import (
+    BLOCK,
+    FLOAT_TYPES,
+    ggml_dequantize,
+    ggml_embedding,
+    ggml_linear,
+    ggml_quantize,
+    row_bytes,
+    type_name,
+)
+
+
+class GGMLTensor:
+    """A weight `[rows, in_features]` held as `data`, uint8 `[rows, row_bytes]` of GGML type `qtype`."""
+
+    def __init__(self, data: torch.Tensor, qtype: int, in_features: int):
+        if data.dtype != torch.uint8 or data.dim() != 2 or data.size(1) != row_bytes(qtype, in_features):
+            raise ValueError(f"GGML {type_name(qtype)} rows of {in_features} values take "
+                             f"{row_bytes(qtype, in_features)} bytes, got a {data.dtype} tensor {tuple(data.shape)}")
+        self.data, self.qtype, self.in_features = data, qtype, in_features
+
+    @property
+    def shape(self) -> torch.Size:
+        return torch.Size((self.data.size(0), self.in_features))
+
+    def size(self, dim: int) -> int:
+        return self.shape[dim]
+
+    def dim(self) -> int:
+        return 2
+
+    def rows(self, index: torch.Tensor | slice) -> "GGMLTensor":
+        return GGMLTensor(self.data[index], self.qtype, self.in_features)
+
+    def __getitem__(self, rows: slice) -> "GGMLTensor":
+        return self.rows(rows)
+
+    def narrow(self, dim: int, start: int, length: int) -> "GGMLTensor":
+        if dim == 0:
+            return self.rows(slice(start, start + length))
+        values, size = BLOCK[self.qtype]
+        if start % values or length % values:
+            raise ValueError(f"a tensor-parallel rank takes input columns {start}..{start + length} of a "
+                             f"{type_name(self.qtype)} weight, whose {values}-value blocks cannot be split: choose "
+                             f"a tensor_parallel_size that leaves each rank whole blocks (input size "
+                             f"{self.in_features})")
+        part = self.data.narrow(1, start // values * size, length // values * size).contiguous()
+        return GGMLTensor(part, self.qtype, length)
+
+    def chunk(self, chunks: int, dim: int = 0) -> list["GGMLTensor"]:
+        if dim != 0:
+            raise ValueError("GGML weights are chunked along their rows only")
+        step = -(-self.size(0) // chunks)
+        return [self.rows(slice(start, start + step)) for start in range(0, self.size(0), step)]
+
+    def padded(self, rows: int) -> "GGMLTensor":
+        """These rows then zero rows up to `rows` (all-zero blocks are zeros in every GGML type)."""
+        if rows == self.size(0):
+            return self
+        data = torch.zeros(rows, self.data.size(1), dtype=torch.uint8)
+        data[:self.size(0)] = self.data
+        return GGMLTensor(data, self.qtype, self.in_features)
+
+    def dequantize(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+        return ggml_dequantize(self.data, self.qtype, self.in_features, dtype)
+
+
+def quantize(weight: torch.Tensor, qtype: int) -> GGMLTensor:
+    """`weight` `[rows, in_features]` rounded to nearest into GGML blocks of `qtype` (Q8_0, Q4_0 or Q4_1)."""
+    return GGMLTensor(ggml_quantize(weight.detach().cpu(), qtype), qtype, weight.size(1))
+
+
+class GGMLWeight(nn.Module):
+    """A layer's weight `[rows, in_features]` as GGML row segments, one type each, in row order.
+
+    `dtype` is the model's activation dtype: what an embedding lookup returns."""
+
+    def __init__(self, segments: list[GGMLTensor], dtype: torch.dtype):
+        super().__init__()
+        self.qtypes = [s.qtype for s in segments]
+        self.in_features = segments[0].in_features
+        self.dtype = dtype
+        for i, segment in enumerate(segments):
+            self.register_buffer(f"segment{i}", segment.data, persistent=False)
+
+    @classmethod
+    def assemble(cls, parts: list[tuple[int, GGMLTensor]], rows: int, dtype: torch.dtype) -> "GGMLWeight":
+        """The weight made of `parts` (first row, rows), which must cover rows 0..rows-1 once; neighbouring parts of
+        one type are joined into one segment."""
+        segments: list[list[GGMLTensor]] = []
+        end = 0
+        for start, part in sorted(parts, key=lambda p: p[0]):
+            if start != end:
+                raise ValueError(f"GGML weight parts leave rows {end}..{start} unfilled or filled twice")
+            if segments and segments[-1][0].qtype == part.qtype:
+                segments[-1].append(part)
+            else:
+                segments.append([part])
+            end += part.size(0)
+        if end != rows:
+            raise ValueError(f"GGML weight parts fill {end} rows of {rows}")
+        joined = [group[0] if len(group) == 1 else
+                  GGMLTensor(torch.cat([p.data for p in group]), group[0].qtype, group[0].in_features)
+                  for group in segments]
+        return cls(joined, dtype)
+
+    @property
+    def segments(self) -> list[GGMLTensor]:
+        return [GGMLTensor(getattr(self, f"segment{i}"), qtype, self.in_features)
+                for i, qtype in enumerate(self.qtypes)]
+
+    @property
+    def is_float(self) -> bool:
+        return all(qtype in FLOAT_TYPES for qtype in self.qtypes)
+
+    def dequantize(self, dtype: torch.dtype) -> torch.Tensor:
+        return torch.cat([s.dequantize(dtype) for s in self.segments])
+
+    def linear(self, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+        if len(self.qtypes) == 1:
+            return ggml_linear(x, self.segment0, self.qtypes[0], self.in_features, bias)
+        y = torch.cat([ggml_linear(x, s.data, s.qtype, self.in_features) for s in self.segments], dim=-1)
+        return y if bias is None else y + bias
+
+    def embedding(self, ids: torch.Tensor) -> torch.Tensor:
+        """Rows `ids` dequantized (an embedding lookup; the weight is one segment, a GGUF token embedding)."""
+        return ggml_embedding(self.segment0, ids, self.qtypes[0], self.in_features, self.dtype)

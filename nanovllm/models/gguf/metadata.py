@@ -1,0 +1,229 @@
+"""A GGUF file's config, tokenizer and tensor table, read once per file into the cache.
+
+`LLM("model.gguf")` reads the weights from the file itself, as they are (`nanovllm.models.gguf.weights`); its config
+(rebuilt from the metadata, `nanovllm.models.gguf.config`), tokenizer (transformers' GGUF tokenizer reader) and tensor
+table are read once per file, with the `gguf` package, into a small directory in the cache (`$NANOVLLM_CACHE`,
+default `~/.cache/nanovllm`; `cached_metadata`).
+"""
+import contextlib
+import functools
+import importlib.util
+import json
+import os
+import shutil
+import sys
+import tempfile
+import threading
+from pathlib import Path
+
+import numpy as np
+import xxhash
+from transformers import AutoConfig, PretrainedConfig
+
+from nanovllm.cache import cache_dir
+from nanovllm.models.gguf.config import Metadata, gguf_config
+from nanovllm.models.gguf.weights import ROPE_FACTORS, TENSORS, tensor_table
+from nanovllm.progress import Progress
+
+INSTALL_HINT = 'pip install "nanovllm[demo]" (or: pip install gguf accelerate)'
+
+
+def find_gguf(model: str) -> str | None:
+    """The GGUF file `model` stands for: the path itself, or the one .gguf in a directory without config.json."""
+    if os.path.isfile(model):
+        if not model.endswith(".gguf"):
+            raise ValueError(f"model {model!r} is a file but not a .gguf file; pass a model directory or a .gguf file")
+        return model
+    if not os.path.isdir(model) or os.path.isfile(os.path.join(model, "config.json")):
+        return None
+    found = sorted(name for name in os.listdir(model) if name.endswith(".gguf"))
+    if len(found) > 1:
+        raise ValueError(f"model directory {model!r} holds several GGUF files {found}; pass the path of one of them")
+    return os.path.join(model, found[0]) if found else None
+
+
+def require_gguf_support(packages: tuple[str, ...] = ("gguf", "accelerate")) -> None:
+    missing = [name for name in packages if importlib.util.find_spec(name) is None]
+    if missing:
+        raise ModuleNotFoundError(f"reading GGUF files needs the {' and '.join(missing)} package(s): {INSTALL_HINT}")
+
+
+def read_gguf_config(reader, path: str) -> PretrainedConfig:
+    """The model config recorded in a parsed GGUF file's metadata (`nanovllm.models.gguf.config`), with its
+    `architectures`; no weight is read (but Phi-3's small LongRoPE factor tensors)."""
+    from gguf import GGUFValueType
+
+    fields = {key: field.contents() for key, field in reader.fields.items()
+              if not (field.types and field.types[0] == GGUFValueType.ARRAY and key.startswith("tokenizer.ggml."))}
+    tensors = {t.name: [int(n) for n in t.shape] for t in reader.tensors}
+    factors = {t.name: [float(x) for x in t.data] for t in reader.tensors if t.name in ROPE_FACTORS}
+    settings = gguf_config(Metadata(fields, tensors, path), factors)
+    return AutoConfig.for_model(settings.pop("model_type"), **settings)
+
+
+def reject_scaled_rope(path: str) -> None:
+    """llama.cpp stores Llama 3.1's rope scaling as a `rope_freqs` tensor, whose settings the file does not keep, and
+    transformers' GGUF reader (`nanovllm.models.gguf.convert`) drops every rope scaling: either would change every
+    output, so such files are refused rather than run or converted wrongly."""
+    from gguf import GGUFReader
+
+    reader = GGUFReader(path)
+    if any(t.name == "rope_freqs.weight" for t in reader.tensors):
+        raise ValueError(f"{path} scales its rope frequencies (e.g. Llama 3.1/3.2), which nanovllm cannot read from "
+                         "GGUF files; load the model's original Hugging Face checkpoint instead")
+
+
+_PATCHING = threading.Lock()  # one conversion at a time patches gguf-py, so each restores what it found
+
+
+@contextlib.contextmanager
+def parsed_once(progress: Progress):
+    """Within it, gguf-py parses each GGUF file once, builds each tensor-name table once, and counts the tensors
+    it dequantizes into `progress`.
+
+    A conversion has transformers parse the whole file five times (the config, checked first and again for the
+    tokenizer and the model, the weights, and our rope check), each a walk over the 49k-token vocabulary in Python
+    taking seconds; and build gguf-py's name table anew for each of the model's modules. Both are only read, so one
+    of each is shared. The shared reader also slices a plain array view of its memory map, not the `np.memmap`
+    itself, whose slicing costs ~3x more.
+    """
+    import gguf
+
+    with _PATCHING:
+        saved = gguf.GGUFReader, gguf.get_tensor_name_map, gguf.dequantize
+
+        class Reader(saved[0]):
+            @property
+            def data(self):
+                return self._plain
+
+            @data.setter
+            def data(self, mapped):
+                self._plain = mapped.view(np.ndarray)
+
+        def dequantize(data, qtype):
+            progress.advance()
+            return saved[2](data, qtype)
+
+        read = functools.cache(Reader)
+        gguf.GGUFReader = lambda path, mode="r": read(os.path.realpath(path), mode)
+        gguf.get_tensor_name_map, gguf.dequantize = functools.cache(saved[1]), dequantize
+        try:
+            yield
+        finally:
+            gguf.GGUFReader, gguf.get_tensor_name_map, gguf.dequantize = saved
+
+
+HEADER_BYTES = 1 << 20
+SAMPLES, SAMPLE_BYTES = 64, 1 << 16
+SOURCES = "sources.json"
+
+
+def content_key(path: str) -> str:
+    """A key of the GGUF file's content: xxh64 of its size, its first MiB (the header: metadata, vocabulary and tensor
+    table) and 64 evenly spaced 64 KiB samples of the tensor data.
+
+    Not the whole file: hashing a multi-GB model on every start would cost seconds, while two different models,
+    or two quantizations of one, already differ in their header or in the sampled tensor bytes.
+    """
+    size = os.path.getsize(path)
+    digest = xxhash.xxh64(str(size).encode())
+    with open(path, "rb") as f:
+        digest.update(f.read(HEADER_BYTES))
+        for i in range(SAMPLES):
+            f.seek(HEADER_BYTES + max(size - HEADER_BYTES, 0) * i // SAMPLES)
+            digest.update(f.read(SAMPLE_BYTES))
+    return digest.hexdigest()
+
+
+def _read_sources(conversion: Path) -> list[str]:
+    try:
+        return json.loads((conversion / SOURCES).read_text())
+    except (OSError, ValueError):
+        return []
+
+
+def _write_sources(conversion: Path, sources: list[str]) -> None:
+    tmp = conversion / f".{SOURCES}.{os.getpid()}"
+    tmp.write_text(json.dumps(sorted(set(sources))))
+    os.replace(tmp, conversion / SOURCES)
+
+
+def _drop_stale(keep: Path, source: str) -> None:
+    """`source` now reads into `keep`: forget it in every other entry, and delete the entries that no existing file
+    names any more."""
+    for other in keep.parent.iterdir():
+        if other == keep or not other.is_dir() or other.name.startswith("."):
+            continue
+        sources = [s for s in _read_sources(other) if s != source and os.path.isfile(s)]
+        if sources:
+            _write_sources(other, sources)
+        else:
+            shutil.rmtree(other, ignore_errors=True)
+
+
+def cached_metadata(path: str) -> Path:
+    """The directory of the GGUF file at `path`'s config.json, tokenizer files and tensor table (`TENSORS`), written
+    on first use; no weight is ever written.
+
+    The cache is keyed by the file's content (`content_key`), so copies of one file (in several virtualenvs, say)
+    share one entry, and an edited or replaced file gets its own; each entry records the files it was made from, and
+    one that no existing file names any more is deleted. The file is checked (architecture, tensor types, size) before
+    the slow part, and an entry becomes visible only when complete (written to a temporary directory, then renamed).
+    """
+    require_gguf_support(("gguf",))
+    source, key, cache = os.path.abspath(path), content_key(path), cache_dir() / "gguf-metadata"
+    found = [entry for entry in cache.glob(f"*-{key}") if (entry / TENSORS).is_file()]
+    target = found[0] if found else cache / f"{Path(path).stem}-{key}"
+    if not (target / TENSORS).is_file():
+        _write_metadata_into(path, target)
+    if source not in _read_sources(target):
+        _write_sources(target, [*_read_sources(target), source])
+        _drop_stale(target, source)
+    return target
+
+
+def _write_metadata_into(path: str, target: Path) -> None:
+    print(f"nanovllm: reading the config and tokenizer of {path} into {target} (once; later runs reuse them) ...",
+          file=sys.stderr)
+    with Progress("read the GGUF metadata") as progress, parsed_once(progress):
+        import gguf
+
+        progress("reading the GGUF file")
+        try:
+            reader = gguf.GGUFReader(path)
+        except (ValueError, IndexError, KeyError, OSError) as e:
+            raise ValueError(f"{path} is not a readable GGUF file ({e}); it may be truncated or corrupt: download or "
+                             "convert it again") from None
+        table = tensor_table(reader, path)
+        reject_scaled_rope(path)
+        config = read_gguf_config(reader, path)
+        progress("building the tokenizer")
+        tokenizer = tokenizer_of(path)
+        target.parent.mkdir(parents=True, exist_ok=True)
+        tmp = Path(tempfile.mkdtemp(prefix=f".{target.name}-", dir=target.parent))
+        try:
+            config.save_pretrained(tmp)
+            tokenizer.save_pretrained(tmp)
+            (tmp / TENSORS).write_text(json.dumps(table))
+            os.rename(tmp, target)
+        except OSError:
+            if not (target / TENSORS).is_file():
+                raise
+        finally:
+            shutil.rmtree(tmp, ignore_errors=True)
+
+
+def tokenizer_of(path: str):
+    """The file's tokenizer, by transformers' GGUF tokenizer reader: the class transformers picks for the
+    architecture, or the plain fast tokenizer for architectures transformers does not run from GGUF files."""
+    from gguf import GGUFReader
+    from transformers import AutoTokenizer, PreTrainedTokenizerFast
+    from transformers.modeling_gguf_pytorch_utils import GGUF_SUPPORTED_ARCHITECTURES
+
+    source = dict(pretrained_model_name_or_path=os.path.dirname(os.path.abspath(path)),
+                  gguf_file=os.path.basename(path))
+    architecture = GGUFReader(path).fields["general.architecture"].contents()
+    known = architecture in GGUF_SUPPORTED_ARCHITECTURES or architecture.replace("moe", "_moe") in \
+        GGUF_SUPPORTED_ARCHITECTURES
+    return (AutoTokenizer if known else PreTrainedTokenizerFast).from_pretrained(**source)
