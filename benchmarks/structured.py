@@ -161,7 +161,7 @@ def measure(llm: LLM, work: Workload, number: int) -> dict:
     load = [os.getloadavg()[0]]
     prompts = work.rounds[number]
     timed(warmup_prompts(prompts["constrained"]), SamplingParams(temperature=0, max_tokens=4))
-    llm.structured.clear_cache()
+    llm.engine.structured.clear_cache()
     seconds, outputs = timed(prompts["constrained"], [constrained(c, temperature=0, max_tokens=work.max_tokens)
                                                       for c in work.cases])
     lengths = [len(o.outputs[0].token_ids) for o in outputs]

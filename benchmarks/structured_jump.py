@@ -17,8 +17,8 @@ def compare_jump_forward(llm: LLM, prompts: list[list[int]], params: list[Sampli
     outputs: dict[str, list[list[int]]] = {}
     for _ in range(repeat):
         for mode in runs:
-            llm.grammar_drafts.jump_forward = mode == "on"
-            llm.structured.clear_cache()
+            llm.engine.grammar_drafts.jump_forward = mode == "on"
+            llm.engine.structured.clear_cache()
             before = llm.stats()
             start = time.perf_counter()
             done = llm.generate(prompts, params, use_tqdm=False)
@@ -29,7 +29,7 @@ def compare_jump_forward(llm: LLM, prompts: list[list[int]], params: list[Sampli
             counts = {k: after[k] - before[k] for k in ("num_steps", "num_draft_tokens", "num_accepted_tokens")}
             runs[mode].append({"tokens_per_s": tokens / seconds, "steps_per_token": counts["num_steps"] / tokens,
                                "request_passes_per_token": 1 - counts["num_accepted_tokens"] / tokens, **counts})
-    llm.grammar_drafts.jump_forward = llm.config.jump_forward
+    llm.engine.grammar_drafts.jump_forward = llm.config.jump_forward
     figures = {mode: {"tokens_per_s": statistics.median(r["tokens_per_s"] for r in rs),
                       "steps_per_token": statistics.median(r["steps_per_token"] for r in rs),
                       "request_passes_per_token": statistics.median(r["request_passes_per_token"] for r in rs),

@@ -160,6 +160,8 @@ class Config:
     draft: "Config | None" = field(init=False, default=None, repr=False)
     structured_outputs_config: dict | None = None
     hf_config: "PretrainedConfig" = field(init=False, repr=False)
+    architecture: str = field(init=False, default="")  # the model family that runs hf_config
+    sliding_window: int = field(init=False, default=0)  # no layer reads K/V outside it (0: some layer reads all)
     gguf_metadata: str | None = field(init=False, default=None)
     torch_dtype: "torch.dtype" = field(init=False)
     max_model_len_given: bool = field(init=False, repr=False)

@@ -1,30 +1,200 @@
+"""`LLM`, the public entry point, as vLLM's: `LLM(model, **engine_settings).generate(prompts, sampling_params)`."""
+from collections.abc import Iterable, Iterator
+from contextlib import AbstractContextManager
+from typing import Protocol
+
+from tqdm.auto import tqdm
+from transformers import PreTrainedTokenizerBase
+
+from nanovllm.config import Config
 from nanovllm.engine.data_parallel import DataParallelLLM
 from nanovllm.engine.llm_engine import LLMEngine
+from nanovllm.engine.prompts import CheckedPrompt, Conversation, Params, Prompt, PromptChecker
 from nanovllm.engine.setup import resolve_config
+from nanovllm.metrics import Metric, metrics_from_stats
+from nanovllm.outputs import RequestOutput
+from nanovllm.sampling_params import SamplingParams
+
+
+class Handle(Protocol):
+    """A submitted request as an engine tracks it."""
+
+    request_id: str
+    error: BaseException | None
+
+    @property
+    def finished(self) -> bool: ...
+
+    def output(self) -> RequestOutput: ...
+
+    def take_news(self) -> list[RequestOutput]: ...
+
+
+class Engine(Protocol):
+    """What `LLM` drives: one `LLMEngine` in this process, or a `DataParallelLLM` of replicas."""
+
+    config: Config
+    tokenizer: PreTrainedTokenizerBase | None
+
+    def submit(self, checked: list[CheckedPrompt]) -> list[Handle]: ...
+
+    def turn(self) -> AbstractContextManager: ...
+
+    def progress(self, handles: list[Handle]) -> dict[str, float] | None: ...
+
+    def step(self, delta: bool = False) -> list[RequestOutput]: ...
+
+    def abort_request(self, request_id: str | Iterable[str]) -> None: ...
+
+    def is_finished(self) -> bool: ...
+
+    def stats(self) -> dict: ...
+
+    def engine_stats(self) -> list[tuple[int, dict]]: ...
+
+    def exit(self) -> None: ...
 
 
 class LLM:
-    """The public entry point, as vLLM's: `LLM(model, **engine_settings).generate(prompts, sampling_params)`.
+    """An offline inference engine for `model` (a Hugging Face model directory or a .gguf file), with vLLM's API.
 
-    The settings are resolved once (`nanovllm.engine.setup.resolve_config`) and run by `engine`: one `LLMEngine` in
-    this process, or with `data_parallel_size=N` (N > 1) a `DataParallelLLM` of N engine replicas in worker
-    processes. Both serve the same methods (`generate`, `chat`, `stream`, `add_request`, `step`, `abort_request`,
-    `is_finished`, `stats`, `get_tokenizer`, `exit`, ...), which `LLM` hands to `engine` as they are.
+    The settings are resolved once (`nanovllm.engine.setup.resolve_config`): every "auto" replaced by what was
+    chosen, a ValueError or FileNotFoundError naming any problem before work starts. They run on `engine`: one
+    `LLMEngine` in this process, or with `data_parallel_size=N` (N > 1) a `DataParallelLLM` of N engine replicas in
+    worker processes; every method below works the same on both. One `LLM` serves many callers: `generate`, `chat`
+    and `stream` from several threads, or interleaved streams, share the engine's batches, and each request's tokens
+    reach the caller that asked.
     """
 
     def __init__(self, model: str | None = None, data_parallel_size: int = 1, **settings):
         if isinstance(data_parallel_size, bool) or not isinstance(data_parallel_size, int) or data_parallel_size < 1:
             raise ValueError(f"data_parallel_size must be a positive integer, got {data_parallel_size!r}")
         config = resolve_config(model, settings)
-        self.engine = LLMEngine(config) if data_parallel_size == 1 else DataParallelLLM(config, data_parallel_size)
+        self.engine: Engine = LLMEngine(config) if data_parallel_size == 1 else DataParallelLLM(config,
+                                                                                            data_parallel_size)
+        self.prompts = PromptChecker(config, self.engine.tokenizer)
 
-    def __getattr__(self, name: str):
-        if name == "engine":  # not set: __init__ raised
-            raise AttributeError(name)
-        return getattr(self.engine, name)
+    @property
+    def config(self) -> Config:
+        """The resolved settings (device, dtype, attention backend, `max_model_len`, the model's `hf_config`, ...)."""
+        return self.engine.config
+
+    @property
+    def tokenizer(self) -> PreTrainedTokenizerBase | None:
+        """The model's tokenizer (None for a model directory without tokenizer files)."""
+        return self.engine.tokenizer
+
+    @property
+    def max_model_len(self) -> int:
+        """The longest sequence (prompt and output) the engine runs."""
+        return self.config.max_model_len
+
+    def get_tokenizer(self) -> PreTrainedTokenizerBase | None:
+        """The model's tokenizer (None for a model directory without tokenizer files)."""
+        return self.tokenizer
+
+    def generate(self, prompts: Prompt | list[Prompt], sampling_params: Params = None, use_tqdm: bool = True,
+                 priority: int | list[int] | None = None) -> list[RequestOutput]:
+        """Complete every prompt; one `RequestOutput` per prompt, in prompt order. A prompt is text, vLLM's
+        `{"prompt": text}` / `{"prompt_token_ids": ids}`, or a list of token ids; one prompt alone needs no list.
+        `sampling_params` (default `SamplingParams()`) and `priority` are one value for all prompts or one per
+        prompt."""
+        return self._run(self.prompts.check_prompts(prompts, sampling_params, priority), use_tqdm)
+
+    def chat(self, messages: Conversation | list[Conversation], sampling_params: Params = None,
+             use_tqdm: bool = True, priority: int | list[int] | None = None,
+             add_generation_prompt: bool = True) -> list[RequestOutput]:
+        """Reply to one conversation (a list of `{"role", "content"}` messages) or to a list of them, through the
+        model's chat template, as vLLM's `LLM.chat`; one `RequestOutput` per conversation."""
+        return self._run(self.prompts.check_conversations(messages, sampling_params, priority, add_generation_prompt),
+                         use_tqdm)
+
+    def chat_prompt(self, conversation: Conversation, add_generation_prompt: bool = True) -> list[int]:
+        """The token ids `chat` sends for `conversation`, e.g. to `stream` a reply."""
+        return self.tokenizer.encode(self.prompts.chat_text(conversation, add_generation_prompt),
+                                     add_special_tokens=False)
+
+    def stream(self, prompts: Prompt | list[Prompt], sampling_params: Params = None,
+               priority: int | list[int] | None = None) -> Iterator[RequestOutput]:
+        """Complete every prompt, yielding each request's news as it is produced, in step order: a `RequestOutput`
+        whose completions hold only the text and tokens (and logprobs) new since the last one; a completion's
+        last one carries its `finish_reason`. Text never ends inside a multi-byte character, and the deltas of a
+        completion add up to its `generate` text. Request ids are consecutive, in prompt order. The news reach this
+        stream whoever runs the steps (another stream, `generate`, another thread). Leaving the loop early aborts
+        the requests still running."""
+        handles = self.engine.submit(self.prompts.check_prompts(prompts, sampling_params, priority))
+        try:
+            while True:
+                with self.engine.turn():
+                    _raise_if_failed(handles)
+                    news = [delta for handle in handles for delta in handle.take_news()]
+                    if not news and self.engine.progress(handles) is None:
+                        break
+                yield from news
+        except BaseException:  # leaving the loop early (GeneratorExit) included
+            self.abort_request([handle.request_id for handle in handles])
+            raise
+        _raise_if_failed(handles)
+
+    def add_request(self, prompt: Prompt, sampling_params: SamplingParams | None = None, priority: int = 0) -> str:
+        """Queue one request and return its id; `step` runs it. Under `scheduling_policy="priority"` a lower
+        `priority` runs first (and is preempted last); first-come-first-served ignores it, as vLLM."""
+        return self.engine.submit([self.prompts.check_prompt(prompt, sampling_params, priority)])[0].request_id
+
+    def step(self, delta: bool = False) -> list[RequestOutput]:
+        """Run one step (with data parallelism: wait for the replicas' next one); returns the outputs of the
+        requests that got a token in it: everything so far, or with `delta` only what is new since their last
+        delta (as `stream` yields it)."""
+        return self.engine.step(delta)
+
+    def abort_request(self, request_id: str | Iterable[str]) -> None:
+        """Stop requests wherever their sequences are (waiting, running or preempted) and free their blocks at
+        once; they finish with `finish_reason="abort"`. Unknown or finished requests are ignored."""
+        self.engine.abort_request(request_id)
+
+    def is_finished(self) -> bool:
+        """Whether no request is waiting or running."""
+        return self.engine.is_finished()
+
+    def stats(self) -> dict:
+        """Counters since the engine started (see `LLMEngine.stats`): prefix-cache hits, steps, preemptions, KV
+        blocks, and speculative decoding's figures; with data parallelism summed over the replicas (rates
+        recomputed), with each replica's own under "replicas"."""
+        return self.engine.stats()
+
+    def get_metrics(self) -> list[Metric]:
+        """`stats()` as vLLM v1's metric objects (`nanovllm.metrics`), one set per engine (label `engine`: the
+        data-parallel replica, "0" without data parallelism)."""
+        return [metric for index, stats in self.engine.engine_stats()
+                for metric in metrics_from_stats(stats, self.config.model, index)]
+
+    def exit(self) -> None:
+        """Stop the engine and its worker processes, and free its memory; safe to call twice."""
+        self.engine.exit()
 
     def __enter__(self) -> "LLM":
         return self
 
     def __exit__(self, *exc) -> None:
-        self.engine.exit()
+        self.exit()
+
+    def _run(self, checked: list[CheckedPrompt], use_tqdm: bool) -> list[RequestOutput]:
+        """Submit the checked prompts and run steps until all are finished; their outputs, in order."""
+        handles = self.engine.submit(checked)
+        try:
+            with tqdm(total=len(handles), desc="Generating", dynamic_ncols=True, disable=not use_tqdm) as pbar:
+                while (rates := self.engine.progress(handles)) is not None:
+                    if use_tqdm:
+                        pbar.set_postfix({phase: f"{rate:.0f}tok/s" for phase, rate in rates.items()}, refresh=False)
+                        pbar.update(sum(handle.finished for handle in handles) - pbar.n)
+        except BaseException:
+            self.abort_request([handle.request_id for handle in handles])
+            raise
+        _raise_if_failed(handles)
+        return [handle.output() for handle in handles]
+
+
+def _raise_if_failed(handles: list[Handle]) -> None:
+    failed = next((handle for handle in handles if handle.error is not None), None)
+    if failed is not None:
+        raise failed.error

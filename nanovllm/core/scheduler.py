@@ -232,14 +232,6 @@ class Scheduler:
             valid = self.in_flight.starts[self.in_flight.seqs.index(seq)]
         self.block_manager.deallocate(seq, valid)
 
-    def postprocess(self, batch: ScheduledBatch, token_ids: list[int]) -> list[Sequence]:
-        """Append each sampled token (one per sequence that samples, in batch order); returns those sequences.
-        Whether one ends there is the engine's call (see `nanovllm.core.stopping`), carried out by `finish`."""
-        sampled = self.new_tokens(batch, token_ids)
-        for seq, (token_id,) in sampled:
-            seq.append_token(token_id)
-        return [seq for seq, _ in sampled]
-
     def new_tokens(self, batch: ScheduledBatch, token_ids: list[int],
                    num_accepted: list[int] | None = None) -> list[tuple[Sequence, list[int]]]:
         """Each sequence that samples, in batch order, with its new tokens, not yet appended: one sampled token

@@ -19,21 +19,18 @@ import logging
 import os
 import threading
 import traceback
-from collections.abc import Iterable, Iterator
+from collections.abc import Iterable
+from contextlib import AbstractContextManager
 from dataclasses import dataclass, field, replace
 from multiprocessing.connection import Connection, wait
 
-from tqdm.auto import tqdm
-
 from nanovllm.config import Config
 from nanovllm.distributed.supervisor import Child, spawn, stop
-from nanovllm.engine.frontend import CheckedPrompt, Params, Prompt, PromptFrontend
 from nanovllm.engine.llm_engine import LLMEngine
+from nanovllm.engine.prompts import CheckedPrompt
 from nanovllm.engine.router import PrefixRouter
 from nanovllm.engine.tokenizer import load_tokenizer
-from nanovllm.metrics import Metric, metrics_from_stats
 from nanovllm.outputs import CompletionOutput, RequestOutput
-from nanovllm.sampling_params import SamplingParams
 from nanovllm.spec_decode.stats import combine_stats
 
 logger = logging.getLogger("nanovllm")
@@ -52,14 +49,23 @@ class Routed:
     request_id: str
     checked: CheckedPrompt
     replica: int = -1
-    output: RequestOutput | None = None
+    total: RequestOutput | None = None  # merged from the replica's deltas
     news: list[RequestOutput] = field(default_factory=list)  # deltas not yet read by a stream
     seen: bool = False  # a stream yielded some of its output
     error: BaseException | None = None
 
     @property
     def finished(self) -> bool:
-        return self.error is not None or self.output is not None and self.output.finished
+        return self.error is not None or self.total is not None and self.total.finished
+
+    def output(self) -> RequestOutput:
+        return self.total
+
+    def take_news(self) -> list[RequestOutput]:
+        """The deltas a stream has not read yet."""
+        news, self.news = self.news, []
+        self.seen |= bool(news)
+        return news
 
     @property
     def work(self) -> int:
@@ -90,9 +96,10 @@ class Replica:
     stats: dict | None = None
 
 
-class DataParallelLLM(PromptFrontend):
-    """N `LLMEngine` replicas in worker processes behind `generate`, `chat`, `stream`, `add_request`/`step`,
-    `abort_request` and `stats` (see the module docstring)."""
+class DataParallelLLM:
+    """N `LLMEngine` replicas in worker processes behind the engine's interface (`submit`, `progress`, `turn`, `step`,
+    `abort_request`, `is_finished`, `stats`, `engine_stats`, `exit`), which `LLM` drives (see the module
+    docstring)."""
 
     def __init__(self, config: Config, data_parallel_size: int):
         """`config` as `nanovllm.engine.setup.resolve_config` made it; each replica runs an engine of it."""
@@ -145,10 +152,11 @@ class DataParallelLLM(PromptFrontend):
         routed.replica = replica.index
         replica.load += routed.work
         replica.routed += 1
-        c = routed.checked
-        replica.child.conn.send(("add", routed.request_id, c.token_ids, c.params, c.priority))
+        # the text stays here: outputs get it back from `routed` (it would travel back with every step's delta)
+        replica.child.conn.send(("add", routed.request_id, replace(routed.checked, text=None)))
 
-    def _submit(self, checked: list[CheckedPrompt]) -> list[Routed]:
+    def submit(self, checked: list[CheckedPrompt]) -> list[Routed]:
+        """Route each checked prompt to a replica; returns the requests, in order."""
         if not self.replicas:
             raise RuntimeError("this LLM has been shut down (exit() was called); create a new LLM")
         with self._lock:
@@ -160,8 +168,17 @@ class DataParallelLLM(PromptFrontend):
                 self._route(routed[-1])
             return routed
 
-    def add_request(self, prompt: Prompt, sampling_params: SamplingParams | None = None, priority: int = 0) -> str:
-        return self._submit([self._check_prompt(prompt, sampling_params, priority)])[0].request_id
+    def turn(self) -> AbstractContextManager:
+        """The front's lock (reentrant): held while reading requests' news and waiting for more."""
+        return self._lock
+
+    def progress(self, routed: list[Routed]) -> dict[str, float] | None:
+        """Wait (at most a second) for the replicas' next news, unless every request of `routed` is finished (None)."""
+        if all(r.finished for r in routed):
+            return None
+        with self._lock:
+            self._pump(1.0)
+        return {}
 
     def abort_request(self, request_id: str | Iterable[str]) -> None:
         ids = [request_id] if isinstance(request_id, str) else list(request_id)
@@ -173,7 +190,7 @@ class DataParallelLLM(PromptFrontend):
                 self._finish(routed, aborted(routed))
 
     def _finish(self, routed: Routed, last: RequestOutput) -> None:
-        routed.output = merge(routed.output, last)
+        routed.total = merge(routed.total, last)
         routed.news.append(last)
         self.replicas[routed.replica].load -= routed.work
         self._requests.pop(routed.request_id, None)
@@ -213,7 +230,7 @@ class DataParallelLLM(PromptFrontend):
                 if delta.finished:
                     self._finish(routed, delta)
                 else:
-                    routed.output = merge(routed.output, delta)
+                    routed.total = merge(routed.total, delta)
                     routed.news.append(delta)
                 updated[routed.request_id] = routed
         elif kind == "stats":
@@ -235,53 +252,11 @@ class DataParallelLLM(PromptFrontend):
                 routed.error = ReplicaFailure(f"request {routed.request_id} failed: {what}; {reason}")
                 self._requests.pop(routed.request_id, None)
             else:
-                routed.output, routed.news = None, []
+                routed.total, routed.news = None, []
                 self._route(routed)
         retried = [r.request_id for r in orphans if r.error is None]
         logger.warning("%s; %s", what, f"requests {retried} retried on the others" if retried else
                        "none of its requests could be retried")
-
-    @staticmethod
-    def _raise_if_failed(routed: list[Routed]) -> None:
-        failed = next((r for r in routed if r.error is not None), None)
-        if failed is not None:
-            raise failed.error
-
-    # -- the API --
-
-    def _generate(self, checked: list[CheckedPrompt], use_tqdm: bool) -> list[RequestOutput]:
-        routed = self._submit(checked)
-        try:
-            with tqdm(total=len(routed), desc="Generating", dynamic_ncols=True, disable=not use_tqdm) as pbar:
-                while not all(r.finished for r in routed):
-                    with self._lock:
-                        self._pump(1.0)
-                    pbar.update(sum(r.finished for r in routed) - pbar.n)
-        except BaseException:
-            self.abort_request([r.request_id for r in routed])
-            raise
-        self._raise_if_failed(routed)
-        return [r.output for r in routed]
-
-    def stream(self, prompts: Prompt | list[Prompt], sampling_params: Params = None,
-               priority: int | list[int] | None = None) -> Iterator[RequestOutput]:
-        routed = self._submit(self._check_prompts(prompts, sampling_params, priority))
-        try:
-            while True:
-                with self._lock:
-                    self._raise_if_failed(routed)
-                    news = [delta for r in routed for delta in r.news]
-                    for r in routed:
-                        r.seen |= bool(r.news)
-                        r.news = []
-                    if not news and all(r.finished for r in routed):
-                        break
-                    if not news:
-                        self._pump(1.0)
-                yield from news
-        except BaseException:
-            self.abort_request([r.request_id for r in routed])
-            raise
 
     def step(self, delta: bool = False) -> list[RequestOutput]:
         """Wait for the replicas' next outputs; returns those of the requests that got tokens (cumulative, or with
@@ -294,8 +269,7 @@ class DataParallelLLM(PromptFrontend):
                 updated = self._pump(1.0)
             outputs = []
             for r in updated:
-                outputs += r.news if delta else [r.output]
-                r.news = []
+                outputs += r.take_news() if delta else [r.total]
             return outputs
 
     def stats(self) -> dict:
@@ -312,11 +286,9 @@ class DataParallelLLM(PromptFrontend):
                             **(r.stats or {})} for r in self.replicas]
             return {**combine_stats([r for r in per_replica if r["alive"]]), "replicas": per_replica}
 
-    def get_metrics(self) -> list[Metric]:
-        """Each live replica's `stats()` as vLLM v1's metrics, labelled with its index as `engine` (as vLLM's data
-        parallelism labels them)."""
-        return [metric for replica in self.stats()["replicas"] if replica["alive"]
-                for metric in metrics_from_stats(replica, self.config.model, replica["replica"])]
+    def engine_stats(self) -> list[tuple[int, dict]]:
+        """Each live replica's `LLMEngine.stats()`, with its index."""
+        return [(r["replica"], r) for r in self.stats()["replicas"] if r["alive"]]
 
     def exit(self) -> None:
         """Stop every replica (orderly, then killed after a timeout); safe to call twice."""
@@ -324,17 +296,11 @@ class DataParallelLLM(PromptFrontend):
         replicas, self.replicas = self.replicas, []
         stop([replica.child for replica in replicas], ("exit", None), EXIT_TIMEOUT_S)
 
-    def __enter__(self):
-        return self
-
-    def __exit__(self, *exc) -> None:
-        self.exit()
-
 
 def aborted(routed: Routed) -> RequestOutput:
     """The last output of a request aborted before it finished."""
     n = routed.checked.params.n
-    indices = range(n) if routed.output is None else [c.index for c in routed.output.outputs]
+    indices = range(n) if routed.total is None else [c.index for c in routed.total.outputs]
     return RequestOutput(routed.request_id, routed.checked.text, routed.checked.token_ids,
                          [CompletionOutput(i, "", [], finish_reason="abort") for i in indices], True)
 
@@ -354,7 +320,7 @@ def _replica_main(config: Config, devices: list[int] | None, cores: list[int], c
         conn.send(("failed", traceback.format_exc()))
         return
     ids: dict[str, str] = {}  # the engine's request id -> the front's
-    with engine:
+    try:
         conn.send(("ready", config.max_model_len))
         while True:
             try:
@@ -363,8 +329,8 @@ def _replica_main(config: Config, devices: list[int] | None, cores: list[int], c
                     if kind == "exit":
                         return
                     if kind == "add":
-                        front_id, token_ids, params, priority = payload
-                        ids[engine.add_request({"prompt_token_ids": token_ids}, params, priority)] = front_id
+                        front_id, checked = payload
+                        ids[engine.submit([checked])[0].request_id] = front_id
                     elif kind == "abort":
                         mine = [own for own, front in ids.items() if front in payload[0]]
                         engine.abort_request(mine)
@@ -383,3 +349,5 @@ def _replica_main(config: Config, devices: list[int] | None, cores: list[int], c
             except BaseException:
                 conn.send(("crashed", traceback.format_exc()))
                 return
+    finally:
+        engine.exit()

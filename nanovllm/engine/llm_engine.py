@@ -5,37 +5,32 @@ from collections.abc import Iterable, Iterator
 from contextlib import contextmanager
 from itertools import count
 
-from tqdm.auto import tqdm
-
 from nanovllm.config import Config
 from nanovllm.core.scheduler import ScheduledBatch, Scheduler, SchedulerConfig
 from nanovllm.core.sequence import Sequence
 from nanovllm.core.stopping import token_finish
-from nanovllm.engine.frontend import CheckedPrompt, Params, Prompt, PromptFrontend
+from nanovllm.engine.prompts import CheckedPrompt
 from nanovllm.engine.request import Completion, Request
 from nanovllm.engine.tokenizer import load_tokenizer
 from nanovllm.execution.model_runner import ModelRunner
-from nanovllm.metrics import Metric, metrics_from_stats
-from nanovllm.models import kv_sliding_window
 from nanovllm.outputs import RequestOutput, TokenLogprobs
 from nanovllm.sampling_params import SamplingParams
 from nanovllm.spec_decode.grammar_drafts import GrammarDrafts
 from nanovllm.spec_decode.proposer import DraftModelProposer, NgramProposer
 from nanovllm.spec_decode.stats import spec_decode_stats
-from nanovllm.structured_output.backends import check_constraint
 from nanovllm.structured_output.manager import StructuredOutputs
 
 logger = logging.getLogger("nanovllm")
 
 
 
-
-class LLMEngine(PromptFrontend):
-    """Continuous-batching engine: `generate`, `chat` or `stream`; or `add_request`, then `step` until `is_finished`.
+class LLMEngine:
+    """The continuous-batching engine in this process: `submit` checked prompts, then `step` (or `progress` for some
+    requests) until they finish. `LLM` drives it (`nanovllm.llm`); `DataParallelLLM` runs one per replica.
 
     Safe to share between threads: every caller's requests join the same batches, and whoever's requests are
-    unfinished runs the next step (one at a time), so each gets exactly its own outputs. A stream reads its
-    requests' news whoever ran the step that produced it.
+    unfinished runs the next step (one at a time, under `turn()`), so each gets exactly its own outputs, and a
+    stream reads its requests' news whoever ran the step that produced it.
     """
 
     def __init__(self, config: Config):
@@ -48,7 +43,7 @@ class LLMEngine(PromptFrontend):
             num_kv_blocks=self.model_runner.kv_cache.num_blocks, block_size=config.kvcache_block_size,
             max_num_seqs=config.max_num_seqs, max_num_batched_tokens=config.max_num_batched_tokens,
             enable_chunked_prefill=config.enable_chunked_prefill, scheduling_policy=config.scheduling_policy,
-            sliding_window=kv_sliding_window(config.hf_config),
+            sliding_window=config.sliding_window,
             enable_prefix_caching=not self.model_runner.model.rope_needs_lengths))
         self.proposer = None
         if config.draft is not None:
@@ -67,9 +62,9 @@ class LLMEngine(PromptFrontend):
         self._waiting: set[int] = set()  # threads blocked on the lock
 
     @contextmanager
-    def _turn(self) -> Iterator[None]:
-        """The engine's lock, and a note that this thread waits for it (set operations are atomic under the GIL),
-        so a caller looping over steps hands the lock over only when somebody waits (`_let_others_in`)."""
+    def turn(self) -> Iterator[None]:
+        """The engine's lock (reentrant), and a note that this thread waits for it (set operations are atomic under the
+        GIL), so a caller looping over steps hands the lock over only when somebody waits (`_let_others_in`)."""
         me = threading.get_ident()
         self._waiting.add(me)
         try:
@@ -93,18 +88,12 @@ class LLMEngine(PromptFrontend):
         return ids
 
     def exit(self) -> None:
-        with self._turn():
+        with self.turn():
             if getattr(self, "model_runner", None) is not None:
                 self.model_runner.exit()
                 self.model_runner = None
             if getattr(self, "structured", None) is not None:
                 self.structured.shutdown()
-
-    def __enter__(self):
-        return self
-
-    def __exit__(self, *exc) -> None:
-        self.exit()
 
     def _new_request(self, checked: CheckedPrompt) -> Request:
         """A request for a checked prompt (nothing is queued yet): `params.n` sequences of the prompt."""
@@ -119,10 +108,9 @@ class LLMEngine(PromptFrontend):
         seqs = [Sequence(next(self._seq_ids), checked.token_ids, self.config.kvcache_block_size, sample_params,
                          checked.priority)
                 for sample_params in samples]
-        if params.structured_outputs is not None:
-            spec = check_constraint(params.structured_outputs, self.structured.backend_name)
+        if checked.grammar is not None:
             for seq in seqs:
-                seq.grammar = self.structured.state(spec)
+                seq.grammar = self.structured.state(checked.grammar)
         return Request(str(next(self._request_ids)), checked.text, seqs, self.tokenizer)
 
     def _bad_word_ids(self, params: SamplingParams) -> list[list[int]]:
@@ -131,9 +119,10 @@ class LLMEngine(PromptFrontend):
                     for word in params.bad_words or () for prefix in ("", " ")}
         return [list(ids) for ids in sorted(variants) if ids]
 
-    def _add(self, requests: list[Request]) -> None:
-        """Queue `requests`, all or none."""
-        with self._turn():
+    def submit(self, checked: list[CheckedPrompt]) -> list[Request]:
+        """Queue a request for each checked prompt, all or none; returns them, in order."""
+        requests = [self._new_request(c) for c in checked]
+        with self.turn():
             added = []
             try:
                 for request in requests:
@@ -146,6 +135,7 @@ class LLMEngine(PromptFrontend):
                 for request in [*added, requests[len(added)]]:
                     self._abort(request)
                 raise
+        return requests
 
     def _forget(self, request: Request) -> None:
         request.metrics.finished_time = time.time()
@@ -153,18 +143,11 @@ class LLMEngine(PromptFrontend):
         for completion in request.completions:
             self._completions.pop(completion.seq.seq_id, None)
 
-    def add_request(self, prompt: Prompt, sampling_params: SamplingParams | None = None, priority: int = 0) -> str:
-        """Queue one request and return its id. Under `scheduling_policy="priority"` a lower
-        `priority` runs first (and is preempted last); first-come-first-served ignores it, as vLLM."""
-        request = self._new_request(self._check_prompt(prompt, sampling_params, priority))
-        self._add([request])
-        return request.request_id
-
     def abort_request(self, request_id: str | Iterable[str]) -> None:
         """Stop requests wherever their sequences are (waiting, running or preempted) and free their blocks at
         once; they finish with `finish_reason="abort"`. Unknown or finished requests are ignored."""
         ids = [request_id] if isinstance(request_id, str) else list(request_id)
-        with self._turn():
+        with self.turn():
             for request in [self._requests[i] for i in ids if i in self._requests]:
                 self._abort(request)
 
@@ -239,7 +222,7 @@ class LLMEngine(PromptFrontend):
     def _step_for(self, requests: list[Request]) -> ScheduledBatch | None:
         """Under the lock, run one step if any of `requests` is unfinished (None when all are). A step that fails
         aborts every request (their state is no longer consistent), each marked with the error."""
-        with self._turn():
+        with self.turn():
             if all(request.finished for request in requests):
                 return None
             try:
@@ -251,10 +234,21 @@ class LLMEngine(PromptFrontend):
                 raise RuntimeError("the scheduler has nothing to run but requests are unfinished; this is a bug")
             return batch
 
+    def progress(self, requests: list[Request]) -> dict[str, float] | None:
+        """One step if any of `requests` is unfinished (None when all are), then a moment for a caller waiting for
+        the lock: the step's prefill and decode rates (tokens/s)."""
+        start = time.perf_counter()
+        batch = self._step_for(requests)
+        if batch is None:
+            return None
+        elapsed = time.perf_counter() - start
+        self._let_others_in()
+        return {"prefill": batch.num_prefill_tokens / elapsed, "decode": batch.num_decode_tokens / elapsed}
+
     def step(self, delta: bool = False) -> list[RequestOutput]:
         """Run one scheduled step; returns the outputs of the requests that got a token in it: everything so far,
         or with `delta` only what is new since their last delta (as `stream` yields it)."""
-        with self._turn():
+        with self.turn():
             return [request.output(delta) for request in self._step()[1]]
 
     def is_finished(self) -> bool:
@@ -281,68 +275,16 @@ class LLMEngine(PromptFrontend):
             stats.update(spec_decode_stats(s.num_draft_tokens, s.num_accepted_tokens, s.num_spec_rows, per_position))
         return stats
 
-    def get_metrics(self) -> list[Metric]:
-        """`stats()` as vLLM v1's metrics (see `nanovllm.metrics`)."""
-        return metrics_from_stats(self.stats(), self.config.model)
+    def engine_stats(self) -> list[tuple[int, dict]]:
+        """`stats()` of each engine (here one, index 0), as data-parallel replicas report theirs."""
+        return [(0, self.stats())]
 
     def _abort_all(self, error: BaseException) -> None:
         """After a step failed: every unfinished request ends as aborted, frees its blocks and carries the error."""
         for request in self._requests.values():
-            request.error = error
+            request.error = RuntimeError(f"request {request.request_id} was aborted because a step failed while "
+                                         f"another caller ran it: {error!r}")
+            request.error.__cause__ = error
         self.scheduler.abort_all()
         for request in list(self._requests.values()):
             self._forget(request)
-
-    @staticmethod
-    def _raise_if_failed(requests: list[Request]) -> None:
-        failed = next((request for request in requests if request.error is not None), None)
-        if failed is not None:
-            raise RuntimeError(f"request {failed.request_id} was aborted because a step failed while another caller "
-                               f"ran it: {failed.error!r}") from failed.error
-
-    def _generate(self, checked: list[CheckedPrompt], use_tqdm: bool) -> list[RequestOutput]:
-        requests = [self._new_request(c) for c in checked]
-        self._add(requests)
-        try:
-            with tqdm(total=len(requests), desc="Generating", dynamic_ncols=True, disable=not use_tqdm) as pbar:
-                done = 0
-                while True:
-                    start = time.perf_counter()
-                    batch = self._step_for(requests)
-                    if batch is None:
-                        break
-                    if use_tqdm:
-                        elapsed = time.perf_counter() - start
-                        pbar.set_postfix(prefill=f"{batch.num_prefill_tokens / elapsed:.0f}tok/s",
-                                         decode=f"{batch.num_decode_tokens / elapsed:.0f}tok/s", refresh=False)
-                        finished = sum(request.finished for request in requests)
-                        pbar.update(finished - done)
-                        done = finished
-                    self._let_others_in()
-        except BaseException:
-            self.abort_request([request.request_id for request in requests])
-            raise
-        self._raise_if_failed(requests)
-        return [request.output() for request in requests]
-
-    def stream(self, prompts: Prompt | list[Prompt], sampling_params: Params = None,
-               priority: int | list[int] | None = None) -> Iterator[RequestOutput]:
-        """Complete every prompt, yielding each request's news as it is produced, in step order: a `RequestOutput`
-        whose completions hold only the text and tokens (and logprobs) new since the last one; a completion's
-        last one carries its `finish_reason`. Text never ends inside a multi-byte character, and the deltas of a
-        completion add up to its `generate` text. Request ids are consecutive, in prompt order. The news reach this
-        stream whoever runs the steps (another stream, `generate`, another thread). Leaving the loop early aborts
-        the requests still running."""
-        requests = [self._new_request(c) for c in self._check_prompts(prompts, sampling_params, priority)]
-        self._add(requests)
-        try:
-            while True:
-                with self._turn():
-                    news = [request.output(delta=True) for request in requests if request.has_news]
-                    if not news and self._step_for(requests) is None:
-                        break
-                yield from news
-        except BaseException:  # leaving the loop early (GeneratorExit) included
-            self.abort_request([request.request_id for request in requests])
-            raise
-        self._raise_if_failed(requests)

@@ -132,6 +132,10 @@ class Request:
             self.metrics.first_token_time = now
         self.metrics.last_token_time = now
 
+    def take_news(self) -> list[RequestOutput]:
+        """What a stream has not read yet: one output with the completions' news since the last delta, or none."""
+        return [self.output(delta=True)] if self.has_news else []
+
     def output(self, delta: bool = False) -> RequestOutput:
         """The request's outputs: cumulative, or only the completions with news since the last delta."""
         completions = self.completions

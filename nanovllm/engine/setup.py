@@ -44,8 +44,9 @@ def resolve_config(model: str | None, settings: dict) -> Config:
         _resolve_gguf(config, gguf)
     else:
         config.hf_config = load_hf_config(config.model)
-        if config.load_format == "auto":
-            find_weight_files(config.model)
+    _resolve_family(config)
+    if not gguf and config.load_format == "auto":
+        find_weight_files(config.model)
     cfg = config.hf_config
     config.device = resolve_device(config.device)
     config.torch_dtype = resolve_dtype(config.dtype, config.device, cfg)
@@ -88,7 +89,7 @@ def _draft_config(config: Config, draft: str, quantization: str | None) -> Confi
     if draft_config.max_model_len < config.max_model_len:
         raise ValueError(f"the draft model {draft!r} handles {draft_config.max_model_len} tokens, fewer than "
                          f"max_model_len={config.max_model_len}: pass max_model_len={draft_config.max_model_len}")
-    if kv_sliding_window(config.hf_config):
+    if config.sliding_window:
         raise ValueError(f"the target {config.model!r} releases KV blocks outside its sliding window, which a draft "
                          "model's cache shares; a draft model cannot run beside it yet (use method 'ngram')")
     return draft_config
@@ -163,14 +164,20 @@ def load_hf_config(model: str) -> PretrainedConfig:
     try:
         with open(path) as f:
             json.load(f)
-        cfg = AutoConfig.from_pretrained(model)
+        return AutoConfig.from_pretrained(model)
     except (ValueError, OSError, KeyError) as e:
         raise ValueError(f"{path} is not a valid Hugging Face model config: {e}") from e
+
+
+def _resolve_family(config: Config) -> None:
+    """The model family that runs the config, asked once: its name and the KV window outside which its layers read
+    nothing (0: none), kept in `config`; a ValueError naming the config file when no family runs it."""
     try:
-        model_class(cfg)
+        family = model_class(config.hf_config)
     except ValueError as e:
-        raise ValueError(f"{path}: {e}") from None
-    return cfg
+        raise ValueError(f"{os.path.join(config.gguf_metadata or config.model, 'config.json')}: {e}") from None
+    config.architecture = family.__name__
+    config.sliding_window = kv_sliding_window(family, config.hf_config)
 
 
 def resolve_device(device: str) -> str:

@@ -25,13 +25,13 @@ import torch
 from nanovllm.config import Config
 from nanovllm.core.scheduler import ScheduledBatch
 from nanovllm.core.sequence import Sequence
-from nanovllm.execution.kv_cache import allocate_kv_cache, bind_kv_cache, cache_slots
+from nanovllm.execution.kv_cache import allocate_kv_cache, bind_kv_cache
 from nanovllm.execution.model_loading import load_runner_model
 from nanovllm.execution.sampler import Sampler, SamplingRow
 from nanovllm.execution.sampling_ops import exponential_race
-from nanovllm.execution.tensors import to_device
+from nanovllm.execution.step_inputs import Chunk, set_step_context
 from nanovllm.kernels.attention import Platform, load_backend
-from nanovllm.kernels.attention.context import reset_context, set_context
+from nanovllm.kernels.attention.context import get_context, reset_context
 
 PRIOR_RATIO = 0.25  # a draft forward's cost in target steps before one was measured
 
@@ -90,14 +90,14 @@ class DraftModel:
         chunks = []
         for seq, start, _ in speculating:
             first = min(start, self.computed[seq.seq_id])
-            chunks.append((seq, first, seq.token_ids[first:start + 1]))
+            chunks.append(Chunk(seq, first, seq.token_ids[first:start + 1]))
         probs: dict[int, list[torch.Tensor]] = {}
         depth = max(len(drafts) for _, _, drafts in speculating)
         for j in range(depth):
             if j == 1:
                 started = time.perf_counter()
             if j:
-                chunks = [(seq, start + j, [drafts[j - 1]]) for seq, start, drafts in speculating
+                chunks = [Chunk(seq, start + j, [drafts[j - 1]]) for seq, start, drafts in speculating
                           if len(drafts) > j]
             rows = [(seq, drafts) for seq, _, drafts in speculating if len(drafts) > j]
             self._draw(self._forward(chunks), rows, j, sampler, probs)
@@ -143,33 +143,14 @@ class DraftModel:
         for (_, drafts), token in zip(rows, tokens.tolist()):
             drafts[j] = token
 
-    def _forward(self, chunks: list[tuple[Sequence, int, list[int]]]) -> torch.Tensor:
-        """Run the draft over each `(seq, start, tokens)`: `tokens` at positions `start...`, writing their K/V into
-        `seq`'s blocks; returns the logits at each chunk's last token."""
-        input_ids, positions, slots, context_lens, cu_seqlens_q, last = [], [], [], [], [0], []
-        for seq, start, tokens in chunks:
-            end = start + len(tokens)
-            input_ids += tokens
-            positions += range(start, end)
-            slots += cache_slots(seq.block_table, self.block_size, start, end)
-            context_lens.append(end)
-            cu_seqlens_q.append(cu_seqlens_q[-1] + len(tokens))
-            last.append(cu_seqlens_q[-1] - 1)
-        width = max(len(seq.block_table) for seq, _, _ in chunks)
-        logits_indices = self._tensor(last, torch.int64)
-        set_context(cu_seqlens_q=self._tensor(cu_seqlens_q, torch.int32),
-                    cu_seqlens_k=self._tensor(list(accumulate(context_lens, initial=0)), torch.int32),
-                    max_seqlen_q=max(len(tokens) for _, _, tokens in chunks), max_seqlen_k=max(context_lens),
-                    context_lens=self._tensor(context_lens, torch.int32),
-                    block_tables=self._tensor([seq.block_table + [-1] * (width - len(seq.block_table))
-                                               for seq, _, _ in chunks], torch.int32),
-                    slot_mapping=self._tensor(slots, torch.int64), logits_indices=logits_indices)
+    def _forward(self, chunks: list[Chunk]) -> torch.Tensor:
+        """Run the draft over each chunk, writing its K/V into the chunk's sequence's blocks; returns the logits at
+        each chunk's last token."""
+        last = list(accumulate(len(chunk.tokens) for chunk in chunks))
+        input_ids, positions = set_step_context(chunks, self.block_size, self.device, [row - 1 for row in last])
         try:
             with self.governed():
-                hidden_states = self.model(self._tensor(input_ids, torch.int64), self._tensor(positions, torch.int64))
-                return self.model.compute_logits(hidden_states[logits_indices])
+                hidden_states = self.model(input_ids, positions)
+                return self.model.compute_logits(hidden_states[get_context().logits_indices])
         finally:
             reset_context()
-
-    def _tensor(self, data: list, dtype: torch.dtype) -> torch.Tensor:
-        return to_device(data, dtype, self.device)

@@ -47,15 +47,6 @@ def kv_block_bytes(config: Config) -> int:
     return own + (kv_block_bytes(config.draft) if config.draft is not None else 0)
 
 
-def cache_slots(block_table: list[int], block_size: int, start: int, end: int) -> list[int]:
-    """Flat cache slots of token positions `start..end-1` of a sequence with this block table."""
-    slots = []
-    for i in range(start // block_size, (end + block_size - 1) // block_size):
-        first = block_table[i] * block_size
-        slots.extend(range(first + max(start - i * block_size, 0), first + min(end - i * block_size, block_size)))
-    return slots
-
-
 def create_kv_cache(model: nn.Module, sampler: Sampler, config: Config, device: torch.device) -> KVCache:
     """Size, allocate and bind the KV cache: `num_kvcache_blocks` blocks, or as many as the memory budget allows on
     every rank (never more than `max_num_seqs` sequences of `max_model_len` can use)."""

@@ -7,19 +7,18 @@ import torch
 
 from nanovllm.config import Config
 from nanovllm.core.scheduler import ScheduledBatch
-from nanovllm.core.sequence import Sequence
 from nanovllm.execution.cpu_decode import cpu_decoder
 from nanovllm.execution.cpu_threads import ThreadGovernor
 from nanovllm.execution.cuda_graph import DecodeGraphs
 from nanovllm.execution.draft_model import DraftModel
-from nanovllm.execution.kv_cache import bind_kv_cache, cache_slots, create_kv_cache
+from nanovllm.execution.kv_cache import bind_kv_cache, create_kv_cache
 from nanovllm.execution.model_loading import load_runner_model
 from nanovllm.execution.sampler import PromptRows, Sampler, SamplerOutput
+from nanovllm.execution.step_inputs import Chunk, set_step_context
 from nanovllm.execution.tensor_parallel import WorkerGroup, started
-from nanovllm.execution.tensors import to_device
 from nanovllm.execution.verifier import verify
 from nanovllm.kernels.attention import Platform, importable, load_backend
-from nanovllm.kernels.attention.context import get_context, reset_context, set_context
+from nanovllm.kernels.attention.context import get_context, reset_context
 from nanovllm.kernels.attention.torch_backend import SHORT_QUERIES
 from nanovllm.kernels.cpu import cpu_kernels
 from nanovllm.kernels.fused import set_fused_ops
@@ -33,9 +32,14 @@ class ModelRunner:
 
     With `tensor_parallel_size > 1`, rank 0 (in the user's process) starts the workers for the other
     ranks, and `call` forwards each call to them before running it here.
+
+    The profiling hook: set `phase_seconds` to a dict and every later step adds, on this rank, the wall seconds of its
+    phases to it: "draft" (a draft model's proposals), "prepare" (the batch's tensors), "model" (embedding, layers,
+    final norm), "lm_head" and "sampler" (sampling or verifying drafts). None (the default) times nothing.
     """
 
     def __init__(self, config: Config, rank: int = 0, eos_token_ids: Iterable[int] = ()):
+        self.phase_seconds: dict[str, float] | None = None
         self.workers = WorkerGroup(config, type(self)) if rank == 0 and config.tensor_parallel_size > 1 else None
         with self.workers.guard(shutdown=True) if self.workers else nullcontext():
             self.setup(config, rank, eos_token_ids)
@@ -96,66 +100,49 @@ class ModelRunner:
             self.workers.dispatch(method, *args)
             return getattr(self, method)(*args)
 
-    def _tensor(self, data: list, dtype: torch.dtype) -> torch.Tensor:
-        return to_device(data, dtype, self.device)
-
-    def prepare_block_tables(self, seqs: list[Sequence]) -> torch.Tensor:
-        width = max(len(seq.block_table) for seq in seqs)
-        return self._tensor([seq.block_table + [-1] * (width - len(seq.block_table)) for seq in seqs], torch.int32)
-
     def prepare(self, batch: ScheduledBatch) -> tuple[torch.Tensor, torch.Tensor, list[PromptRows]]:
         """Set the attention context for one varlen step (sequence i computes its tokens `starts[i]` to
-        `starts[i] + num_tokens[i]`; the tokens before are already in its KV cache) and return the
+        `starts[i] + num_tokens[i]`, its drafts last; the tokens before are already in its KV cache) and return the
         input ids and positions. Logits are taken at the last row of each sequence that samples (and at the rows
         before it that verify its drafts), then at the prompt rows of sequences that asked for prompt logprobs
         (returned, in that order)."""
-        input_ids, positions, slot_mapping, context_lens, logits_indices = [], [], [], [], []
-        rope_lengths = [] if self.model.rope_needs_lengths else None
-        cu_seqlens_q, cu_seqlens_k = [0], [0]
-        prompt_rows: list[PromptRows] = []
+        chunks, logits_indices, prompt_rows, rows = [], [], [], 0
+        rope_lengths, needs_rope_lengths = [] if self.model.rope_needs_lengths else None, False
         for seq, start, num_tokens, samples, drafts in zip(batch.seqs, batch.starts, batch.num_tokens, batch.samples,
                                                            batch.drafts):
             end = start + num_tokens
-            input_ids.extend(seq[start:end - len(drafts)] + drafts)
-            positions.extend(range(start, end))
+            chunks.append(Chunk(seq, start, seq[start:end - len(drafts)] + drafts))
             if rope_lengths is not None:
-                rope_lengths.extend(max(p + 1, seq.num_prompt_tokens) for p in range(start, end))
-            slot_mapping.extend(cache_slots(seq.block_table, self.block_size, start, end))
+                rope_lengths += (max(p + 1, seq.num_prompt_tokens) for p in range(start, end))
+                needs_rope_lengths |= start + 1 < seq.num_prompt_tokens  # a prompt row before the prompt's last
             if seq.params.prompt_logprobs is not None and start < seq.num_prompt_tokens - 1:
                 scored = range(start, min(end, seq.num_prompt_tokens - 1))  # position p scores prompt token p + 1
-                prompt_rows.append(PromptRows(seq, start, [cu_seqlens_q[-1] + p - start for p in scored]))
-            cu_seqlens_q.append(cu_seqlens_q[-1] + num_tokens)
-            cu_seqlens_k.append(cu_seqlens_k[-1] + end)
-            context_lens.append(end)
+                prompt_rows.append(PromptRows(seq, start, [rows + p - start for p in scored]))
+            rows += num_tokens
             if samples:
-                logits_indices.extend(range(cu_seqlens_q[-1] - 1 - len(drafts), cu_seqlens_q[-1]))
+                logits_indices += range(rows - 1 - len(drafts), rows)
         logits_indices += [row for rows in prompt_rows for row in rows.rows]
-        set_context(cu_seqlens_q=self._tensor(cu_seqlens_q, torch.int32),
-                    cu_seqlens_k=self._tensor(cu_seqlens_k, torch.int32),
-                    max_seqlen_q=max(batch.num_tokens), max_seqlen_k=max(context_lens),
-                    context_lens=self._tensor(context_lens, torch.int32),
-                    block_tables=self.prepare_block_tables(batch.seqs),
-                    slot_mapping=self._tensor(slot_mapping, torch.int64),
-                    logits_indices=self._tensor(logits_indices, torch.int64),
-                    rope_lengths=None if rope_lengths is None or rope_lengths == [p + 1 for p in positions]
-                    else self._tensor(rope_lengths, torch.int64))
-        return self._tensor(input_ids, torch.int64), self._tensor(positions, torch.int64), prompt_rows
+        input_ids, positions = set_step_context(chunks, self.block_size, self.device, logits_indices,
+                                                rope_lengths if needs_rope_lengths else None)
+        return input_ids, positions, prompt_rows
 
     @torch.inference_mode()
     def run_model(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor | None:
         """Logits at the context's `logits_indices` (None if there are none, and on ranks other than 0).
         Decode replays a captured CUDA graph when one fits; the LM head always runs eagerly."""
         ctx = get_context()
-        replay = self.graphs is not None and ctx.is_decode and ctx.rope_lengths is None
-        if replay and self.graphs.fits(input_ids.size(0)):
-            hidden_states = self.graphs.run(input_ids, positions, ctx)
-        elif self.cpu_decoder is not None and ctx.max_seqlen_q <= SHORT_QUERIES:
-            hidden_states = self.cpu_decoder(input_ids, positions)
-        else:
-            hidden_states = self.model(input_ids, positions)
+        with self._timed("model"):
+            replay = self.graphs is not None and ctx.is_decode and ctx.rope_lengths is None
+            if replay and self.graphs.fits(input_ids.size(0)):
+                hidden_states = self.graphs.run(input_ids, positions, ctx)
+            elif self.cpu_decoder is not None and ctx.max_seqlen_q <= SHORT_QUERIES:
+                hidden_states = self.cpu_decoder(input_ids, positions)
+            else:
+                hidden_states = self.model(input_ids, positions)
         if not ctx.logits_indices.numel():
             return None
-        return self.model.compute_logits(hidden_states[ctx.logits_indices])
+        with self._timed("lm_head"):
+            return self.model.compute_logits(hidden_states[ctx.logits_indices])
 
     def run(self, batch: ScheduledBatch, allowed: TokenBitmask | None = None) -> SamplerOutput | None:
         """Run one scheduled step; rank 0 returns a sampled token for each sequence that samples, in batch order
@@ -163,8 +150,12 @@ class ModelRunner:
         within `allowed` (structured outputs) at the sampling rows it names."""
         if self.rank == 0:
             self.sampler.release(batch.finished_seq_ids)
-        draft_probs = self.drafter.propose(batch, self.sampler) if self.drafter is not None else None
-        input_ids, positions, prompt_rows = self.prepare(batch)
+        draft_probs = None
+        if self.drafter is not None:
+            with self._timed("draft"):
+                draft_probs = self.drafter.propose(batch, self.sampler)
+        with self._timed("prepare"):
+            input_ids, positions, prompt_rows = self.prepare(batch)
         with self._governed():
             started = time.perf_counter()
             logits = self.call("run_model", input_ids, positions)
@@ -173,13 +164,42 @@ class ModelRunner:
         reset_context()
         if self.rank != 0:
             return None
-        sampling = [(seq, drafts) for seq, drafts, samples in zip(batch.seqs, batch.drafts, batch.samples) if samples]
-        num_rows = len(sampling) + sum(len(drafts) for _, drafts in sampling)
-        if num_rows > len(sampling):
-            output = verify(self.sampler, logits[:num_rows], sampling, allowed, draft_probs)
-        else:
-            output = self.sampler(logits[:num_rows], [seq for seq, _ in sampling], allowed) if sampling \
-                else SamplerOutput([])
-        if prompt_rows:
-            output.prompt_logprobs = self.sampler.prompt_logprobs(logits[num_rows:], prompt_rows)
+        with self._timed("sampler"):
+            sampling = [(seq, drafts) for seq, drafts, samples in zip(batch.seqs, batch.drafts, batch.samples)
+                        if samples]
+            num_rows = len(sampling) + sum(len(drafts) for _, drafts in sampling)
+            if num_rows > len(sampling):
+                output = verify(self.sampler, logits[:num_rows], sampling, allowed, draft_probs)
+            else:
+                output = self.sampler(logits[:num_rows], [seq for seq, _ in sampling], allowed) if sampling \
+                    else SamplerOutput([])
+            if prompt_rows:
+                output.prompt_logprobs = self.sampler.prompt_logprobs(logits[num_rows:], prompt_rows)
         return output
+
+    def _timed(self, phase: str) -> AbstractContextManager:
+        """Around one phase of a step: nothing, unless `phase_seconds` is a dict (see `__init__`)."""
+        return _NO_TIMER if self.phase_seconds is None else PhaseTimer(self.phase_seconds, phase, self.device)
+
+
+_NO_TIMER = nullcontext()
+
+
+class PhaseTimer:
+    """Adds the wall seconds of a `with` block to `seconds[phase]`; on CUDA the device's work is waited for first and
+    last, so the time is the phase's own."""
+
+    def __init__(self, seconds: dict[str, float], phase: str, device: torch.device):
+        self.seconds, self.phase, self.device = seconds, phase, device
+
+    def __enter__(self) -> None:
+        self._sync()
+        self.start = time.perf_counter()
+
+    def __exit__(self, *exc) -> None:
+        self._sync()
+        self.seconds[self.phase] = self.seconds.get(self.phase, 0.0) + time.perf_counter() - self.start
+
+    def _sync(self) -> None:
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)

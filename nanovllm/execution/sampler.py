@@ -13,7 +13,7 @@ from nanovllm.execution.sampling_ops import (
     exponential_race,
     token_logprobs,
 )
-from nanovllm.execution.tensors import to_device
+from nanovllm.execution.step_inputs import to_device
 from nanovllm.outputs import TokenLogprobs
 from nanovllm.sampling_params import SamplingParams
 from nanovllm.structured_output.bitmask import TokenBitmask, apply_token_bitmask

@@ -23,9 +23,10 @@ MODEL_REGISTRY: dict[str, type[DecoderForCausalLM]] = {cls.__name__: cls for cls
 
 
 def model_class(config: PretrainedConfig) -> type[DecoderForCausalLM]:
-    """The family that runs `config`; a ValueError naming the supported ones when none does, or when the
-    family cannot run this particular config (activation, rope scaling, sliding window). Gives `config` the
-    attributes the engine reads under Llama's names (`normalize_config`)."""
+    """The family that runs `config` (the engine's setup asks once and keeps its name in `Config.architecture`); a
+    ValueError naming the supported ones when none does, or when the family cannot run this particular config
+    (activation, rope scaling, sliding window). Gives `config` the attributes the engine reads under Llama's names
+    (`normalize_config`)."""
     names = getattr(config, "architectures", None) or []
     cls = next((MODEL_REGISTRY[name] for name in names if name in MODEL_REGISTRY), None)
     if cls is None:
@@ -38,12 +39,13 @@ def model_class(config: PretrainedConfig) -> type[DecoderForCausalLM]:
     return cls
 
 
-def kv_sliding_window(config: PretrainedConfig) -> int:
-    """The window outside which no layer reads K/V (so its blocks can be released), 0 when some layer attends to
-    everything (Gemma 2/3 alternate local and global layers: nothing can be released)."""
-    windows = model_class(config).options(config).layer_windows
+def kv_sliding_window(family: type[DecoderForCausalLM], config: PretrainedConfig) -> int:
+    """The window outside which no layer of `family` reads K/V (so its blocks can be released), 0 when some layer
+    attends to everything (Gemma 2/3 alternate local and global layers: nothing can be released)."""
+    windows = family.options(config).layer_windows
     return max(windows) if windows and all(windows) else 0
 
 
-def build_model(config: PretrainedConfig) -> DecoderForCausalLM:
-    return model_class(config)(config)
+def build_model(architecture: str, config: PretrainedConfig) -> DecoderForCausalLM:
+    """The model of family `architecture` (as `model_class` named it) for `config`, its weights not yet loaded."""
+    return MODEL_REGISTRY[architecture](config)

@@ -23,11 +23,13 @@ class EngineSideScheduler(Scheduler):
 
     def take(self, batch: ScheduledBatch, tokens: list[int]) -> list[Sequence]:
         """Append the sampled tokens, then end the sequences `token_finish` ends."""
-        sampled = self.postprocess(batch, tokens)
-        for x in sampled:
+        sampled = []
+        for x, (token,) in self.new_tokens(batch, tokens):
+            x.append_token(token)
             ending = token_finish(x, EOS, self.max_model_len)
             if ending is not None:
                 self.finish(x, *ending)
+            sampled.append(x)
         return sampled
 
 

@@ -73,7 +73,7 @@ def test_a_model_without_tokenizer_files_asks_for_token_ids(tied_model, expected
 
 def test_error_mid_generate_frees_everything(llm, expected, monkeypatch):
     calls = {"n": 0}
-    original = llm.model_runner.run
+    original = llm.engine.model_runner.run
 
     def failing_run(*args):
         calls["n"] += 1
@@ -81,7 +81,7 @@ def test_error_mid_generate_frees_everything(llm, expected, monkeypatch):
             raise RuntimeError("boom")
         return original(*args)
 
-    monkeypatch.setattr(llm.model_runner, "run", failing_run)
+    monkeypatch.setattr(llm.engine.model_runner, "run", failing_run)
     with pytest.raises(RuntimeError, match="boom"):
         llm.generate([GOOD, GOOD + [9]], GREEDY, use_tqdm=False)
     monkeypatch.undo()

@@ -63,7 +63,7 @@ def test_preemption_mid_prefill_and_mid_decode_keeps_outputs_exact(tied_model, m
     params = SamplingParams(temperature=0, max_tokens=48, ignore_eos=True)
     with LLM(tied_model, kvcache_block_size=16, num_kvcache_blocks=16, max_model_len=256, max_num_batched_tokens=16,
              device="cpu", dtype="float32") as llm:
-        scheduler, seen = llm.scheduler, set()
+        scheduler, seen = llm.engine.scheduler, set()
         preempt = scheduler.preempt
 
         def recording_preempt(seq):

@@ -62,8 +62,8 @@ def test_float32_greedy_equals_transformers_on_the_same_gpu(gpu_model, name, enf
     expected = hf_greedy(gpu_model, prompts, GREEDY.max_tokens, device="cuda")
     with LLM(gpu_model, dtype="float32", attention_backend=name, kvcache_block_size=block_size,
              enforce_eager=enforce_eager, max_num_seqs=16) as llm:
-        assert llm.model_runner.backend.name == backend.name
-        assert (llm.model_runner.graphs is not None) == (backend.capturable and not enforce_eager)
+        assert llm.engine.model_runner.backend.name == backend.name
+        assert (llm.engine.model_runner.graphs is not None) == (backend.capturable and not enforce_eager)
         assert token_ids(llm.generate(prompts, GREEDY, use_tqdm=False)) == expected
         assert token_ids(llm.generate(prompts, GREEDY, use_tqdm=False)) == expected
         assert llm.stats()["num_cached_tokens"] >= 2 * block_size
@@ -122,7 +122,7 @@ def test_bfloat16_tokens_are_transformers_argmax_up_to_rounding(gpu_model, name)
     prompts = prompts_with_shared_prefixes(7, block_size, one_token_chunk=name != "flash-attn")
     with LLM(gpu_model, dtype="bfloat16", attention_backend=name, kvcache_block_size=block_size,
              max_num_seqs=16) as llm:
-        runner, replays = llm.model_runner, []
+        runner, replays = llm.engine.model_runner, []
         assert (runner.graphs is not None) == backend.capturable
         if runner.graphs is not None:
             run = runner.graphs.run

@@ -1,5 +1,6 @@
 """vLLM's offline API as its users write it, and outputs that reach their caller whoever drives the engine:
 interleaved streams, generate() inside a stream, several threads, one request's failure."""
+import inspect
 import logging
 import threading
 
@@ -24,6 +25,18 @@ def llm(tied_model):
 @pytest.fixture(scope="module")
 def expected(tied_model):
     return hf_greedy(tied_model, PROMPTS, GREEDY.max_tokens)
+
+
+def test_the_api_is_defined_on_the_class():
+    """help(LLM), an IDE and inspect see every method with its signature and docstring: none is forwarded by
+    __getattr__."""
+    assert not hasattr(LLM, "__getattr__")
+    api = ["generate", "chat", "chat_prompt", "stream", "add_request", "step", "abort_request", "is_finished", "stats",
+           "get_metrics", "get_tokenizer", "exit"]
+    assert all(inspect.isfunction(getattr(LLM, name)) and getattr(LLM, name).__doc__ for name in api)
+    assert list(inspect.signature(LLM.generate).parameters) == ["self", "prompts", "sampling_params", "use_tqdm",
+                                                                 "priority"]
+    assert "def generate" in inspect.getsource(LLM)
 
 
 def assert_all_blocks_free(llm: LLM) -> None:

@@ -63,7 +63,7 @@ def test_the_engine_governs_its_threads_on_cpu_and_gives_them_back(tied_model):
 
     threads = torch.get_num_threads()
     llm = LLM(tied_model, device="cpu", dtype="float32", max_model_len=64)
-    runner = llm.model_runner
+    runner = llm.engine.model_runner
     assert (runner.governor is not None) == (threads > 1)
     if runner.governor is not None:
         torch.set_num_threads(1)

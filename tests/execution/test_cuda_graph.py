@@ -63,12 +63,12 @@ def test_padded_decode_equals_unpadded_decode(tied_model):
     """What a graph replays (the batch padded to its bucket in the static buffers) gives the same hidden
     states for the real rows as the eager forward, and the padding rows write nothing to the KV cache."""
     with LLM(tied_model, device="cpu", dtype="float32", kvcache_block_size=4, max_model_len=64, max_num_seqs=8) as llm:
-        runner = llm.model_runner
+        runner = llm.engine.model_runner
         prompts = [[1, 2, 3, 4, 5], [9] * 11, [7, 8]]
         for prompt in prompts:
             llm.add_request(prompt, SamplingParams(temperature=0, max_tokens=4))
         llm.step()
-        batch = llm.scheduler.schedule()
+        batch = llm.engine.scheduler.schedule()
         seqs = batch.seqs
         assert batch.num_decode_tokens == 3 and len(set(len(seq.block_table) for seq in seqs)) > 1
         sizes = graph_batch_sizes(runner.config.max_num_seqs)

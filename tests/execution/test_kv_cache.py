@@ -39,7 +39,7 @@ def test_warmup_batch_is_the_largest_prefill_the_budget_allows(batched, max_len,
 def test_warmup_runs_over_one_shared_layer_of_cache(tied_model):
     with LLM(tied_model, device="cpu", dtype="float32", kvcache_block_size=16, max_model_len=64,
              max_num_batched_tokens=160, max_num_seqs=5) as llm:
-        runner = llm.model_runner
+        runner = llm.engine.model_runner
         config = runner.config
         blocks = warmup_cache_blocks(config)
         assert blocks == 2 * 4  # two max-length sequences of four 16-token blocks

@@ -208,7 +208,7 @@ def test_engine_setting_is_checked_resolved_and_logged(tied_model, caplog):
     with caplog.at_level(logging.INFO, logger="nanovllm"):
         with LLM(tied_model, device="cpu", dtype="float32", kvcache_block_size=16, max_model_len=64) as llm:
             assert llm.config.attention_backend == "torch"
-            assert llm.model_runner.backend == load_backend("torch", cpu())
+            assert llm.engine.model_runner.backend == load_backend("torch", cpu())
     assert [r.getMessage() for r in caplog.records if r.name == "nanovllm"] == ["attention backend: torch"]
 
 
@@ -221,7 +221,7 @@ def test_import_and_cpu_engine_work_without_flash_attn_and_triton(tied_model):
         "params = SamplingParams(temperature=0, max_tokens=3, ignore_eos=True)\n"
         "out = llm.generate([[1, 2, 3]], params, use_tqdm=False)\n"
         "assert len(out[0]['token_ids']) == 3, out\n"
-        "assert llm.model_runner.backend.name == 'torch' and llm.model_runner.graphs is None\n"
+        "assert llm.engine.model_runner.backend.name == 'torch' and llm.engine.model_runner.graphs is None\n"
     )
     env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [REPO_ROOT, os.environ.get("PYTHONPATH")]))}
     proc = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=300)
@@ -238,7 +238,7 @@ def test_cpu_engine_skips_warmup_graphs_and_compile(tied_model, monkeypatch):
     monkeypatch.setattr(kv_cache, "_gpu_budget", no_warmup)
     monkeypatch.setattr(compile_mod, "_compiled", True)
     with LLM(tied_model, device="cpu", dtype="float32", kvcache_block_size=16, max_model_len=64) as llm:
-        runner = llm.model_runner
+        runner = llm.engine.model_runner
         assert runner.backend.name == "torch" and runner.graphs is None
         assert not compile_mod._compiled
         assert compile_mod._cpu_kernels is cpu_kernels(), "the small ops run as the compiled CPU kernels"
@@ -294,7 +294,7 @@ def test_triton_backend_runs_the_engine_on_cpu_under_the_interpreter(tied_model)
         "greedy = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)\n"
         f"with LLM({tied_model!r}, device='cpu', dtype='float32', attention_backend='triton', "
         "kvcache_block_size=16, max_model_len=64) as llm:\n"
-        "    assert llm.model_runner.backend.name == 'triton', llm.model_runner.backend\n"
+        "    assert llm.engine.model_runner.backend.name == 'triton', llm.engine.model_runner.backend\n"
         f"    runs = [[o['token_ids'] for o in llm.generate({prompts!r}, greedy, use_tqdm=False)] for _ in range(2)]\n"
         "    assert llm.stats()['num_cached_tokens'] > 0\n"
         "print(runs)\n"

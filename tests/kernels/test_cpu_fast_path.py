@@ -12,7 +12,7 @@ from nanovllm.layers.prepack import native_bfloat16
 
 def test_linear_weights_are_prepacked_on_cpu(tied_model):
     with LLM(tied_model, device="cpu", dtype="float32") as llm:
-        model = llm.model_runner.model
+        model = llm.engine.model_runner.model
         assert model.lm_head.weight.is_mkldnn
         assert not model.model.embed_tokens.weight.is_mkldnn
         assert all(layer.mlp.down_proj.weight.is_mkldnn for layer in model.model.layers)
@@ -124,11 +124,12 @@ def test_bfloat16_weights_are_prepacked_where_the_cpu_runs_bfloat16_natively(tie
     params = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
     with LLM(tied_model, device="cpu", dtype="bfloat16") as llm:
         native = native_bfloat16()
-        assert all(layer.mlp.down_proj.weight.is_mkldnn == native for layer in llm.model_runner.model.model.layers)
+        layers = llm.engine.model_runner.model.model.layers
+        assert all(layer.mlp.down_proj.weight.is_mkldnn == native for layer in layers)
         packed = [o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
     monkeypatch.setattr(model_loading, "can_prepack", lambda dtype: False)
     with LLM(tied_model, device="cpu", dtype="bfloat16") as llm:
-        assert not llm.model_runner.model.model.layers[0].mlp.down_proj.weight.is_mkldnn
+        assert not llm.engine.model_runner.model.model.layers[0].mlp.down_proj.weight.is_mkldnn
         assert [o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)] == packed
 
 
@@ -138,7 +139,7 @@ def test_auto_dtype_on_cpu_is_bfloat16_only_where_the_cpu_computes_it_natively(t
     from nanovllm.engine import setup as config
 
     with LLM(tied_model, device="cpu") as llm:
-        assert llm.model_runner.config.torch_dtype == (torch.bfloat16 if native_bfloat16() else torch.float32)
+        assert llm.engine.model_runner.config.torch_dtype == (torch.bfloat16 if native_bfloat16() else torch.float32)
     hf_config = AutoConfig.from_pretrained(tied_model)  # a float32 checkpoint
     for native, expected in ((True, torch.bfloat16), (False, torch.float32)):
         monkeypatch.setattr(config, "native_bfloat16", lambda native=native: native)
@@ -157,7 +158,7 @@ def test_the_cpu_kv_cache_takes_memory_only_where_it_is_written(tied_model):
 
     before = _rss_bytes()
     with LLM(tied_model, device="cpu", dtype="float32", cpu_kvcache_gib=2, max_num_seqs=4096) as llm:
-        cache = llm.model_runner.kv_cache.tensor
+        cache = llm.engine.model_runner.kv_cache.tensor
         assert cache.numel() * cache.element_size() > 1.9 * 2**30
         assert _rss_bytes() - before < 0.5 * 2**30, "reserved, not committed"
         params = SamplingParams(temperature=0, max_tokens=4, ignore_eos=True)

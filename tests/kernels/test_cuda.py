@@ -182,14 +182,15 @@ def test_graph_replay_equals_eager_decode(gpu_model, name, dtype, batch_size):
         pytest.skip(f"{backend.name} decode is not captured in CUDA graphs")
     rng = random.Random(batch_size)
     with LLM(gpu_model, dtype=dtype, attention_backend=name, max_num_seqs=128, enforce_eager=False) as llm:
-        runner = llm.model_runner
+        runner = llm.engine.model_runner
         assert pick_batch_size(runner.graphs.sizes, batch_size) >= batch_size
         for _ in range(batch_size):
             llm.add_request([rng.randrange(384) for _ in range(rng.randint(1, 400))], GREEDY)
-        batch = llm.scheduler.schedule()
+        batch = llm.engine.scheduler.schedule()
         while batch.num_decode_tokens < len(batch):  # until every request has its prompt computed
-            llm.scheduler.postprocess(batch, runner.run(batch).token_ids)
-            batch = llm.scheduler.schedule()
+            for seq, (token,) in llm.engine.scheduler.new_tokens(batch, runner.run(batch).token_ids):
+                seq.append_token(token)
+            batch = llm.engine.scheduler.schedule()
         assert len(batch) == batch_size
         input_ids, positions, _ = runner.prepare(batch)
         with torch.inference_mode():
@@ -207,7 +208,7 @@ def test_kv_cache_is_sized_from_gpu_memory_utilization(gpu_model):
     headroom = 256 * 2**20
     utilization = (total - free + headroom) / total
     with LLM(gpu_model, dtype="bfloat16", gpu_memory_utilization=utilization) as llm:
-        config, num_blocks = llm.config, llm.model_runner.kv_cache.num_blocks
+        config, num_blocks = llm.config, llm.engine.model_runner.kv_cache.num_blocks
         cap = config.max_num_seqs * config.blocks_per_sequence
         assert config.blocks_per_sequence <= num_blocks < cap
         assert num_blocks * kv_block_bytes(config) <= headroom

@@ -98,9 +98,9 @@ def test_quantization_at_load_against_float32(tiny_dir, quantization, qtype, agr
 
     ids = AutoTokenizer.from_pretrained(tiny_dir).encode(" ".join(CORPUS[:5]))[:160]
     with LLM(tiny_dir, device="cpu", dtype="float32", max_model_len=256, quantization=quantization) as llm:
-        layer = llm.model_runner.model.model.layers[0]
+        layer = llm.engine.model_runner.model.model.layers[0]
         assert [layer.self_attn.qkv_proj.weight.qtypes, layer.mlp.down_proj.weight.qtypes] == [[qtype], [qtype]]
-        assert isinstance(llm.model_runner.model.model.embed_tokens.weight, nn.Parameter)
+        assert isinstance(llm.engine.model_runner.model.model.embed_tokens.weight, nn.Parameter)
         ppl, top1 = teacher_forced(llm, ids)
     ref_ppl, ref_top1 = hf_teacher_forced(AutoModelForCausalLM.from_pretrained(tiny_dir).eval(), ids)
     assert abs(ppl / ref_ppl - 1) < ppl_change, (ppl, ref_ppl)

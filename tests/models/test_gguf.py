@@ -137,7 +137,7 @@ def test_gguf_file_runs_quantized_and_reads_only_its_metadata_into_the_cache(ggu
     """The file's Q8_0 MLP weights stay in their blocks; its float32 tensors become plain parameters; the cache
     holds the config, tokenizer and tensor table only; a directory holding the file is the same model."""
     with LLM(gguf_file, device="cpu", dtype="float32", max_model_len=256) as llm:
-        layer = llm.model_runner.model.model.layers[0]
+        layer = llm.engine.model_runner.model.model.layers[0]
         assert isinstance(layer.mlp.gate_up_proj.weight, GGMLWeight) and layer.mlp.gate_up_proj.weight.qtypes == [8]
         assert isinstance(layer.mlp.down_proj.weight, GGMLWeight)
         assert isinstance(layer.self_attn.qkv_proj.weight, torch.nn.Parameter)
@@ -169,7 +169,7 @@ def test_without_cpu_kernels_gguf_weights_are_dequantized_at_load_and_match_tran
     with caplog.at_level(logging.WARNING, "nanovllm"), \
             LLM(gguf_file, device="cpu", dtype="float32", kvcache_block_size=16, max_model_len=256) as llm:
         assert [o["token_ids"] for o in llm.generate(PROMPTS, GREEDY, use_tqdm=False)] == expected
-        assert not any(isinstance(m, GGMLWeight) for m in llm.model_runner.model.modules())
+        assert not any(isinstance(m, GGMLWeight) for m in llm.engine.model_runner.model.modules())
     said = [r.getMessage() for r in caplog.records if "dequantized to float32 at load" in r.getMessage()]
     assert len(said) == 1 and "CPU kernels are unavailable" in said[0]
 
@@ -197,7 +197,7 @@ def test_quantized_gguf_teacher_forced_against_its_float32_dequantization(qtype,
     path = make_gguf(str(tmp_path / f"tiny-{qtype}.gguf"), tied_llama_dir, CHAT_TEMPLATE, qtype=qtype,
                      quantized=("",))
     with LLM(path, device="cpu", dtype="float32", max_model_len=256) as llm:
-        model = llm.model_runner.model
+        model = llm.engine.model_runner.model
         assert isinstance(model.lm_head.weight, GGMLWeight) and model.lm_head.weight is model.model.embed_tokens.weight
         assert model.model.layers[1].self_attn.qkv_proj.weight.qtypes == [llm_qtype(qtype)]
         ppl, top1 = teacher_forced(llm, text_ids)

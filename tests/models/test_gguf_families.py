@@ -114,7 +114,7 @@ def test_q8_0_gguf_runs_in_its_blocks_and_agrees_with_its_dequantized_model(chec
     gguf_path = write_gguf(str(tmp_path / f"{name}-q8_0.gguf"), path, qtype="Q8_0")
     ids = AutoTokenizer.from_pretrained(path).encode(" ".join(CORPUS[:5]))[:120]
     with LLM(gguf_path, **SETTINGS) as llm:
-        model = llm.model_runner.model
+        model = llm.engine.model_runner.model
         assert isinstance(model.model.layers[0].self_attn.o_proj.weight, GGMLWeight)
         assert all(isinstance(m.gate_up_proj[0], GGMLWeight) and isinstance(m.down_proj[0], GGMLWeight)
                    for m in model.modules() if isinstance(m, FusedMoE))

@@ -61,7 +61,7 @@ def test_generate_shows_its_progress_as_one_engine_does(dp, expected, capsys):
 
 def test_a_killed_replica_s_requests_are_retried_on_the_other(tied_model, expected, monkeypatch):
     llm = LLM(tied_model, data_parallel_size=2, **SETTINGS)
-    processes = [r.child.process for r in llm.replicas]
+    processes = [r.child.process for r in llm.engine.replicas]
     try:
         victim = processes[0]
         receive = DataParallelLLM._receive
@@ -90,11 +90,11 @@ def test_a_killed_replica_s_requests_are_retried_on_the_other(tied_model, expect
 
 def test_a_stream_that_read_from_a_dying_replica_says_so(tied_model):
     llm = LLM(tied_model, data_parallel_size=2, **SETTINGS)
-    processes = [r.child.process for r in llm.replicas]
+    processes = [r.child.process for r in llm.engine.replicas]
     try:
         stream = llm.stream(PROMPTS, SamplingParams(temperature=0, max_tokens=200, ignore_eos=True))
         first = next(stream)
-        replica = llm.replicas[llm._requests[first.request_id].replica]
+        replica = llm.engine.replicas[llm.engine._requests[first.request_id].replica]
         os.kill(replica.child.pid, signal.SIGKILL)
         with pytest.raises(ReplicaFailure, match=rf"data-parallel replica {replica.index} \(pid \d+\) was killed "
                                                  r"by SIGKILL; a stream had read part of its output"):

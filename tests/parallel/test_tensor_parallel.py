@@ -107,7 +107,7 @@ def test_second_engine_dummy_weights_match_tp1_and_worker_error_surfaces(tied_mo
     with LLM(tied_model, tensor_parallel_size=2, load_format="dummy", **SMALL_CACHE) as llm:
         assert _token_ids(llm.generate(PROMPTS, GREEDY, use_tqdm=False)) == expected
 
-        llm.model_runner.workers.dispatch("no_such_method")
+        llm.engine.model_runner.workers.dispatch("no_such_method")
         start = time.monotonic()
         with pytest.raises(WorkerFailure, match=r"(?s)worker rank 1 .*exited with code 1.*no_such_method"):
             llm.generate(PROMPTS, GREEDY, use_tqdm=False)
@@ -120,7 +120,7 @@ def test_second_engine_dummy_weights_match_tp1_and_worker_error_surfaces(tied_mo
 def test_killed_worker_raises_on_rank0_in_bounded_time(tied_model):
     llm = LLM(tied_model, tensor_parallel_size=2, **SMALL_CACHE)
     try:
-        (worker,) = llm.model_runner.workers.workers
+        (worker,) = llm.engine.model_runner.workers.workers
         error, elapsed = _disturb_mid_generate(llm, lambda: os.kill(worker.pid, signal.SIGKILL))
         assert isinstance(error, WorkerFailure)
         assert f"worker rank 1 (pid {worker.pid}) was killed by SIGKILL" in str(error)
@@ -149,7 +149,7 @@ def test_stopped_worker_is_reported_after_the_timeout_and_nothing_is_left(tied_m
     machine busy."""
     llm = LLM(tied_model, tensor_parallel_size=2, distributed_timeout_s=2, **SMALL_CACHE)
     try:
-        (worker,) = llm.model_runner.workers.workers
+        (worker,) = llm.engine.model_runner.workers.workers
         error, elapsed = _disturb_mid_generate(llm, lambda: os.kill(worker.pid, signal.SIGSTOP))
         assert isinstance(error, WorkerFailure), error
         assert "did not answer within distributed_timeout_s=2" in str(error)

@@ -211,7 +211,7 @@ def test_the_benchmarks_comparison_counts_fewer_steps_and_identical_outputs(tied
     params = SamplingParams(temperature=0, max_tokens=48, structured_outputs=StructuredOutputsParams(regex=FORCING))
     with LLM(tied_model, device="cpu", dtype="float32", kvcache_block_size=16, max_model_len=256) as llm:
         figures = compare_jump_forward(llm, prompts, [params] * 4, repeat=1)
-        assert llm.grammar_drafts.jump_forward  # the engine's setting is back
+        assert llm.engine.grammar_drafts.jump_forward  # the engine's setting is back
     off, on = figures["off"], figures["on"]
     assert figures["identical"] and off["num_draft_tokens"] == 0 and on["num_accepted_tokens"] > 0
     assert on["steps_per_token"] < off["steps_per_token"] and on["request_passes_per_token"] < 1

@@ -196,13 +196,13 @@ def test_preemption_and_chunked_prefill_mid_grammar_keep_outputs_exact(tied_mode
 def test_one_schema_compiles_once(llm, tokenizer):
     schema = {"type": "object", "properties": {"a": {"type": "integer"}}, "required": ["a"]}
     other = {"type": "object", "properties": {"b": {"type": "boolean"}}, "required": ["b"]}
-    before = llm.structured.num_compiled, llm.structured.num_cache_hits
+    before = llm.engine.structured.num_compiled, llm.engine.structured.num_cache_hits
     params = [SamplingParams(temperature=0, max_tokens=16, n=n, structured_outputs=StructuredOutputsParams(json=s))
               for s, n in [(schema, 1)] * 5 + [(other, 2), (dict(schema), 1)]]
     llm.generate(prompts_of(tokenizer, 7), params, use_tqdm=False)
-    assert (llm.structured.num_compiled - before[0], llm.structured.num_cache_hits - before[1]) == (2, 6)
+    assert (llm.engine.structured.num_compiled - before[0], llm.engine.structured.num_cache_hits - before[1]) == (2, 6)
     llm.generate(prompts_of(tokenizer, 2), params[-2:], use_tqdm=False)
-    assert llm.structured.num_compiled - before[0] == 2
+    assert llm.engine.structured.num_compiled - before[0] == 2
 
 
 def test_choice_ends_with_stop_and_works_with_n_seeds_stop_strings_and_logprobs(llm, tokenizer):

@@ -68,7 +68,7 @@ def llm(smollm2):
 
 def test_the_default_model_is_its_gguf_file_and_runs_quantized(smollm2, llm):
     assert smollm2.endswith(".Q4_1.gguf") and llm.config.model == smollm2
-    model = llm.model_runner.model
+    model = llm.engine.model_runner.model
     assert model.lm_head.weight is model.model.embed_tokens.weight
     assert model.lm_head.weight.qtypes == [8]  # Q8_0, as stored
     assert all(isinstance(m.weight, GGMLWeight) and m.weight.qtypes == [3] for layer in model.model.layers
@@ -113,7 +113,7 @@ from nanovllm.models.gguf.metadata import cached_metadata
 from nanovllm.execution.kv_cache import kv_block_bytes
 with LLM(sys.argv[1], device="cpu", max_model_len=512, num_kvcache_blocks=4, kvcache_block_size=128) as llm:
     llm.generate(["Hello, my name is"], SamplingParams(temperature=0, max_tokens=8), use_tqdm=False)
-    kv = llm.model_runner.kv_cache.num_blocks * kv_block_bytes(llm.config)
+    kv = llm.engine.model_runner.kv_cache.num_blocks * kv_block_bytes(llm.config)
     print(json.dumps({"base": base, "after": rss(), "kv": kv}))
 """
 

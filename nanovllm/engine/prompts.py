@@ -1,13 +1,13 @@
-"""What users pass in, checked before any work starts, the same way whoever runs it: one engine (`LLMEngine`) or
-data-parallel replicas (`DataParallelLLM`)."""
+"""What users pass in, checked once, before any work starts, whoever runs it (one engine or data-parallel replicas): a
+prompt becomes a `CheckedPrompt`, its constraint a `GrammarSpec` the engine compiles without checking it again."""
 from dataclasses import dataclass, replace
 
 from transformers import PreTrainedTokenizerBase
 
 from nanovllm.config import Config
-from nanovllm.outputs import RequestOutput
 from nanovllm.sampling_params import SamplingParams
 from nanovllm.structured_output.backends import check_constraint
+from nanovllm.structured_output.spec import GrammarSpec
 
 Prompt = str | list[int] | dict
 """Text; vLLM's `{"prompt": text}` or `{"prompt_token_ids": ids}`; or (nanovllm's shorthand) a list of token ids."""
@@ -18,58 +18,49 @@ Params = SamplingParams | list[SamplingParams] | None
 @dataclass
 class CheckedPrompt:
     """A prompt ready to run: its text (if it came as text), token ids, sampling params (a copy, with `max_tokens`
-    filled in) and priority."""
+    filled in), priority, and its structured-output constraint as checked (None when unconstrained)."""
 
     text: str | None
     token_ids: list[int]
     params: SamplingParams
     priority: int
+    grammar: GrammarSpec | None = None
 
 
-class PromptFrontend:
-    """`generate` and `chat` over checked prompts; a subclass has `config` and `tokenizer`, and runs the checked
-    prompts in `_generate`."""
+class PromptChecker:
+    """Turns what users pass (`generate`'s prompts, `chat`'s conversations, sampling params, priorities) into
+    `CheckedPrompt`s for `config`'s model and `tokenizer`, or a ValueError naming the problem."""
 
-    config: Config
-    tokenizer: PreTrainedTokenizerBase | None
+    def __init__(self, config: Config, tokenizer: PreTrainedTokenizerBase | None):
+        self.config = config
+        self.tokenizer = tokenizer
 
     @property
     def max_model_len(self) -> int:
-        """The longest sequence (prompt and output) the engine runs."""
         return self.config.max_model_len
 
-    def _generate(self, checked: list[CheckedPrompt], use_tqdm: bool) -> list[RequestOutput]:
-        raise NotImplementedError
+    def check_prompts(self, prompts: Prompt | list[Prompt], sampling_params: Params, priority: int | list[int] | None,
+                      add_special_tokens: bool = True) -> list[CheckedPrompt]:
+        if isinstance(prompts, (str, dict)):
+            prompts = [prompts]
+        if not isinstance(prompts, (list, tuple)):
+            raise ValueError(f"prompts must be a prompt or a list of prompts (strings, {{'prompt': ...}} or "
+                             f"{{'prompt_token_ids': ...}} dicts, or token-id lists), got {type(prompts).__name__}")
+        sampling_params = self._per_prompt("sampling params", sampling_params, len(prompts))
+        priority = self._per_prompt("priorities", 0 if priority is None else priority, len(prompts))
+        return [self.check_prompt(p, sp, pr, i, add_special_tokens)
+                for i, (p, sp, pr) in enumerate(zip(prompts, sampling_params, priority))]
 
-    def get_tokenizer(self) -> PreTrainedTokenizerBase | None:
-        """The model's tokenizer (None for a model directory without tokenizer files)."""
-        return self.tokenizer
-
-    def generate(self, prompts: Prompt | list[Prompt], sampling_params: Params = None, use_tqdm: bool = True,
-                 priority: int | list[int] | None = None) -> list[RequestOutput]:
-        """Complete every prompt; one `RequestOutput` per prompt, in prompt order. A prompt is text, vLLM's
-        `{"prompt": text}` / `{"prompt_token_ids": ids}`, or a list of token ids; one prompt alone needs no list.
-        `sampling_params` (default `SamplingParams()`) and `priority` are one value for all prompts or one per
-        prompt."""
-        return self._generate(self._check_prompts(prompts, sampling_params, priority), use_tqdm)
-
-    def chat(self, messages: Conversation | list[Conversation], sampling_params: Params = None,
-             use_tqdm: bool = True, priority: int | list[int] | None = None,
-             add_generation_prompt: bool = True) -> list[RequestOutput]:
-        """Reply to one conversation (a list of `{"role", "content"}` messages) or to a list of them, through the
-        model's chat template, as vLLM's `LLM.chat`; one `RequestOutput` per conversation."""
+    def check_conversations(self, messages: Conversation | list[Conversation], sampling_params: Params,
+                            priority: int | list[int] | None, add_generation_prompt: bool) -> list[CheckedPrompt]:
+        """One conversation (a list of `{"role", "content"}` messages) or a list of them, through the chat template."""
         if not isinstance(messages, (list, tuple)):
             raise _not_a_conversation(messages)
         single = bool(messages) and isinstance(messages[0], dict)
-        prompts = [self._chat_text(c, add_generation_prompt) for c in ([messages] if single else messages)]
-        return self._generate(self._check_prompts(prompts, sampling_params, priority, add_special_tokens=False),
-                              use_tqdm)
+        prompts = [self.chat_text(c, add_generation_prompt) for c in ([messages] if single else messages)]
+        return self.check_prompts(prompts, sampling_params, priority, add_special_tokens=False)
 
-    def chat_prompt(self, conversation: Conversation, add_generation_prompt: bool = True) -> list[int]:
-        """The token ids `chat` sends for `conversation`, e.g. to `stream` a reply."""
-        return self.tokenizer.encode(self._chat_text(conversation, add_generation_prompt), add_special_tokens=False)
-
-    def _chat_text(self, conversation: Conversation, add_generation_prompt: bool) -> str:
+    def chat_text(self, conversation: Conversation, add_generation_prompt: bool) -> str:
         if self.tokenizer is None:
             raise ValueError(f"{self.config.model!r} has no tokenizer, hence no chat template; pass token ids to "
                              "generate() instead")
@@ -82,19 +73,7 @@ class PromptFrontend:
         return self.tokenizer.apply_chat_template(list(conversation), tokenize=False,
                                                   add_generation_prompt=add_generation_prompt)
 
-    def _check_prompts(self, prompts: Prompt | list[Prompt], sampling_params: Params, priority: int | list[int] | None,
-                       add_special_tokens: bool = True) -> list[CheckedPrompt]:
-        if isinstance(prompts, (str, dict)):
-            prompts = [prompts]
-        if not isinstance(prompts, (list, tuple)):
-            raise ValueError(f"prompts must be a prompt or a list of prompts (strings, {{'prompt': ...}} or "
-                             f"{{'prompt_token_ids': ...}} dicts, or token-id lists), got {type(prompts).__name__}")
-        sampling_params = self._per_prompt("sampling params", sampling_params, len(prompts))
-        priority = self._per_prompt("priorities", 0 if priority is None else priority, len(prompts))
-        return [self._check_prompt(p, sp, pr, i, add_special_tokens)
-                for i, (p, sp, pr) in enumerate(zip(prompts, sampling_params, priority))]
-
-    def _check_prompt(self, prompt: Prompt, params: SamplingParams | None, priority: int, index: int = 0,
+    def check_prompt(self, prompt: Prompt, params: SamplingParams | None, priority: int, index: int = 0,
                       add_special_tokens: bool = True) -> CheckedPrompt:
         text, token_ids = self._to_token_ids(prompt, index, add_special_tokens)
         params = SamplingParams() if params is None else params
@@ -106,12 +85,13 @@ class PromptFrontend:
             raise ValueError(f"priority must be an int (lower runs first), got {priority!r}")
         if params.bad_words and self.tokenizer is None:
             raise ValueError(f"bad_words need a tokenizer and {self.config.model!r} has none")
+        grammar = None
         if params.structured_outputs is not None:
             if self.tokenizer is None:
                 raise ValueError(f"structured outputs need a tokenizer and {self.config.model!r} has none")
-            check_constraint(params.structured_outputs, self.config.structured_outputs_backend)
+            grammar = check_constraint(params.structured_outputs, self.config.structured_outputs_backend)
         params = replace(params, max_tokens=params.max_tokens or max(self.max_model_len - len(token_ids), 1))
-        return CheckedPrompt(text, token_ids, params, priority)
+        return CheckedPrompt(text, token_ids, params, priority, grammar)
 
     def _to_token_ids(self, prompt: Prompt, index: int,
                       add_special_tokens: bool = True) -> tuple[str | None, list[int]]:
