@@ -2,8 +2,9 @@
 the CPU, into nanovllm's cache directory, per torch version, CPU (`-march=native` code runs only where it was built)
 and source: `paged_decode`, every single-query row of a step in one call, and the decoder's small ops fused
 (`csrc/fused_ops.cpp`: RMSNorm with the residual add, rotary, SiLU-and-mul, the KV-cache store; the layers reach
-them through `layers.fused.fused_op`), and matmuls over GGML-quantized weights (`csrc/ggml_quant.cpp`, reached
-through `quantization.ggml_ops`).
+them through `kernels.fused.fused_op`), matmuls over GGML-quantized weights (`csrc/ggml_quant.cpp`, reached through
+`kernels.ggml`), and the whole decode step of a standard decoder in one call (`csrc/decoder_stack.cpp`, reached
+through `execution.cpu_decode`).
 
 They are torch operators (`torch.ops.nanovllm.*`, registered by `csrc/module.cpp`) in a plain shared library, not a
 Python extension module: the sources include only ATen's headers, not `<torch/extension.h>` with pybind11 and the C++
