@@ -70,14 +70,18 @@ def allocate_kv_cache(model: nn.Module, config: Config, num_blocks: int, device:
 
 
 def _fit_max_model_len(config: Config, num_blocks: int) -> None:
+    """Lower a `max_model_len` the cache cannot hold to what it holds (logged); a ValueError when one was given, or
+    when the cache holds not even one block."""
     needed = config.blocks_per_sequence
     if num_blocks >= needed:
         return
-    if config.max_model_len_given:
+    if num_blocks < 1 or config.max_model_len_given:
+        wanted = f"one max_model_len={config.max_model_len} sequence needs {needed}" if config.max_model_len_given \
+            else f"one block takes {kv_block_bytes(config)} bytes"
         raise ValueError(
-            f"the KV cache holds {num_blocks} blocks of {config.kvcache_block_size} tokens, but one "
-            f"max_model_len={config.max_model_len} sequence needs {needed}. Give it more memory "
-            "(cpu_kvcache_gib / gpu_memory_utilization / num_kvcache_blocks) or lower max_model_len."
+            f"the KV cache holds {num_blocks} blocks of {config.kvcache_block_size} tokens, but {wanted}. Give it "
+            "more memory (cpu_kvcache_gib / gpu_memory_utilization / num_kvcache_blocks)"
+            + (" or lower max_model_len." if config.max_model_len_given else ".")
         )
     fitted = num_blocks * config.kvcache_block_size
     logger.info("max_model_len lowered from the model's %d to %d tokens, what the KV cache holds (give "

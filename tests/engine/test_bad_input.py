@@ -93,6 +93,7 @@ def test_error_mid_generate_frees_everything(llm, expected, monkeypatch):
     ({"num_kvcache_blocks": 3, "kvcache_block_size": 16, "max_model_len": 128},
      "one max_model_len=128 sequence needs 8"),
     ({"cpu_kvcache_gib": 1e-6, "max_model_len": 128}, "sequence needs"),
+    ({"cpu_kvcache_gib": 1e-6}, "the KV cache holds 0 blocks of 16 tokens, but one block takes .*cpu_kvcache_gib"),
     ({"max_num_batched_tokens": 64, "max_model_len": 128, "enable_chunked_prefill": False}, "max_num_batched_tokens"),
     ({"enable_chunked_prefill": "yes"}, "enable_chunked_prefill must be a bool"),
     ({"scheduling_policy": "lifo"}, "scheduling_policy must be 'fcfs' or 'priority'"),
