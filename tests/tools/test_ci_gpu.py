@@ -1,0 +1,32 @@
+"""`.ci/gpu` on a GPU machine runs to the end whatever fails: the suite, then every benchmark, then the tests' failures
+again, and a non-zero exit status. Checked here with a stand-in `python` that plays a GPU machine whose suite fails."""
+import os
+import stat
+import subprocess
+
+REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+FAKE_PYTHON = """#!/usr/bin/env bash
+echo "$*" >> "$CALLS"
+case "$1 $2" in
+  "-m pytest") echo "tests/x.py F"; echo "=== short test summary info ==="; echo "FAILED tests/x.py::test_y"
+               echo "1 failed, 9 passed"; exit 1 ;;
+  "bench.py --attention-backend") echo "bench: 123 tok/s" ;;
+  "bench.py --attention-micro") echo "micro: 45 us" ;;
+  "- ") cat > /dev/null; echo "GPU: a stand-in" ;;
+esac
+"""
+
+
+def test_a_failing_suite_still_ends_with_the_figures_and_the_failures(tmp_path):
+    fake = tmp_path / "python"
+    fake.write_text(FAKE_PYTHON)
+    fake.chmod(fake.stat().st_mode | stat.S_IEXEC)
+    calls = tmp_path / "calls"
+    env = {**os.environ, "PATH": f"{tmp_path}{os.pathsep}{os.environ['PATH']}", "CALLS": str(calls)}
+    result = subprocess.run(["bash", ".ci/gpu"], cwd=REPO, env=env, capture_output=True, text=True, timeout=60)
+    assert result.returncode != 0
+    assert [line.split()[:2] for line in calls.read_text().splitlines()] == [
+        ["-"], ["-m", "pytest"], ["bench.py", "--attention-backend"], ["bench.py", "--attention-micro"]]
+    out = result.stdout
+    assert out.index("bench: 123 tok/s") < out.index("micro: 45 us") < out.rindex("FAILED tests/x.py::test_y")
