@@ -106,7 +106,7 @@ def test_draft_model_refusals(tied_model, tmp_path):
     with pytest.raises(ValueError, match=r"speculative_config\['quantization'\] must be one of"):
         LLM(tied_model, speculative_config=draft_spec(tied_model, quantization="int3"))
     with pytest.raises(ValueError, match="tensor_parallel_size=1 only"):
-        LLM(tied_model, tensor_parallel_size=2, speculative_config=draft_spec(tied_model))
+        LLM(tied_model, device="cpu", tensor_parallel_size=2, speculative_config=draft_spec(tied_model))
     with pytest.raises(FileNotFoundError, match="model directory not found"):
         LLM(tied_model, speculative_config=draft_spec(str(tmp_path / "missing")))
     from checkpoints import make_family_checkpoint

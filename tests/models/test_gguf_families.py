@@ -4,7 +4,6 @@ most likely next token of a text agrees with transformers' on the file dequantiz
 import os
 import random
 
-import gguf
 import pytest
 import torch
 from checkpoints import CORPUS, hf_greedy, hf_teacher_forced, make_checkpoint, make_family_checkpoint, teacher_forced
@@ -14,6 +13,8 @@ from nanovllm import LLM, SamplingParams
 from nanovllm.layers.ggml_weight import GGMLWeight
 from nanovllm.layers.moe import FusedMoE
 from nanovllm.models.gguf.config import Metadata, gguf_config
+
+gguf = pytest.importorskip("gguf")
 
 MAX_TOKENS = 12
 PROMPTS = [[random.Random(n).randrange(300) for _ in range(n)] for n in (3, 30, 70)]
