@@ -15,7 +15,6 @@ Greedy and seeded requests get the draft's most likely token (a point mass, veri
 their output is the same as without speculation); unseeded requests at temperature > 0 get a token sampled from the
 draft's distribution q, kept for the verifier's speculative sampling.
 """
-import time
 from collections.abc import Callable
 from contextlib import AbstractContextManager
 from itertools import accumulate
@@ -30,6 +29,7 @@ from nanovllm.execution.model_loading import load_runner_model
 from nanovllm.execution.sampler import Sampler, SamplingRow
 from nanovllm.execution.sampling_ops import exponential_race
 from nanovllm.execution.step_inputs import Chunk, set_step_context
+from nanovllm.execution.stopwatch import Stopwatch
 from nanovllm.kernels.attention import Platform, load_backend
 from nanovllm.kernels.attention.context import get_context, reset_context
 
@@ -61,7 +61,7 @@ class DraftModel:
         self.computed: dict[int, int] = {}  # seq id -> positions whose draft K/V are in the cache
         self.last_start: dict[int, int] = {}  # seq id -> where its last scheduled chunk started
         self.ratios: dict[int, float] = {}  # size class of the speculating sequences -> a draft forward / target step
-        self.last_run: tuple[int, int, float] | None = None  # (sequences, forwards, seconds) of the last proposal
+        self.last_run: tuple[int, int, Stopwatch] | None = None  # (sequences, forwards, time) of the last proposal
 
     def bind(self, num_blocks: int) -> None:
         self.kv_cache = allocate_kv_cache(self.model, self.config, num_blocks, self.device)
@@ -93,27 +93,31 @@ class DraftModel:
             chunks.append(Chunk(seq, first, seq.token_ids[first:start + 1]))
         probs: dict[int, list[torch.Tensor]] = {}
         depth = max(len(drafts) for _, _, drafts in speculating)
+        watch = Stopwatch(self.device)
         for j in range(depth):
             if j == 1:
-                started = time.perf_counter()
-            if j:
-                chunks = [Chunk(seq, start + j, [drafts[j - 1]]) for seq, start, drafts in speculating
-                          if len(drafts) > j]
+                watch.start()
             rows = [(seq, drafts) for seq, _, drafts in speculating if len(drafts) > j]
-            self._draw(self._forward(chunks), rows, j, sampler, probs)
+            if j == 0:
+                logits = self._catch_up(chunks)
+            else:
+                logits = self._forward([Chunk(seq, start + j, [drafts[j - 1]]) for seq, start, drafts in speculating
+                                        if len(drafts) > j])
+            self._draw(logits, rows, j, sampler, probs)
         for seq, start, drafts in speculating:
             self.computed[seq.seq_id] = start + len(drafts)
         if depth > 1:  # the first forward also catches up (prompts included): only the others are timed
-            self.last_run = len(speculating), depth - 1, time.perf_counter() - started
+            self.last_run = len(speculating), depth - 1, watch.stop()
         return {seq_id: torch.stack(rows) for seq_id, rows in probs.items()}
 
-    def observe_target(self, seconds: float) -> None:
-        """The target's forward of the step just proposed for took `seconds`: update what a draft forward costs
-        against it, for the size class of the step's speculating sequences (a moving average)."""
+    def observe_target(self, target: Stopwatch) -> None:
+        """The target's forward of the step just proposed for took what `target` measured (read once the step's
+        tokens are on the host): update what a draft forward costs against it, for the size class of the step's
+        speculating sequences (a moving average). Both are timed alike (`Stopwatch`: CUDA events on a GPU)."""
         if self.last_run is None:
             return
-        (num_seqs, forwards, draft_seconds), self.last_run = self.last_run, None
-        ratio, size = draft_seconds / forwards / max(seconds, 1e-6), num_seqs.bit_length()
+        (num_seqs, forwards, draft), self.last_run = self.last_run, None
+        ratio, size = draft.seconds() / forwards / max(target.seconds(), 1e-6), num_seqs.bit_length()
         self.ratios[size] = ratio if size not in self.ratios else 0.7 * self.ratios[size] + 0.3 * ratio
 
     def forward_ratio(self, num_seqs: int) -> float:
@@ -143,11 +147,32 @@ class DraftModel:
         for (_, drafts), token in zip(rows, tokens.tolist()):
             drafts[j] = token
 
-    def _forward(self, chunks: list[Chunk]) -> torch.Tensor:
-        """Run the draft over each chunk, writing its K/V into the chunk's sequence's blocks; returns the logits at
-        each chunk's last token."""
-        last = list(accumulate(len(chunk.tokens) for chunk in chunks))
-        input_ids, positions = set_step_context(chunks, self.block_size, self.device, [row - 1 for row in last])
+    def _catch_up(self, chunks: list[Chunk]) -> torch.Tensor:
+        """`_forward` over `chunks` in forwards of at most `max_num_batched_tokens` tokens, as the scheduler bounds the
+        target's steps (a sequence's first speculation catches up on its whole prompt); a chunk is split where a
+        forward fills up. Returns the logits at each chunk's last token."""
+        budget, logits, part, wanted, used = self.config.max_num_batched_tokens, [], [], [], 0
+        for chunk in chunks:
+            start, tokens = chunk.start, chunk.tokens
+            while tokens:
+                take = min(len(tokens), budget - used)
+                part.append(Chunk(chunk.seq, start, tokens[:take]))
+                start, tokens, used = start + take, tokens[take:], used + take
+                if not tokens:
+                    wanted.append(len(part) - 1)
+                if used == budget:
+                    logits.append(self._forward(part, wanted))
+                    part, wanted, used = [], [], 0
+        if part:
+            logits.append(self._forward(part, wanted))
+        return torch.cat(logits)
+
+    def _forward(self, chunks: list[Chunk], wanted: list[int] | None = None) -> torch.Tensor:
+        """Run the draft over each chunk, writing its K/V into the chunk's sequence's blocks; returns the logits at the
+        last token of the chunks `wanted` (default: every chunk's)."""
+        ends = list(accumulate(len(chunk.tokens) for chunk in chunks))
+        rows = [ends[i] - 1 for i in (range(len(chunks)) if wanted is None else wanted)]
+        input_ids, positions = set_step_context(chunks, self.block_size, self.device, rows)
         try:
             with self.governed():
                 hidden_states = self.model(input_ids, positions)

@@ -15,6 +15,7 @@ from nanovllm.execution.kv_cache import bind_kv_cache, create_kv_cache
 from nanovllm.execution.model_loading import load_runner_model
 from nanovllm.execution.sampler import PromptRows, Sampler, SamplerOutput
 from nanovllm.execution.step_inputs import Chunk, set_step_context
+from nanovllm.execution.stopwatch import Stopwatch
 from nanovllm.execution.tensor_parallel import WorkerGroup, started
 from nanovllm.execution.verifier import verify
 from nanovllm.kernels.attention import Platform, importable, load_backend
@@ -157,10 +158,9 @@ class ModelRunner:
         with self._timed("prepare"):
             input_ids, positions, prompt_rows = self.prepare(batch)
         with self._governed():
-            started = time.perf_counter()
+            watch = Stopwatch(self.device).start()
             logits = self.call("run_model", input_ids, positions)
-        if self.drafter is not None:
-            self.drafter.observe_target(time.perf_counter() - started)
+            watch.stop()
         reset_context()
         if self.rank != 0:
             return None
@@ -175,6 +175,8 @@ class ModelRunner:
                     else SamplerOutput([])
             if prompt_rows:
                 output.prompt_logprobs = self.sampler.prompt_logprobs(logits[num_rows:], prompt_rows)
+        if self.drafter is not None:  # the step's tokens are on the host: reading the watch waits for nothing
+            self.drafter.observe_target(watch)
         return output
 
     def _timed(self, phase: str) -> AbstractContextManager:

@@ -99,6 +99,22 @@ def test_a_gguf_copy_of_the_target_drafts_for_it(tmp_path, monkeypatch):
     assert [o["token_ids"] for o in outputs] == hf_greedy(target, prompts, MAX_TOKENS)
 
 
+def test_the_draft_catches_up_within_the_token_budget(tied_model, small_draft, monkeypatch):
+    """A sequence's first speculation catches the draft up on its whole prompt: in forwards of at most
+    max_num_batched_tokens tokens (the target's bound), a prompt split where a forward fills up; outputs exact."""
+    sizes = []
+    original = DraftModel._forward
+    monkeypatch.setattr(DraftModel, "_forward", lambda self, chunks, *wanted: sizes.append(
+        sum(len(chunk.tokens) for chunk in chunks)) or original(self, chunks, *wanted))
+    prompts = random_prompts([70, 45, 9], seed=11)
+    with spec_llm(tied_model, speculative_config=draft_spec(small_draft), max_num_batched_tokens=32) as llm:
+        outputs = llm.generate(prompts, GREEDY, use_tqdm=False)
+        assert_drafts_accepted(llm)
+        assert_all_blocks_free(llm)
+    assert [o["token_ids"] for o in outputs] == hf_greedy(tied_model, prompts, MAX_TOKENS)
+    assert max(sizes) == 32 and sum(size == 32 for size in sizes) >= 3, sizes
+
+
 def test_draft_model_refusals(tied_model, tmp_path):
     short = make_checkpoint(str(tmp_path / "short"), max_position_embeddings=128)
     with pytest.raises(ValueError, match="handles 128 tokens, fewer than max_model_len=1024"):
@@ -165,8 +181,8 @@ def test_the_draft_models_cost_decides_how_deep_it_drafts():
 def test_a_draft_turned_off_by_batch_size_runs_no_forward(tied_model, small_draft, monkeypatch):
     forwards = []
     original = DraftModel._forward
-    monkeypatch.setattr(DraftModel, "_forward", lambda self, chunks: forwards.append(len(chunks)) or
-                        original(self, chunks))
+    monkeypatch.setattr(DraftModel, "_forward", lambda self, chunks, *wanted: forwards.append(len(chunks)) or
+                        original(self, chunks, *wanted))
     prompts = random_prompts([8, 9, 10], seed=7)
     with spec_llm(tied_model, speculative_config=draft_spec(small_draft, disable_by_batch_size=3)) as llm:
         assert [o["token_ids"] for o in llm.generate(prompts, GREEDY, use_tqdm=False)] == \
