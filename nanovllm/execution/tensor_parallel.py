@@ -39,6 +39,8 @@ import atexit
 import os
 import pickle
 import sys
+import threading
+import time
 import traceback
 from contextlib import contextmanager
 from dataclasses import dataclass, fields, is_dataclass, replace
@@ -57,6 +59,9 @@ from nanovllm.kernels.attention.context import reset_context, set_context
 JOIN_TIMEOUT_S = 10.0
 FAILURE_GRACE_S = 5.0
 """How long rank 0 waits, after a failed collective, for the worker that broke it to exit and report."""
+STOPPED_GRACE_S = 3.0
+"""How long a worker may stay stopped by a signal while rank 0 is in a step before the step is abandoned."""
+WATCH_EVERY_S = 0.5
 
 _COMM_ERRORS = (RuntimeError, OSError, EOFError)
 
@@ -141,6 +146,8 @@ class WorkerGroup:
         self.broken = False
         self.reports: dict[int, str] = {}
         self.workers: list[Child] = []
+        self.frozen: dict[int, float] = {}  # rank -> seconds it had been stopped when the watchdog gave up the step
+        self._in_step = 0
         self.saved_num_threads = torch.get_num_threads()
         threads = self.saved_num_threads if config.device == "cuda" else max(1, self.saved_num_threads // world_size)
         torch.set_num_threads(threads)
@@ -158,10 +165,31 @@ class WorkerGroup:
             for rank in range(1, world_size):
                 self.workers.append(spawn(f"tensor-parallel worker rank {rank}", _worker_main,
                                           runner_cls, config, rank, addr, store.port, threads))
+            threading.Thread(target=self._watch, name="nanovllm-tp-watchdog", daemon=True).start()
             init_process_group(config, 0, store)
         except BaseException:
             self.shutdown()
             raise
+
+    def _watch(self) -> None:
+        """While rank 0 is in a step (`guard`), a worker stopped by a signal (SIGSTOP or Ctrl-Z on it, a debugger, an
+        overloaded host) for `STOPPED_GRACE_S` would hold rank 0's collective until `distributed_timeout_s`: the
+        workers are killed instead, so the collective fails at once and `guard` names the stopped rank."""
+        stopped_since: dict[int, float] = {}
+        while not self.closed:
+            time.sleep(WATCH_EVERY_S)
+            now = time.monotonic()
+            for rank, worker in enumerate(self.workers, start=1):
+                if self._in_step and is_stopped(worker.pid):
+                    stopped_since.setdefault(rank, now)
+                else:
+                    stopped_since.pop(rank, None)
+            frozen = {rank: now - since for rank, since in stopped_since.items() if now - since >= STOPPED_GRACE_S}
+            if frozen and not self.closed:
+                self.frozen = frozen
+                for worker in self.workers:
+                    worker.process.kill()  # a stopped process dies of SIGKILL too
+                return
 
     def _check_alive(self) -> None:
         if self.closed:
@@ -192,6 +220,7 @@ class WorkerGroup:
     def guard(self, shutdown: bool = False):
         """Run rank 0's side of a step: any error marks the group broken, and an error caused by a failed
         worker is replaced by one naming that worker. With `shutdown`, an error also stops the workers."""
+        self._in_step += 1
         try:
             yield
         except BaseException as e:
@@ -202,8 +231,13 @@ class WorkerGroup:
             if error is e:
                 raise
             raise error from e
+        finally:
+            self._in_step -= 1
 
     def _explain(self, error: BaseException) -> BaseException:
+        if self.frozen:  # reported once; later calls meet a shut-down group
+            failure, self.frozen = self._frozen_failure(), {}
+            return failure
         if isinstance(error, WorkerFailure) or not isinstance(error, _COMM_ERRORS) or not self.workers:
             return error
         exiting = wait([worker.process.sentinel for worker in self.workers], timeout=FAILURE_GRACE_S)
@@ -215,6 +249,13 @@ class WorkerGroup:
         if "timed out" in str(error).lower() or any(is_stopped(worker.pid) for worker in self.workers):
             return self._unresponsive_failure(error)
         return error
+
+    def _frozen_failure(self) -> "WorkerFailure":
+        ranks = "; ".join(f"tensor-parallel worker rank {rank} (pid {self.workers[rank - 1].pid}) was stopped by a "
+                          f"signal (SIGSTOP/SIGTSTP) for {seconds:.0f} s" for rank, seconds in self.frozen.items())
+        return WorkerFailure(f"{ranks} in the middle of a step, which every rank must take together; the workers "
+                             "were stopped and the step's requests aborted: create a new LLM (and leave its worker "
+                             "processes running).")
 
     def _unresponsive_failure(self, error: BaseException) -> "WorkerFailure":
         """Every worker is alive but a collective failed: name the ones that stopped answering."""

@@ -13,6 +13,7 @@ from checkpoints import hf_greedy
 
 from benchmarks.compete import competing_process
 from nanovllm import LLM, SamplingParams
+from nanovllm.execution import tensor_parallel
 from nanovllm.execution.tensor_parallel import WorkerFailure
 
 # Tiny blocks and a 16-block cache: four 28-token sequences need 28 blocks, so decoding preempts.
@@ -142,11 +143,12 @@ def test_tp2_nccl_matches_transformers(tied_model, enforce_eager):
     _assert_nothing_left()
 
 
-def test_stopped_worker_is_reported_after_the_timeout_and_nothing_is_left(tied_model, busy_machine):
-    """A worker that stops answering (SIGSTOP, as a debugger or Ctrl-Z would) makes the step's collective time out
-    after `distributed_timeout_s`: rank 0 names the worker and its state, and the stopped process is killed. The
-    short timeout bounds collectives only: workers start and meet under `worker_start_timeout_s`, even with the
-    machine busy."""
+def test_stopped_worker_is_reported_after_the_timeout_and_nothing_is_left(tied_model, busy_machine, monkeypatch):
+    """A worker that stops answering (here SIGSTOP, with the watchdog for stopped workers held off) makes the step's
+    collective time out after `distributed_timeout_s`: rank 0 names the worker and its state, and the stopped process
+    is killed. The short timeout bounds collectives only: workers start and meet under `worker_start_timeout_s`, even
+    with the machine busy."""
+    monkeypatch.setattr(tensor_parallel, "STOPPED_GRACE_S", 600.0)
     llm = LLM(tied_model, tensor_parallel_size=2, distributed_timeout_s=2, **SMALL_CACHE)
     try:
         (worker,) = llm.engine.model_runner.workers.workers
@@ -156,6 +158,25 @@ def test_stopped_worker_is_reported_after_the_timeout_and_nothing_is_left(tied_m
         assert f"worker rank 1 (pid {worker.pid}) is stopped by a signal" in str(error)
         assert elapsed < BOUND_S
         assert multiprocessing.active_children() == []
+        with pytest.raises(RuntimeError, match="create a new LLM"):
+            llm.generate(PROMPTS, GREEDY, use_tqdm=False)
+    finally:
+        llm.exit()
+    _assert_nothing_left()
+
+
+def test_a_frozen_worker_is_named_within_seconds_not_after_the_collective_timeout(tied_model):
+    """SIGSTOP on a worker mid-generate (a debugger, Ctrl-Z on it, an overloaded host), with the default 300 s
+    distributed_timeout_s: within a few seconds generate() raises a WorkerFailure naming the stopped rank, its
+    requests are aborted, and no process is left."""
+    llm = LLM(tied_model, tensor_parallel_size=2, **SMALL_CACHE)
+    try:
+        (worker,) = llm.engine.model_runner.workers.workers
+        error, elapsed = _disturb_mid_generate(llm, lambda: os.kill(worker.pid, signal.SIGSTOP))
+        assert isinstance(error, WorkerFailure), error
+        assert f"worker rank 1 (pid {worker.pid}) was stopped by a signal (SIGSTOP/SIGTSTP) for" in str(error)
+        assert tensor_parallel.STOPPED_GRACE_S <= elapsed < tensor_parallel.STOPPED_GRACE_S + 10
+        assert multiprocessing.active_children() == [] and llm.is_finished()
         with pytest.raises(RuntimeError, match="create a new LLM"):
             llm.generate(PROMPTS, GREEDY, use_tqdm=False)
     finally:
