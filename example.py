@@ -30,12 +30,13 @@ def main() -> int:
     parser.add_argument("--temperature", type=float, default=0.6)
     parser.add_argument("--enforce-eager", action="store_true", help="disable CUDA graphs")
     parser.add_argument("--tensor-parallel-size", type=int, default=1)
+    parser.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda"])
     parser.add_argument("--stream", action="store_true", help="print each completion's text as it is generated")
     args = parser.parse_args()
 
     try:
         llm = LLM(args.model or default_model(), enforce_eager=args.enforce_eager,
-                  tensor_parallel_size=args.tensor_parallel_size)
+                  tensor_parallel_size=args.tensor_parallel_size, device=args.device)
         params = SamplingParams(temperature=args.temperature, max_tokens=args.max_tokens)
     except (FileNotFoundError, ValueError, ImportError) as e:
         print(f"error: {e}", file=sys.stderr)

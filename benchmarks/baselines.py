@@ -24,9 +24,9 @@ def run_baseline(args: argparse.Namespace, device: str, dtype: torch.dtype, mode
     probe, mem = matmul_peak(device, dtype, seconds=0.5), PeakMemory(device)
     if args.baseline == "hf":
         seconds, tokens, engine = run_hf(model_dir, requests, device, dtype, args, mem)
-        return Measured(seconds, tokens, probe, mem.gib, engine=("transformers", engine))
+        return Measured(seconds, tokens, probe, mem.gib, baseline=("transformers", engine))
     seconds, tokens, engine = run_vllm(vllm_python, model_dir, load_format, requests, args, dtype)
-    return Measured(seconds, tokens, probe, None, engine=(engine, "vllm"))
+    return Measured(seconds, tokens, probe, None, baseline=(engine, "vllm"))
 
 
 def find_vllm_python(given: str | None, device: str) -> str:

@@ -8,6 +8,10 @@ the embedding lookup (no FLOPs), norms, rotary and softmax (small), recomputatio
 never exceeds the work done). MFU is that over seconds x the machine's matmul rate in the same dtype, measured next
 to the run; when a probe reads below what the run achieved, the achieved rate stands in for it (and the report says
 so), so MFU never exceeds 100%.
+
+Not the engine: the MLP's shape per layer (a mixture of experts' active width) is read from the model family's options
+(`nanovllm.models.model_class`, `nanovllm.models.sparse_moe.MoeOptions`) and the head size from
+`nanovllm.models.hf_config.head_dim`, public functions of the models room, since the `LLM` API gives no FLOP count.
 """
 from transformers import PretrainedConfig
 

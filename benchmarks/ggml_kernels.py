@@ -1,5 +1,7 @@
 """Kernel benchmark of `ggml_linear` (compiled CPU kernels) at SmolLM2-135M's shapes, beside oneDNN's F.linear on
-the same weights dequantized (bfloat16 and float32, prepacked as `layers/prepack.py` packs them).
+the same weights dequantized (bfloat16 and float32, prepacked as `layers/prepack.py` packs them). It measures kernels,
+not the engine: it uses the kernels room's public face, `nanovllm.kernels.ggml`, on random weights
+(`benchmarks.ggml_random`).
 
     python -m benchmarks.ggml_kernels [--types Q4_1,Q8_0] [--rows 1,8,32,128,512] [--threads 2]
     python -m benchmarks.ggml_kernels --step [--rows 1,8,128]   # a whole forward's linear layers
@@ -14,15 +16,15 @@ import time
 from functools import partial
 
 import torch
-from ggml_random import NAMES, random_ggml_weight
 
+from benchmarks.ggml_random import random_ggml_weight
 from benchmarks.report import markdown_table
-from nanovllm.kernels.ggml import BLOCK, ggml_dequantize, ggml_linear, kernel_isa
+from nanovllm.kernels.ggml import BLOCK, TYPE_IDS, ggml_dequantize, ggml_linear, kernel_isa
 
 SHAPES = [(576, 576), (576, 192), (576, 1536), (1536, 576), (576, 49152)]  # in -> out; the last is the LM head
 LAYER = [(576, 576), (576, 192), (576, 192), (576, 576), (576, 1536), (576, 1536), (1536, 576)]  # q k v o gate up down
 LAYERS, HEAD = 30, (576, 49152)
-TYPES = {name: qtype for qtype, name in NAMES.items()}
+TYPES = dict(TYPE_IDS)  # name -> GGML type id
 
 
 def time_calls(fn, budget_s: float) -> list[float]:
@@ -100,7 +102,7 @@ def bench_step(rows: list[int], rounds: int) -> list[list[str]]:
     return table
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--types", default="Q4_1,Q8_0,Q4_0,Q4_K,Q6_K",
                         help=f"GGML types, comma-separated, of {', '.join(TYPES)}")
@@ -110,7 +112,7 @@ def main() -> None:
     parser.add_argument("--budget", type=float, default=0.1, help="seconds per timing")
     parser.add_argument("--step", action="store_true",
                         help="time the linear layers of a whole SmolLM2-135M forward instead of single shapes")
-    args = parser.parse_args()
+    args = parser.parse_args(argv)
     types = [t.strip().upper() for t in args.types.split(",")]
     unknown = [t for t in types if t not in TYPES]
     if unknown:

@@ -1,5 +1,6 @@
-"""Random GGML-quantized weights for the kernels' tests: random bytes with sane float16 scales, so
-every bit pattern of the quantized values occurs while the dequantized weights stay small."""
+"""Random GGML-quantized weights for the GGML kernel benchmark (`benchmarks.ggml_kernels`) and the kernels' tests:
+random bytes with sane float16 scales, so every bit pattern of the quantized values occurs while the dequantized
+weights stay small."""
 import numpy as np
 import torch
 

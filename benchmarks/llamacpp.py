@@ -1,11 +1,12 @@
-"""`--baseline llamacpp`: llama.cpp's own benchmarks on the same GGUF file and thread count, beside nanovllm's
+"""The `--baseline llamacpp` mode: llama.cpp's own benchmarks on the same GGUF file and thread count, beside nanovllm's
 prompt and decode rates at batch 1, 8 and 32.
 
 llama.cpp: `llama-bench` (pp128 and tg128: batch 1) and `llama-batched-bench` (128 prompt and 128 generated tokens for
 each of 8 and 32 parallel sequences). nanovllm: B requests of 128 fresh random prompt tokens (the prefix cache never
 hits) and 128 greedy output tokens each (`ignore_eos`), all submitted at once; prompt tok/s is B x 128 over the time
 to the last request's first token, decode tok/s the other B x 127 tokens over the rest. Rounds alternate the two
-engines (`--repeat`), and each rate's median is shown.
+engines (`--repeat`), and each rate's median is shown. nanovllm runs through the public API only (`LLM`, its
+`config`, `SamplingParams`, `add_request`/`step`).
 """
 import argparse
 import json
@@ -88,7 +89,7 @@ def nanovllm_rates(llm, vocab_size: int, rng: random.Random) -> Rates:
     return rates
 
 
-def compare(args: argparse.Namespace) -> dict:
+def run(args: argparse.Namespace) -> dict:
     """Run both engines `args.repeat` times, alternating, and print the table of median rates and their ratio."""
     from nanovllm import LLM, SamplingParams
 

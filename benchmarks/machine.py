@@ -1,12 +1,23 @@
-"""What the machine does while a benchmark runs: device synchronization, the matmul rate it reaches (MFU's peak) and the
-peak memory an engine takes."""
+"""What the machine does while a benchmark runs: the device a benchmark plans for, device synchronization, the matmul
+rate it reaches (MFU's peak) and the peak memory an engine takes."""
 import multiprocessing
 import os
+import sys
 import threading
 import time
 from contextlib import contextmanager
 
 import torch
+
+
+def bench_device(requested: str) -> str:
+    """The device `--device` names, decided before any engine exists (the workload's defaults depend on it): "auto" is
+    CUDA where torch sees a GPU, else the CPU, as the engine's own "auto"; a clear exit for CUDA without a GPU."""
+    available = torch.cuda.is_available()
+    if requested == "cuda" and not available:
+        sys.exit("bench.py: error: --device cuda was requested but no CUDA device is available; use --device cpu or "
+                 "auto")
+    return requested if requested != "auto" else "cuda" if available else "cpu"
 
 
 def synchronize(device: str) -> None:

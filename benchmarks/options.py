@@ -6,7 +6,8 @@ arriving as a Poisson process of R requests/s); throughput is output tokens per 
 a warm-up. Each request's time to first token (from its arrival) and inter-token latencies are
 recorded, and reported as p50/p90/p99 for each scheduling mode (`--scheduling`): vLLM V1's
 chunked prefill with mixed steps, and nano-vLLM's prefill-first steps, in the same run. A short
-matmul probe in the model's dtype runs just before each timed run, and model FLOP utilization is
+matmul probe in the model's dtype runs next to each timed run (a baseline's just before it, nanovllm's just after
+it, in the dtype its engine resolved), and model FLOP utilization is
 the FLOPs the run computed (`benchmarks.flops`) / seconds / that probe, never above 100%.
 
 Without `--model` the model is built from a config (Qwen3-0.6B's by default) with random
@@ -28,7 +29,7 @@ directory or a .gguf file (converted once, see `nanovllm convert`).
     python bench.py --model DIR --workload grounded --speculative DIR --draft-quantization int4 --num-seqs 1
                                                  # self-speculation with a 4-bit copy (or a smaller draft's DIR/.gguf)
     python bench.py --model SmolLM2.Q4_1.gguf --baseline llamacpp --llamacpp-bin /tmp/llamacpp-bin/bin --threads 2
-    python -m nanovllm bench ...                 # the same, from an installed nanovllm
+    python bench.py --structured --jump-forward-compare   # what jump-forward saves on the JSON-schema workload
 
 `--workload grounded` asks the model (through its chat template) to repeat, rewrite or annotate given passages and
 code, greedy, each request ending at EOS or its max_tokens; `--speculative` runs every row again with speculative
@@ -50,8 +51,9 @@ SAMPLING = {"plain": {}, "all": dict(top_p=0.9, top_k=50, min_p=0.05, repetition
                                      frequency_penalty=0.5, logprobs=5)}
 
 
-def parse_args(argv: list[str] | None, prog: str | None = None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(prog=prog, description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    """The flags of `python bench.py`, checked (an exit naming the problem otherwise)."""
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--model", help="Hugging Face model directory or .gguf file; default: random weights from --config")
     p.add_argument("--config", default=str(DEFAULT_CONFIG), help="config.json used without --model")
     p.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda"])
@@ -120,7 +122,8 @@ def parse_args(argv: list[str] | None, prog: str | None = None) -> argparse.Name
     p.add_argument("--micro-max-context", type=int, default=2048,
                    help="longest context of --attention-micro; lengths are uniform in 1..this (default 2048)")
     p.add_argument("--host-overhead", action="store_true",
-                   help="instead of the workload, time a decode step's work outside the model at batch "
+                   help="instead of the workload, time a decode step's work outside the model (its wall time minus "
+                        "the model, LM head and sampler phases; preparing the batch's tensors is host work) at batch "
                         "--host-batch (a 1-layer hidden-32 model), through generate() and step()")
     p.add_argument("--host-batch", type=int, default=256, help="decode batch of --host-overhead (default 256)")
     p.add_argument("--structured", action="store_true",
@@ -133,8 +136,8 @@ def parse_args(argv: list[str] | None, prog: str | None = None) -> argparse.Name
                         "the default) and/or 'xgrammar'")
     p.add_argument("--jump-forward-compare", action="store_true",
                    help="with --structured, instead of its figures: the constrained requests with jump-forward off "
-                        "and on, interleaved in one engine (forward passes per completion token, tok/s, identical "
-                        "outputs)")
+                        "and on, in two engines, runs interleaved (forward passes per completion token, tok/s, "
+                        "identical outputs)")
     p.add_argument("--json", help="also write the results as JSON to this path")
     args = p.parse_args(argv)
     from nanovllm.kernels.attention import ATTENTION_BACKENDS  # imports torch: not needed for --help

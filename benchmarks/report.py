@@ -1,4 +1,6 @@
-"""What the benchmarks report: each timed run, the rows made of them, and the plain-text (markdown) tables printed."""
+"""What the benchmarks report: each timed run, the rows made of them, the plain-text (markdown) tables printed and the
+JSON file written."""
+import json
 from dataclasses import dataclass
 
 
@@ -16,14 +18,15 @@ class Served:
 @dataclass
 class Measured:
     """One timed run of a row: its seconds and tokens, the matmul probe taken just before it, its peak memory (None
-    where it ran in another process), and what the engine reported (`served`) or its name (`engine`)."""
+    where it ran in another process), and what nanovllm reported (`served`) or the baseline's name and attention
+    (`baseline`)."""
 
     seconds: float
     tokens: int
     probe: float
     peak_mem_gib: float | None
     served: Served | None = None
-    engine: tuple[str, str] | None = None
+    baseline: tuple[str, str] | None = None
 
 
 def median(measured: list[Measured]) -> Measured:
@@ -76,3 +79,11 @@ def format_report(rows: list[Row]) -> str:
         ["engine", "attention", "TTFT p50 ms", "TTFT p90 ms", "TTFT p99 ms", "ITL p50 ms", "ITL p90 ms", "ITL p99 ms"],
         [[r.engine, r.attention, *ms(r.ttft_ms), *ms(r.itl_ms)] for r in timed])
     return throughput + "\n\n" + latency if timed else throughput
+
+
+def save_json(result: dict, path: str | None) -> dict:
+    """Write `result` to `path` as JSON (`--json`), if given; returns `result`."""
+    if path:
+        with open(path, "w") as f:
+            json.dump(result, f, indent=2)
+    return result

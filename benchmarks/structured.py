@@ -1,10 +1,11 @@
-"""`bench.py --structured`: structured outputs' cost on a JSON-schema extraction workload, with the default model.
+"""The `--structured` mode: structured outputs' cost on a JSON-schema extraction workload, with the default model.
 
 Each row is one grammar backend: constrained tok/s (32 requests of 8 schema shapes, greedy, submitted at once, their
-grammars compiled in the run), beside the same prompts unconstrained, each request run to the length its constrained
-output had (`ignore_eos`), so both runs compute the same tokens; then the time of a one-token request with a schema
-never seen before, against one without; then how many outputs of a varied set (schemas, regexes, choices, a grammar;
-greedy and sampled) satisfy their constraint. `--baseline vllm` runs vLLM on the same requests
+grammars compiled in the run: each round's schemas carry a `$comment` of their own, `fresh_constraint`, so no
+engine's cache of compiled grammars has them), beside the same prompts unconstrained, each request run to the length
+its constrained output had (`ignore_eos`), so both runs compute the same tokens; then the time of a one-token request
+with a schema never seen before, against one without; then how many outputs of a varied set (schemas, regexes,
+choices, a grammar; greedy and sampled) satisfy their constraint. `--baseline vllm` runs vLLM on the same requests
 (`vllm_structured_runner.py`, in vLLM's own python), round by round with nanovllm's (`--repeat` rounds), so both see
 the same load.
 
@@ -15,6 +16,9 @@ timed run has prompts of its own (the documents are labelled per run), so neithe
 one run's prompts into the next, and the time to first token is that of a prompt no run has seen. Within a run, the
 prompts of one schema share their opening (chat template, instruction, schema: 124 to 221 tokens), which each engine's
 prefix cache reuses in whole blocks: vLLM's CPU build 128 tokens at a time, nanovllm 16 (its CPU default).
+
+It drives nanovllm through the public API only (`LLM`, its `config` and `chat_prompt`, `SamplingParams`,
+`StructuredOutputsParams`, `nanovllm.default_model`); the GGUF conversion for the vLLM baseline is `benchmarks.model`'s.
 """
 import argparse
 import json
@@ -24,80 +28,45 @@ import subprocess
 import sys
 import tempfile
 import time
-from collections.abc import Iterator
-from contextlib import ExitStack, contextmanager
+from contextlib import ExitStack
 from pathlib import Path
 
 from benchmarks.baselines import find_vllm_python
+from benchmarks.machine import bench_device
+from benchmarks.model import structured_weights
 from benchmarks.report import markdown_table
-from benchmarks.structured_jump import JUMP_FORWARD_HEADER, compare_jump_forward, jump_forward_row
-from benchmarks.structured_workload import Case, fresh_schema, json_cases, varied_cases
-from nanovllm import LLM, SamplingParams, StructuredOutputsParams
-from nanovllm.models.gguf.convert import convert_gguf
-from nanovllm.models.gguf.metadata import find_gguf
-
-FRESH = 5  # one-token requests with a fresh schema (and as many without), interleaved
-
-
-def warmup_prompts(prompts: list[list[int]]) -> list[list[int]]:
-    """A round's warm-up batch, as large as its timed ones: its prompts reversed, so that no timed prompt shares a
-    cached block with them. An engine's first step of that size pays a one-time cost (nanovllm's first 32-prompt step
-    took ~2 s more than later ones; vLLM runs a batch at start-up)."""
-    return [p[::-1] for p in prompts]
+from benchmarks.structured_workload import (
+    FRESH,
+    Case,
+    Workload,
+    constrained,
+    fresh_schema,
+    json_cases,
+    varied_cases,
+    warmup_prompts,
+)
+from nanovllm import LLM, SamplingParams, default_model
 
 
-def constrained(case: Case, **settings) -> SamplingParams:
-    return SamplingParams(structured_outputs=StructuredOutputsParams(**case.constraint), **settings)
-
-
-@contextmanager
-def benchmark_weights(model: str, baseline: str) -> Iterator[tuple[str, str, str | None]]:
-    """(the model both engines load, what it is, a GGUF file nanovllm also runs as it is): with vLLM as the baseline
-    a GGUF file is dequantized to a float32 directory for both, so they run the same weights in the same dtype, and
-    nanovllm runs the file as it is too (what its users run; vLLM's CPU build has no GGUF kernels); otherwise the
-    model as given."""
-    gguf = find_gguf(model)
-    if baseline != "vllm" or not gguf:
-        yield model, Path(os.path.normpath(model)).name, None
-        return
-    with tempfile.TemporaryDirectory(prefix="nanovllm-bench-") as tmp:
-        print(f"converting {gguf} to float32, the weights both engines load ...", file=sys.stderr)
-        convert_gguf(gguf, tmp)
-        yield tmp, f"{Path(gguf).name} dequantized (both engines)", gguf
-
-
-def run_structured(args: argparse.Namespace) -> dict:
-    from nanovllm.smollm2 import default_model
-
+def run(args: argparse.Namespace) -> dict:
+    """--structured: the table of every engine's figures, printed; the figures returned."""
+    device = bench_device(args.device)
     given = args.model or default_model()
     count = args.num_seqs or len(json_cases())
     checks = varied_cases()
     max_tokens = args.max_output_len or 384
     result = {"model": given, "num_requests": count, "max_tokens": max_tokens, "engines": {}}
-    with benchmark_weights(given, args.baseline) as (model, weights, as_is), ExitStack() as stack:
+    with structured_weights(given, args.baseline) as (model, weights, as_is), ExitStack() as stack:
         engines = {f"nanovllm ({backend})": (model, backend) for backend in args.structured_backend}
         if as_is:
             engines |= {f"nanovllm ({backend}), {Path(as_is).name} as is": (as_is, backend)
                         for backend in args.structured_backend}
-        llms = {name: stack.enter_context(LLM(path, device=args.device, dtype=args.dtype,
+        llms = {name: stack.enter_context(LLM(path, device=device, dtype=args.dtype,
                                               structured_outputs_config={"backend": backend}))
                 for name, (path, backend) in engines.items()}
         llm = next(iter(llms.values()))
         dtype = str(llm.config.torch_dtype).removeprefix("torch.")
         workload = Workload.make(llm, count, checks, max_tokens, args.repeat)
-        if args.jump_forward_compare:
-            rows = []
-            for name, engine in llms.items():
-                figures = compare_jump_forward(engine, workload.rounds[0]["constrained"],
-                                               [constrained(c, temperature=0, max_tokens=max_tokens)
-                                                for c in workload.cases], args.repeat)
-                result["engines"][name] = {"jump_forward": figures}
-                rows.append(jump_forward_row(name, figures))
-            print(f"\n{count} JSON-schema requests (8 shapes), greedy, up to {max_tokens} tokens, {weights}, {dtype}, "
-                  f"jump-forward off and on interleaved in one engine, {args.repeat} run(s) each (median); "
-                  "steps/token: forward passes per completion token")
-            print(markdown_table(JUMP_FORWARD_HEADER, rows))
-            return result
         vllm_python = find_vllm_python(args.vllm_python, "cpu") if args.baseline == "vllm" else None
         rounds: dict[str, list[dict]] = {}
         for number in range(args.repeat):
@@ -125,32 +94,6 @@ def run_structured(args: argparse.Namespace) -> dict:
     return result
 
 
-class Workload:
-    """Token ids for every timed run, the same for both engines: per round a constrained and an unconstrained set of
-    the extraction prompts (documents labelled with the run), the fresh prompts of the TTFT requests, the checks."""
-
-    def __init__(self, cases: list[Case], rounds: list[dict[str, list[list[int]]]], ttft: list[list[int]],
-                 checks: list[Case], check_prompts: list[list[int]], max_tokens: int):
-        self.cases, self.rounds, self.ttft = cases, rounds, ttft
-        self.checks, self.check_prompts, self.max_tokens = checks, check_prompts, max_tokens
-
-    @classmethod
-    def make(cls, llm: LLM, count: int, checks: list[Case], max_tokens: int, repeat: int) -> "Workload":
-        def prompts(cases: list[Case]) -> list[list[int]]:
-            return [llm.chat_prompt([{"role": "user", "content": c.message}]) for c in cases]
-
-        def labelled(label: str) -> list[Case]:
-            cases = json_cases(label)
-            return [cases[i % len(cases)] for i in range(count)]
-
-        rounds = [{kind: prompts(labelled(f" {number}{kind[0]}")) for kind in ("constrained", "unconstrained")}
-                  for number in range(repeat)]
-        first = json_cases()[0]
-        ttft = prompts([Case(f"Ticket {number}. {first.message}", first.constraint) for number in range(2 * FRESH
-                                                                                                        * repeat)])
-        return cls(labelled(""), rounds, ttft, checks, prompts(checks), max_tokens)
-
-
 def measure(llm: LLM, work: Workload, number: int) -> dict:
     """One round of nanovllm's figures (the validity checks in the first round only)."""
     def timed(prompts, params):
@@ -161,9 +104,8 @@ def measure(llm: LLM, work: Workload, number: int) -> dict:
     load = [os.getloadavg()[0]]
     prompts = work.rounds[number]
     timed(warmup_prompts(prompts["constrained"]), SamplingParams(temperature=0, max_tokens=4))
-    llm.engine.structured.clear_cache()
-    seconds, outputs = timed(prompts["constrained"], [constrained(c, temperature=0, max_tokens=work.max_tokens)
-                                                      for c in work.cases])
+    seconds, outputs = timed(prompts["constrained"], [constrained(c, f"round {number}", temperature=0,
+                                                                  max_tokens=work.max_tokens) for c in work.cases])
     lengths = [len(o.outputs[0].token_ids) for o in outputs]
     figures = {"tokens_per_s": {"constrained": sum(lengths) / seconds}, "texts": [o.outputs[0].text for o in outputs]}
     seconds, outputs = timed(prompts["unconstrained"], [SamplingParams(temperature=0, max_tokens=n, ignore_eos=True)

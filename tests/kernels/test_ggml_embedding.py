@@ -1,8 +1,8 @@
 """Embedding lookups over GGML blocks in the compiled kernels: gguf-py's numpy values, bit for bit."""
 import pytest
 import torch
-from ggml_random import SCALES, random_ggml_weight
 
+from benchmarks.ggml_random import SCALES, random_ggml_weight
 from nanovllm.kernels.ggml import BLOCK, TYPE_NAMES, ggml_dequantize, ggml_embedding
 
 pytest.importorskip("gguf")

@@ -209,9 +209,10 @@ def test_sampled_constrained_outputs_are_always_valid_with_drafts(tied_model, to
 def test_the_benchmarks_comparison_counts_fewer_steps_and_identical_outputs(tied_model, tokenizer):
     prompts = prompts_of(tokenizer, 4)
     params = SamplingParams(temperature=0, max_tokens=48, structured_outputs=StructuredOutputsParams(regex=FORCING))
-    with LLM(tied_model, device="cpu", dtype="float32", kvcache_block_size=16, max_model_len=256) as llm:
-        figures = compare_jump_forward(llm, prompts, [params] * 4, repeat=1)
-        assert llm.engine.grammar_drafts.jump_forward  # the engine's setting is back
+    settings = dict(device="cpu", dtype="float32", kvcache_block_size=16, max_model_len=256)
+    with LLM(tied_model, structured_outputs_config={"jump_forward": False}, **settings) as off, \
+            LLM(tied_model, structured_outputs_config={"jump_forward": True}, **settings) as on:
+        figures = compare_jump_forward({"off": off, "on": on}, prompts, lambda run: [params] * 4, repeat=2)
     off, on = figures["off"], figures["on"]
     assert figures["identical"] and off["num_draft_tokens"] == 0 and on["num_accepted_tokens"] > 0
     assert on["steps_per_token"] < off["steps_per_token"] and on["request_passes_per_token"] < 1

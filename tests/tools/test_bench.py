@@ -1,11 +1,16 @@
 """bench.py runs end to end on a tiny model, with the transformers baseline and both scheduling modes, and reports
-consistent numbers."""
+consistent numbers; every mode is one module of benchmarks/ on nanovllm's public API."""
+import ast
 import importlib.util
 import json
+import re
+from pathlib import Path
 
 import pytest
 
 import bench
+
+BENCHMARKS = Path(bench.__file__).parent / "benchmarks"
 
 
 def test_bench_with_hf_baseline_on_a_tiny_checkpoint(tied_model, tmp_path, capsys):
@@ -107,6 +112,8 @@ def test_attention_micro_benchmark_times_each_backend_that_runs(tiny_config, tmp
     (["--attention-micro", "--attention-backend", "flash-attn-4"], "flash-attn-4 needs a CUDA GPU"),
     (["--max-output-len", "5000", "--max-num-batched-tokens", "512"], "must hold the longest request"),
     (["--jump-forward-compare"], "--jump-forward-compare goes with --structured"),
+    (["--attention-backend", "flash-attn-4", "--num-seqs", "2", "--min-input-len", "4", "--max-input-len", "8"],
+     "flash-attn-4 needs a CUDA GPU"),  # the engine refuses it (all's candidates it refuses are left out)
 ])
 def test_bench_rejects_what_it_cannot_run_before_running_anything(tiny_config, capsys, flags, message):
     with pytest.raises(SystemExit) as error:
@@ -165,9 +172,106 @@ def test_repeats_are_interleaved_and_the_median_reported(tiny_config):
     assert len(result["matmul_probes_gflops"]) == 3 and row["tokens"] >= 4 and 0 < row["mfu"] <= 1
 
 
-def test_host_overhead_times_the_steps_outside_the_model():
+def test_host_overhead_times_the_steps_outside_the_model(capsys):
     result = bench.main(["--host-overhead", "--host-batch", "8"])
-    assert result["batch"] == 8 and result["generate_ms"] > 0 and result["step_ms"] > 0 and result["model_ms"] > 0
+    assert result["batch"] == 8 and result["generate_ms"] > 0 and result["model_ms"] > 0
+    assert result["step_ms"] >= result["prepare_ms"] > 0, "preparing the batch's tensors is host work"
+    assert "| 8 " in capsys.readouterr().out
+
+
+def test_step_profile_splits_a_decode_step_into_the_engines_phases(tied_model, capsys):
+    from benchmarks import step_profile
+
+    medians = step_profile.main(["--model", tied_model, "--threads", "1", "--prompt-tokens", "8", "--output-tokens",
+                                 "6", "--rounds", "1"])
+    assert list(medians) == ["one call", "layer by layer"]
+    for pieces in medians.values():
+        assert set(pieces) == {*step_profile.PIECES, "step"}
+        assert all(pieces[p] > 0 for p in step_profile.PIECES), pieces
+        assert sum(pieces[p] for p in step_profile.PIECES) == pytest.approx(pieces["step"])
+    assert "| model " in capsys.readouterr().out
+
+
+@pytest.mark.parametrize("flags, name", [([], "throughput"), (["--baseline", "hf"], "throughput"),
+                                         (["--attention-micro"], "attention-micro"),
+                                         (["--host-overhead"], "host-overhead"), (["--structured"], "structured"),
+                                         (["--structured", "--jump-forward-compare"], "jump-forward")])
+def test_the_flags_name_one_mode_each(flags, name):
+    assert bench.mode(bench.parse_args(flags)) == name and name in bench.MODES
+
+
+def modules() -> dict[str, ast.Module]:
+    return {f"benchmarks.{path.stem}": ast.parse(path.read_text(), str(path)) for path in BENCHMARKS.glob("*.py")}
+
+
+def imported(tree: ast.Module) -> list[tuple[str, str | None, str]]:
+    """(module, name or None, the name it is bound to) of every import in `tree`."""
+    found = []
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Import):
+            found += [(alias.name, None, alias.asname or alias.name.split(".")[0]) for alias in node.names]
+        elif isinstance(node, ast.ImportFrom):
+            found += [(node.module or "", alias.name, alias.asname or alias.name) for alias in node.names]
+    return found
+
+
+def private(name: str) -> bool:
+    return any(part.startswith("_") and not part.startswith("__") for part in name.split("."))
+
+
+def test_benchmarks_use_no_private_name_of_the_package():
+    """No module of benchmarks/ imports a nanovllm name starting with an underscore, nor reads one off a nanovllm
+    module it imported."""
+    problems = []
+    for module, tree in modules().items():
+        bound = set()
+        for source, name, alias in imported(tree):
+            if source.split(".")[0] == "nanovllm":
+                bound.add(alias)
+                if private(source) or name and private(name):
+                    problems.append(f"{module} imports {source}{f'.{name}' if name else ''}")
+        for node in ast.walk(tree):
+            if isinstance(node, ast.Attribute) and private(node.attr):
+                root = node.value
+                while isinstance(root, ast.Attribute):
+                    root = root.value
+                if isinstance(root, ast.Name) and root.id in bound:
+                    problems.append(f"{module} reads {ast.unparse(node)}")
+    assert not problems
+
+
+HOOK = ("engine", "model_runner", "phase_seconds")  # llm.engine.model_runner.phase_seconds: the profiling hook
+ROW = re.compile(r"(r|row|rows\[.*\])")  # the report's `Row.engine` column: a name, not an engine
+
+
+def test_benchmarks_reach_the_engine_only_through_the_documented_hook():
+    """`llm.engine` appears only as `llm.engine.model_runner.phase_seconds` (no monkeypatching of the engine's parts,
+    no reading its internals); the report rows' `engine` column aside."""
+    problems = []
+    for module, tree in modules().items():
+        parents = {child: node for node in ast.walk(tree) for child in ast.iter_child_nodes(node)}
+        for node in ast.walk(tree):
+            if not isinstance(node, ast.Attribute) or node.attr != "engine" or ROW.fullmatch(ast.unparse(node.value)):
+                continue
+            chain, outer = [node.attr], parents.get(node)
+            while isinstance(outer, ast.Attribute) and len(chain) < len(HOOK):
+                chain.append(outer.attr)
+                outer = parents.get(outer)
+            if tuple(chain) != HOOK:
+                problems.append(f"{module}: {ast.unparse(node)}")
+    assert not problems
+    assert "llm.engine.model_runner.phase_seconds" in (BENCHMARKS / "host.py").read_text(), "the check sees the hook"
+
+
+def test_no_mode_imports_another():
+    """A mode (`bench.MODES`, and the standalone kernel benchmarks) is imported only by bench.py: nothing in
+    benchmarks/ imports one, so a mode's module holds only that mode and what it shares comes from the shared ones."""
+    modes = {*bench.MODES.values(), *bench.STANDALONE}
+    assert modes <= set(modules())
+    problems = [f"{module} imports {target}" for module, tree in modules().items()
+                for source, name, _ in imported(tree)
+                for target in [source, f"{source}.{name}"] if target in modes and target != module]
+    assert not problems
 
 
 def test_compete_runs_every_row_again_beside_a_busy_process_and_reports_what_it_keeps(tiny_config, capsys,
