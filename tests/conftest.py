@@ -1,5 +1,26 @@
+import os
+
 import pytest
 from checkpoints import LLAMA3_ROPE, make_checkpoint
+
+MOCK_CUDA = "NANOVLLM_TEST_CUDA_DEVICES"
+"""Set to N on a machine without a GPU to run the suite as a machine with N GPUs would see it, CUDA itself aside:
+torch reports N devices, and the tests that need a real GPU (marked `cuda`) are skipped. No other test may depend on
+how many GPUs there are: each pins its device or says what it needs."""
+
+
+def pytest_configure(config) -> None:
+    count = os.environ.get(MOCK_CUDA)
+    if count is None:
+        return
+    import torch
+
+    if torch.cuda.is_available():
+        raise pytest.UsageError(f"{MOCK_CUDA} mocks GPUs on a machine without one; this one has a GPU")
+    torch.cuda.is_available = lambda: int(count) > 0
+    torch.cuda.device_count = lambda: int(count)
+    torch.cuda.get_device_capability = lambda device=None: (9, 0)
+    torch.cuda.get_device_name = lambda device=None: f"mocked GPU ({MOCK_CUDA}={count})"
 
 
 @pytest.fixture(scope="session")
@@ -41,12 +62,12 @@ def gpu_model(tmp_path_factory) -> str:
 
 
 def pytest_collection_modifyitems(config, items) -> None:
-    """Tests marked `cuda` need a GPU: skip them cleanly where none is visible."""
+    """Tests marked `cuda` need a GPU: skip them cleanly where none is visible (or where GPUs are mocked)."""
     import torch
 
-    if torch.cuda.is_available():
+    if torch.cuda.is_available() and MOCK_CUDA not in os.environ:
         return
-    skip = pytest.mark.skip(reason="needs a CUDA GPU (torch.cuda.is_available() is False)")
+    skip = pytest.mark.skip(reason="needs a CUDA GPU (torch.cuda.is_available() is False, or GPUs are mocked)")
     for item in items:
         if item.get_closest_marker("cuda") is not None:
             item.add_marker(skip)

@@ -155,7 +155,7 @@ def test_config_a_family_cannot_run(tied_model, tmp_path, change, message):
     config = json.loads((path / "config.json").read_text())
     (path / "config.json").write_text(json.dumps({**config, **change}))
     with pytest.raises(ValueError, match=message):
-        LLM(str(path))
+        LLM(str(path), device="cpu")
 
 
 def test_checkpoint_missing_weights(tied_model, tmp_path):
@@ -166,7 +166,7 @@ def test_checkpoint_missing_weights(tied_model, tmp_path):
     del weights["model.layers.1.self_attn.k_proj.weight"]
     save_file(weights, path / "model.safetensors")
     with pytest.raises(ValueError, match=r"missing weights for: model.layers.1.self_attn.qkv_proj.weight"):
-        LLM(str(path))
+        LLM(str(path), device="cpu")
 
 
 def test_a_shut_down_engine_says_so(tied_model):
