@@ -140,7 +140,8 @@ def warmup_sampling_rows(num_seqs: int) -> list[SamplingRow]:
 
 @torch.inference_mode()
 def warmup(model: nn.Module, sampler: Sampler, config: Config, device: torch.device) -> None:
-    """The largest prefill the budget allows, then sampling with every feature on over a full decode batch (its
+    """The largest prefill the budget allows; a full decode batch, every sequence at `max_model_len` (what attention
+    needs over the longest contexts: the torch backend gathers them); then sampling with every feature on over it (its
     logits are `max_num_seqs x vocab` and often the biggest single allocation; the sampler keeps the count tables
     it grows here for later steps).
 
@@ -160,16 +161,27 @@ def warmup(model: nn.Module, sampler: Sampler, config: Config, device: torch.dev
                     context_lens=context_lens, block_tables=block_tables, slot_mapping=slot_mapping)
         hidden_states = model(torch.zeros_like(positions), positions)
         model.compute_logits(hidden_states[cu_seqlens[1:] - 1])
-        set_context(max_seqlen_q=1)
-        decode_batch = hidden_states.new_zeros(config.max_num_seqs, hidden_states.size(-1))
         del hidden_states
-        logits = model.compute_logits(decode_batch)
+        logits = model.compute_logits(_decode_pass(model, config, device))
         if logits is not None:
             rows = warmup_sampling_rows(config.max_num_seqs)
             sampler(logits, rows)
             sampler.release(row.seq_id for row in rows)
     finally:
         reset_context()
+
+
+def _decode_pass(model: nn.Module, config: Config, device: torch.device) -> torch.Tensor:
+    """The hidden states of a decode step of `max_num_seqs` sequences at `max_model_len` tokens each, whose block
+    tables reuse the warm-up's blocks and which write no K/V."""
+    batch, length = config.max_num_seqs, config.max_model_len
+    table = torch.arange(config.blocks_per_sequence, dtype=torch.int32, device=device) % warmup_cache_blocks(config)
+    steps = torch.arange(batch + 1, dtype=torch.int32, device=device)
+    set_context(cu_seqlens_q=steps, cu_seqlens_k=steps * length, max_seqlen_q=1, max_seqlen_k=length,
+                context_lens=torch.full((batch,), length, dtype=torch.int32, device=device),
+                block_tables=table.repeat(batch, 1), slot_mapping=torch.full((batch,), -1, device=device))
+    return model(torch.zeros(batch, dtype=torch.int64, device=device),
+                 torch.full((batch,), length - 1, dtype=torch.int64, device=device))
 
 
 def _gpu_budget(model: nn.Module, sampler: Sampler, config: Config, device: torch.device) -> int:

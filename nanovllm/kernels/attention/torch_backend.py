@@ -10,6 +10,9 @@ _CUDA_KERNELS = [SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH]
 # On CPU a sequence with this many queries or fewer (a decode with drafts to verify, a short chunk) runs each query
 # through the decode kernel: one call for all of them, and each row's result is its decode's.
 SHORT_QUERIES = 16
+DECODE_GATHER_BYTES = 256 * 2**20
+"""The most K/V a batched decode gathers at once (CUDA): rows are taken in groups under it, so its working memory is
+bounded whatever the batch and its contexts (512 rows of 40k tokens would gather tens of GB otherwise)."""
 
 
 def _sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor, scale: float) -> torch.Tensor:
@@ -191,13 +194,25 @@ def _decode_short_rows(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Te
 
 def _decode_batched(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, ctx: Context, scale: float,
                     window: int, softcap: float) -> torch.Tensor:
-    """Every sequence's single query over its whole block table, masked to its context length (and window)."""
-    k = k_cache[ctx.block_tables].flatten(1, 2).transpose(1, 2)
-    v = v_cache[ctx.block_tables].flatten(1, 2).transpose(1, 2)
+    """Every sequence's single query over its whole block table, masked to its context length (and window), in groups
+    of rows whose gathered K/V stay within `DECODE_GATHER_BYTES` (each row is computed alone either way)."""
+    row_bytes = 2 * ctx.block_tables.size(1) * k_cache[0].numel() * k_cache.element_size()
+    group = max(1, DECODE_GATHER_BYTES // row_bytes)
+    if q.size(0) <= group:
+        return _decode_rows(q, k_cache, v_cache, ctx.block_tables, ctx.context_lens, scale, window, softcap)
+    return torch.cat([_decode_rows(q[i:i + group], k_cache, v_cache, ctx.block_tables[i:i + group],
+                                   ctx.context_lens[i:i + group], scale, window, softcap)
+                      for i in range(0, q.size(0), group)])
+
+
+def _decode_rows(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_tables: torch.Tensor,
+                 context_lens: torch.Tensor, scale: float, window: int, softcap: float) -> torch.Tensor:
+    k = k_cache[block_tables].flatten(1, 2).transpose(1, 2)
+    v = v_cache[block_tables].flatten(1, 2).transpose(1, 2)
     keys = torch.arange(k.size(2), device=q.device)
-    mask = keys < ctx.context_lens[:, None]
+    mask = keys < context_lens[:, None]
     if window:
-        mask &= keys >= ctx.context_lens[:, None] - window
+        mask &= keys >= context_lens[:, None] - window
     mask = mask[:, None, None, :]
     if softcap:
         return _explicit(q.unsqueeze(2), k, v, mask, scale, softcap).squeeze(2)
