@@ -14,6 +14,10 @@ off at large batch) the draft reads stale K/V there, which lowers acceptance and
 Greedy and seeded requests get the draft's most likely token (a point mass, verified as n-gram proposals are, so
 their output is the same as without speculation); unseeded requests at temperature > 0 get a token sampled from the
 draft's distribution q, kept for the verifier's speculative sampling.
+
+The drafts stay on the device until the last one is drawn: each depth's tokens are the next forward's input ids (its
+positions, slots and block tables are known on the host), bad words are matched against them there, and all the
+drafts reach the host in one transfer, so a proposal never waits for the device in between.
 """
 from collections.abc import Callable
 from contextlib import AbstractContextManager
@@ -26,9 +30,9 @@ from nanovllm.core.scheduler import ScheduledBatch
 from nanovllm.core.sequence import Sequence
 from nanovllm.execution.kv_cache import allocate_kv_cache, bind_kv_cache
 from nanovllm.execution.model_loading import load_runner_model
-from nanovllm.execution.sampler import Sampler, SamplingRow
+from nanovllm.execution.sampler import DeviceTail, Sampler, SamplingRow, to_host
 from nanovllm.execution.sampling_ops import exponential_race
-from nanovllm.execution.step_inputs import Chunk, set_step_context
+from nanovllm.execution.step_inputs import Chunk, set_step_context, to_device
 from nanovllm.execution.stopwatch import Stopwatch
 from nanovllm.kernels.attention import Platform, load_backend
 from nanovllm.kernels.attention.context import get_context, reset_context
@@ -94,20 +98,26 @@ class DraftModel:
         probs: dict[int, list[torch.Tensor]] = {}
         depth = max(len(drafts) for _, _, drafts in speculating)
         watch = Stopwatch(self.device)
+        drawn: list[torch.Tensor] = []  # per depth j, the tokens of the sequences with more than j drafts
         for j in range(depth):
             if j == 1:
                 watch.start()
             rows = [(seq, drafts) for seq, _, drafts in speculating if len(drafts) > j]
             if j == 0:
                 logits = self._catch_up(chunks)
-            else:
-                logits = self._forward([Chunk(seq, start + j, [drafts[j - 1]]) for seq, start, drafts in speculating
-                                        if len(drafts) > j])
-            self._draw(logits, rows, j, sampler, probs)
+            else:  # the input ids are the last depth's tokens, on the device: the chunks hold placeholders
+                logits = self._forward([Chunk(seq, start + j, [0]) for seq, start, drafts in speculating
+                                        if len(drafts) > j], None, self._inputs(drawn[-1], speculating, j))
+            bad_words = j > 0 and any(len(word) > 1 for seq, _ in rows for word in seq.params.bad_words_token_ids)
+            tail = self._tail(speculating, drawn, j) if bad_words else None
+            drawn.append(self._draw(logits, rows, j, sampler, probs, tail))
         for seq, start, drafts in speculating:
             self.computed[seq.seq_id] = start + len(drafts)
         if depth > 1:  # the first forward also catches up (prompts included): only the others are timed
             self.last_run = len(speculating), depth - 1, watch.stop()
+        for j, tokens in enumerate(to_host(drawn)):  # the proposal's one wait for the device
+            for drafts, token in zip([drafts for _, _, drafts in speculating if len(drafts) > j], tokens):
+                drafts[j] = token
         return {seq_id: torch.stack(rows) for seq_id, rows in probs.items()}
 
     def observe_target(self, target: Stopwatch) -> None:
@@ -131,21 +141,45 @@ class DraftModel:
         self.ratios[size] = 0.99 * self.ratios[size] + 0.01 * PRIOR_RATIO
         return self.ratios[size]
 
+    @staticmethod
+    def _inputs(tokens: torch.Tensor, speculating: list[tuple[Sequence, int, list[int]]], j: int) -> torch.Tensor:
+        """Depth j's input ids: of `tokens` (depth j - 1's, one per sequence with more than j - 1 drafts), those of
+        the sequences with more than j."""
+        previous = [drafts for _, _, drafts in speculating if len(drafts) > j - 1]
+        keep = [i for i, drafts in enumerate(previous) if len(drafts) > j]
+        return tokens if len(keep) == len(previous) else tokens[to_device(keep, torch.int64, tokens.device)]
+
+    @staticmethod
+    def _tail(speculating: list[tuple[Sequence, int, list[int]]], drawn: list[torch.Tensor], j: int) -> DeviceTail:
+        """The drafts before depth j of the sequences with more than j, as they lie in `torch.cat(drawn)`: depth t's
+        tokens, one per sequence with more than t drafts, follow depth t - 1's."""
+        lengths = [len(drafts) for _, _, drafts in speculating]
+        index: list[list[int]] = [[] for n in lengths if n > j]
+        offset = 0
+        for t in range(j):
+            members = [i for i, n in enumerate(lengths) if n > t]
+            where = [offset + k for k, i in enumerate(members) if lengths[i] > j]
+            for row, position in zip(index, where):
+                row.append(position)
+            offset += len(members)
+        return DeviceTail(torch.cat(drawn), index)
+
     def _draw(self, logits: torch.Tensor, rows: list[tuple[Sequence, list[int]]], j: int, sampler: Sampler,
-              probs: dict[int, list[torch.Tensor]]) -> None:
-        """Set draft `j` of each of `rows` from the draft's `logits` (one row each)."""
+              probs: dict[int, list[torch.Tensor]], tail: DeviceTail | None) -> torch.Tensor:
+        """Draft `j` of each of `rows` from the draft's `logits` (one row each), on the device. The drafts before
+        it are placeholders in the rows' tokens: only bad words read them, in `tail` (on the device)."""
         seqs = [SamplingRow(seq.seq_id, seq.params, seq.token_ids + drafts[:j], seq.num_prompt_tokens)
                 for seq, drafts in rows]
-        tokens = sampler.masked(logits, seqs).argmax(dim=-1)
+        masked = sampler.masked(logits, seqs, tail)
+        tokens = masked.argmax(dim=-1)
         sampled = [i for i, (seq, _) in enumerate(rows) if samples_drafts(seq)]
         if sampled:
-            index = torch.tensor(sampled, dtype=torch.int64, device=logits.device)
-            q = sampler.probabilities(logits[index], [seqs[i] for i in sampled])
+            index = slice(None) if len(sampled) == len(rows) else to_device(sampled, torch.int64, logits.device)
+            q = sampler.distribution(masked[index], [seqs[i] for i in sampled])
             tokens[index] = exponential_race(q, {})
             for i, row in zip(sampled, q):
                 probs.setdefault(rows[i][0].seq_id, []).append(row)
-        for (_, drafts), token in zip(rows, tokens.tolist()):
-            drafts[j] = token
+        return tokens
 
     def _catch_up(self, chunks: list[Chunk]) -> torch.Tensor:
         """`_forward` over `chunks` in forwards of at most `max_num_batched_tokens` tokens, as the scheduler bounds the
@@ -167,15 +201,17 @@ class DraftModel:
             logits.append(self._forward(part, wanted))
         return torch.cat(logits)
 
-    def _forward(self, chunks: list[Chunk], wanted: list[int] | None = None) -> torch.Tensor:
+    def _forward(self, chunks: list[Chunk], wanted: list[int] | None = None,
+                 input_ids: torch.Tensor | None = None) -> torch.Tensor:
         """Run the draft over each chunk, writing its K/V into the chunk's sequence's blocks; returns the logits at the
-        last token of the chunks `wanted` (default: every chunk's)."""
+        last token of the chunks `wanted` (default: every chunk's). `input_ids`: the chunks' tokens already on the
+        device (then the chunks' own are placeholders)."""
         ends = list(accumulate(len(chunk.tokens) for chunk in chunks))
         rows = [ends[i] - 1 for i in (range(len(chunks)) if wanted is None else wanted)]
-        input_ids, positions = set_step_context(chunks, self.block_size, self.device, rows)
+        placeholders, positions = set_step_context(chunks, self.block_size, self.device, rows)
         try:
             with self.governed():
-                hidden_states = self.model(input_ids, positions)
+                hidden_states = self.model(placeholders if input_ids is None else input_ids, positions)
                 return self.model.compute_logits(hidden_states[get_context().logits_indices])
         finally:
             reset_context()

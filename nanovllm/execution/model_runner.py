@@ -168,13 +168,13 @@ class ModelRunner:
             sampling = [(seq, drafts) for seq, drafts, samples in zip(batch.seqs, batch.drafts, batch.samples)
                         if samples]
             num_rows = len(sampling) + sum(len(drafts) for _, drafts in sampling)
+            # prompt logprobs reach the host with the samples, in the step's one transfer
+            prompt = self.sampler.score_prompts(logits[num_rows:], prompt_rows) if prompt_rows else None
             if num_rows > len(sampling):
-                output = verify(self.sampler, logits[:num_rows], sampling, allowed, draft_probs)
+                output = verify(self.sampler, logits[:num_rows], sampling, allowed, draft_probs, prompt)
             else:
-                output = self.sampler(logits[:num_rows], [seq for seq, _ in sampling], allowed) if sampling \
-                    else SamplerOutput([])
-            if prompt_rows:
-                output.prompt_logprobs = self.sampler.prompt_logprobs(logits[num_rows:], prompt_rows)
+                output = self.sampler(logits[:num_rows], [seq for seq, _ in sampling], allowed, prompt) \
+                    if sampling or prompt is not None else SamplerOutput([])
         if self.drafter is not None:  # the step's tokens are on the host: reading the watch waits for nothing
             self.drafter.observe_target(watch)
         return output

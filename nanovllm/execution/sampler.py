@@ -1,6 +1,11 @@
-"""Sampling on rank 0: one batched pass over a step's logits, with each sequence's sampling state kept on the device."""
-from collections.abc import Iterable, Sequence
+"""Sampling on rank 0: one batched pass over a step's logits, with each sequence's sampling state kept on the device.
+
+A step's results reach the host together: the sampler, the verifier and prompt logprobs build `Pending` results
+(their tensors still on the device, and what the host makes of their values), and `fetch` copies every tensor of
+them to the host in one transfer (on CUDA: one wait for the GPU per step)."""
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
+from typing import Generic, NamedTuple, TypeVar
 
 import torch
 
@@ -55,11 +60,74 @@ def num_completion_tokens(seq: SamplingRow) -> int:
     return len(seq.token_ids) - seq.num_prompt_tokens
 
 
+T = TypeVar("T")
+
+
+@dataclass
+class Pending(Generic[T]):
+    """A result whose values are still on the device: `finish` makes it from `tensors`' values (host lists, in
+    order), once `fetch` has copied them."""
+
+    tensors: list[torch.Tensor]
+    finish: Callable[[list], T]
+
+
+def gather(parts: Sequence[Pending | None], make: Callable[[list], T]) -> Pending[T]:
+    """One pending result from `parts`: `make` gets each part's result (None for a part that is None)."""
+    tensors = [t for part in parts if part is not None for t in part.tensors]
+
+    def finish(values: list) -> T:
+        results, i = [], 0
+        for part in parts:
+            if part is None:
+                results.append(None)
+                continue
+            results.append(part.finish(values[i:i + len(part.tensors)]))
+            i += len(part.tensors)
+        return make(results)
+
+    return Pending(tensors, finish)
+
+
+def to_host(tensors: Sequence[torch.Tensor]) -> list:
+    """The tensors' values as host lists, in one transfer: on CUDA each is copied without blocking (into pinned
+    memory: `to("cpu", non_blocking=True)` pins its result) and the host then waits once, for all of them; on the
+    CPU there is nothing to wait for."""
+    if not tensors or tensors[0].device.type == "cpu":
+        return [t.tolist() for t in tensors]
+    copies = [t.to("cpu", non_blocking=True) for t in tensors]
+    torch.cuda.current_stream(tensors[0].device).synchronize()
+    return [copy.tolist() for copy in copies]
+
+
+def fetch(pending: Pending[T]) -> T:
+    """`pending`'s result, its tensors brought to the host in one transfer."""
+    return pending.finish(to_host(pending.tensors))
+
+
+def fetch_step(sampled: Pending[SamplerOutput], prompt: Pending[dict] | None) -> SamplerOutput:
+    """A step's output: its samples and, with `prompt` (`Sampler.score_prompts`), its prompt logprobs, in one
+    transfer."""
+    if prompt is None:
+        return fetch(sampled)
+    output, prompt_logprobs = fetch(gather([sampled, prompt], tuple))
+    output.prompt_logprobs = prompt_logprobs
+    return output
+
+
+class DeviceTail(NamedTuple):
+    """Tokens at the end of rows' `token_ids` that the host does not know yet (a draft model's drafts, drawn on the
+    device): row i's last `len(index[i])` tokens are `tokens[index[i]]`; its `token_ids` hold placeholders there."""
+
+    tokens: torch.Tensor
+    index: list[list[int]]
+
+
 class Sampler:
     """Samples one token per row of a step's logits `[batch, vocab]`, row i for `seqs[i]`: penalties, min_tokens,
     temperature, min-p, top-k, top-p, then a draw; greedy rows (temperature 0) take the exact argmax of the penalized
     logits. Stages no row uses are skipped, as decided on the host from the params; the only host sync is reading
-    the result.
+    the result (`sample` leaves it pending, so that verification and prompt logprobs share the step's transfer).
 
     Per-sequence state, kept until `release(seq_ids)`: for penalized sequences a row of `prompt_mask` and
     `output_counts` (built from the sequence's tokens when first seen, then counted on the device after each
@@ -94,10 +162,18 @@ class Sampler:
         """Selects `rows` of the batch; a plain slice when that is every row, so nothing is gathered or scattered."""
         return slice(None) if len(rows) == batch else self._tensor(rows, torch.int64)
 
+    def __call__(self, logits: torch.Tensor, seqs: Sequence[SamplingRow], allowed: TokenBitmask | None = None,
+                 prompt: Pending[dict] | None = None) -> SamplerOutput:
+        """`allowed`: structured outputs' grammar mask, applied first (as vLLM: logprobs see the masked logits).
+        `prompt`: the step's prompt logprobs (`score_prompts`), brought to the host with the samples."""
+        return fetch_step(self.sample(logits, seqs, allowed), prompt)
+
     @torch.inference_mode()
-    def __call__(self, logits: torch.Tensor, seqs: Sequence[SamplingRow],
-                 allowed: TokenBitmask | None = None) -> SamplerOutput:
-        """`allowed`: structured outputs' grammar mask, applied first (as vLLM: logprobs see the masked logits)."""
+    def sample(self, logits: torch.Tensor, seqs: Sequence[SamplingRow],
+               allowed: TokenBitmask | None = None) -> Pending[SamplerOutput]:
+        """`__call__`'s output, still on the device."""
+        if not seqs:
+            return Pending([], lambda values: SamplerOutput([]))
         logits = logits.float()
         if allowed is not None:
             logits = apply_token_bitmask(logits, allowed)
@@ -115,50 +191,69 @@ class Sampler:
             self.output_counts[entries, token_ids[index]] += 1
             for i in penalized:
                 self.counted[seqs[i].seq_id] += 1
-        return SamplerOutput(token_ids.tolist(), self.logprobs(logits, seqs, token_ids))
+        logprobs = self.logprobs(logits, seqs, token_ids)
+        if logprobs is None:
+            return Pending([token_ids], lambda values: SamplerOutput(values[0]))
+        return gather([Pending([token_ids], lambda values: values[0]), logprobs],
+                      lambda results: SamplerOutput(*results))
 
     def logprobs(self, logits: torch.Tensor, seqs: Sequence[SamplingRow],
-                 token_ids: torch.Tensor) -> list[TokenLogprobs | None] | None:
-        """Each row's `token_ids` logprobs (and its top ones) where its sequence asked; None when none asked."""
+                 token_ids: torch.Tensor) -> Pending[list[TokenLogprobs | None]] | None:
+        """Each row's `token_ids` logprobs (and its top ones) where its sequence asked, pending; None when none
+        asked."""
         asked = [i for i, seq in enumerate(seqs) if seq.params.logprobs is not None]
         if not asked:
             return None
         index = self._index(asked, len(seqs))
         counts = [self._num_logprobs(seqs[i].params.logprobs) for i in asked]
         results = token_logprobs(logits[index].float(), token_ids[index], max(counts))
-        chosen, ranks, top_ids, top_logprobs = (t.tolist() for t in results)
-        logprobs: list[TokenLogprobs | None] = [None] * len(seqs)
-        for j, (i, k) in enumerate(zip(asked, counts)):
-            logprobs[i] = TokenLogprobs(chosen[j], ranks[j], top_ids[j][:k], top_logprobs[j][:k])
-        return logprobs
+
+        def finish(values: list) -> list[TokenLogprobs | None]:
+            chosen, ranks, top_ids, top_logprobs = values
+            logprobs: list[TokenLogprobs | None] = [None] * len(seqs)
+            for j, (i, k) in enumerate(zip(asked, counts)):
+                logprobs[i] = TokenLogprobs(chosen[j], ranks[j], top_ids[j][:k], top_logprobs[j][:k])
+            return logprobs
+
+        return Pending(list(results), finish)
 
     @torch.inference_mode()
-    def masked(self, logits: torch.Tensor, seqs: Sequence[SamplingRow]) -> torch.Tensor:
+    def masked(self, logits: torch.Tensor, seqs: Sequence[SamplingRow], tail: DeviceTail | None = None) -> torch.Tensor:
         """Float32 logits with what min_tokens, allowed_token_ids and bad words forbid at -inf (rows without
-        penalties: speculative decoding's draft and verified rows)."""
-        return self._restrict(self._suppress_stop_tokens(logits.float(), seqs), seqs)
+        penalties: speculative decoding's draft and verified rows). `tail`: the rows' last tokens that are known on
+        the device only (bad words are matched against them there)."""
+        return self._restrict(self._suppress_stop_tokens(logits.float(), seqs), seqs, tail)
 
     @torch.inference_mode()
     def probabilities(self, logits: torch.Tensor, seqs: Sequence[SamplingRow]) -> torch.Tensor:
         """The distribution each row (temperature > 0, no penalties) samples from: `masked`, then temperature,
         min-p, top-k and top-p as `__call__` applies them."""
-        params = [seq.params for seq in seqs]
-        return self._truncated(self.masked(logits, seqs), params, [False] * len(seqs)).softmax(dim=-1)
+        return self.distribution(self.masked(logits, seqs), seqs)
 
     @torch.inference_mode()
-    def prompt_logprobs(self, logits: torch.Tensor,
-                        prompt_rows: list[PromptRows]) -> dict[int, tuple[int, list[TokenLogprobs]]]:
-        """The raw log-probabilities of prompt tokens, from the logits rows `prompt_rows` name (in that order)."""
+    def distribution(self, masked: torch.Tensor, seqs: Sequence[SamplingRow]) -> torch.Tensor:
+        """`probabilities` from logits already `masked`."""
+        params = [seq.params for seq in seqs]
+        return self._truncated(masked, params, [False] * len(seqs)).softmax(dim=-1)
+
+    @torch.inference_mode()
+    def score_prompts(self, logits: torch.Tensor, prompt_rows: list[PromptRows]) -> Pending[dict]:
+        """The raw log-probabilities of prompt tokens, from the logits rows `prompt_rows` name (in that order),
+        pending: per sequence id, the first prompt position scored and its tokens' logprobs."""
         targets = [token_id for p in prompt_rows for token_id in p.seq.token_ids[p.first + 1:p.first + 1 + len(p.rows)]]
         counts = [self._num_logprobs(p.seq.params.prompt_logprobs) for p in prompt_rows]
         results = token_logprobs(logits.float(), self._tensor(targets, torch.int64), max(counts))
-        chosen, ranks, top_ids, top_logprobs = (t.tolist() for t in results)
-        out, row = {}, 0
-        for p, k in zip(prompt_rows, counts):
-            out[p.seq.seq_id] = p.first, [TokenLogprobs(chosen[r], ranks[r], top_ids[r][:k], top_logprobs[r][:k])
-                                          for r in range(row, row + len(p.rows))]
-            row += len(p.rows)
-        return out
+
+        def finish(values: list) -> dict[int, tuple[int, list[TokenLogprobs]]]:
+            chosen, ranks, top_ids, top_logprobs = values
+            out, row = {}, 0
+            for p, k in zip(prompt_rows, counts):
+                out[p.seq.seq_id] = p.first, [TokenLogprobs(chosen[r], ranks[r], top_ids[r][:k], top_logprobs[r][:k])
+                                              for r in range(row, row + len(p.rows))]
+                row += len(p.rows)
+            return out
+
+        return Pending(list(results), finish)
 
     def _num_logprobs(self, asked: int) -> int:
         return self.vocab_size if asked == -1 else asked
@@ -225,9 +320,11 @@ class Sampler:
         return logits.index_put((self._tensor(rows, torch.int64), self._tensor(token_ids, torch.int64)),
                                 logits.new_full((), NEG_INF))
 
-    def _restrict(self, logits: torch.Tensor, seqs: Sequence[SamplingRow]) -> torch.Tensor:
+    def _restrict(self, logits: torch.Tensor, seqs: Sequence[SamplingRow],
+                  tail: DeviceTail | None = None) -> torch.Tensor:
         """`allowed_token_ids`: every other token is never sampled. `bad_words`: a word's last token is never
-        sampled where the completion ends with the word's other tokens (a one-token word: anywhere)."""
+        sampled where the completion ends with the word's other tokens (a one-token word: anywhere); the tokens of
+        `tail` are compared on the device."""
         restricted = [i for i, seq in enumerate(seqs) if seq.params.allowed_token_ids]
         if restricted:
             allowed = [seqs[i].params.allowed_token_ids for i in restricted]
@@ -236,17 +333,35 @@ class Sampler:
                  self._tensor([t for ids in allowed for t in ids], torch.int64)] = 0
             index = self._tensor(restricted, torch.int64)
             logits = logits.index_put((index,), logits[index] + bias)
-        rows, banned = [], []
+        rows, banned, unsure = [], [], []  # unsure: (row, token, [(index into tail.tokens, token it must be)])
         for i, seq in enumerate(seqs):
+            if not seq.params.bad_words_token_ids:
+                continue
             completion = seq.token_ids[seq.num_prompt_tokens:]
+            unknown = tail.index[i] if tail is not None else []
+            known = len(completion) - len(unknown)
             for *prefix, last in seq.params.bad_words_token_ids:
-                if not prefix or completion[-len(prefix):] == prefix:
+                on_device = min(len(prefix), len(unknown))
+                head = len(prefix) - on_device  # the prefix's tokens that must end the known completion
+                if len(prefix) > len(completion) or completion[known - head:known] != prefix[:head]:
+                    continue
+                if on_device:
+                    unsure.append((i, last, list(zip(unknown[len(unknown) - on_device:], prefix[head:]))))
+                else:
                     rows.append(i)
                     banned.append(last)
-        if not rows:
-            return logits
-        return logits.index_put((self._tensor(rows, torch.int64), self._tensor(banned, torch.int64)),
-                                logits.new_full((), NEG_INF))
+        if rows:
+            logits = logits.index_put((self._tensor(rows, torch.int64), self._tensor(banned, torch.int64)),
+                                      logits.new_full((), NEG_INF))
+        if unsure:
+            index = self._tensor([k for _, _, pairs in unsure for k, _ in pairs], torch.int64)
+            expected = self._tensor([t for _, _, pairs in unsure for _, t in pairs], torch.int64)
+            owner = self._tensor([c for c, (_, _, pairs) in enumerate(unsure) for _ in pairs], torch.int64)
+            mismatches = logits.new_zeros(len(unsure)).index_add_(0, owner, (tail.tokens[index] != expected).float())
+            ban = torch.where(mismatches == 0, NEG_INF, 0.0)  # added: duplicates of a (row, token) add up
+            logits = logits.index_put((self._tensor([i for i, _, _ in unsure], torch.int64),
+                                       self._tensor([t for _, t, _ in unsure], torch.int64)), ban, accumulate=True)
+        return logits
 
     def _sample(self, logits: torch.Tensor, seqs: Sequence[SamplingRow]) -> torch.Tensor:
         params = [seq.params for seq in seqs]

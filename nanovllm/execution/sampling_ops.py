@@ -54,7 +54,10 @@ def apply_top_p(logits: torch.Tensor, top_p: torch.Tensor, candidates: int | Non
 def exponential_race(probs: torch.Tensor, generators: dict[int, torch.Generator]) -> torch.Tensor:
     """One draw per row: argmax(p / E) with E ~ Exp(1) i.i.d. picks token i with probability p_i, with no cumulative
     sum and no host sync. The rows in `generators` draw their E from their own generator, so their draw does not
-    depend on the rest of the batch; the others share torch's default generator."""
+    depend on the rest of the batch; the others share torch's default generator. Each seeded row is a launch of its
+    own (a kernel launch, never a host sync, as in vLLM V1's sampler): one launch for all would need a counter-based
+    generator keyed by each request's seed and draw count, which torch does not offer, and would change every seeded
+    request's tokens."""
     noise = torch.empty_like(probs)
     if len(generators) < probs.size(0):
         _exponential(noise)

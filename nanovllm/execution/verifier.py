@@ -16,6 +16,9 @@ speculative sampling (Leviathan et al., Chen et al.): draft d is accepted with p
 p and q both as the sampler shapes them (temperature, min-p, top-k, top-p, min_tokens, allowed tokens, bad words);
 the first rejected position draws from max(0, p - q) renormalised, and the position after the last accepted draft
 from p. Each emitted token has the target's distribution.
+
+Both are decided on the device: a step's tokens, acceptance counts and logprobs (and prompt logprobs, when passed)
+reach the host in one transfer (`nanovllm.execution.sampler.fetch`).
 """
 from bisect import bisect_right
 from dataclasses import replace
@@ -24,34 +27,40 @@ from itertools import accumulate
 import torch
 
 from nanovllm.core.sequence import Sequence
-from nanovllm.execution.sampler import Sampler, SamplerOutput, SamplingRow
+from nanovllm.execution.sampler import Pending, Sampler, SamplerOutput, SamplingRow, fetch_step, gather
 from nanovllm.execution.sampling_ops import exponential_race
+from nanovllm.execution.step_inputs import to_device
 from nanovllm.structured_output.bitmask import TokenBitmask
 
 
 def verify(sampler: Sampler, logits: torch.Tensor, rows: list[tuple[Sequence, list[int]]],
-           allowed: TokenBitmask | None = None, draft_probs: dict[int, torch.Tensor] | None = None) -> SamplerOutput:
+           allowed: TokenBitmask | None = None, draft_probs: dict[int, torch.Tensor] | None = None,
+           prompt: Pending[dict] | None = None) -> SamplerOutput:
     """`logits` holds `len(drafts) + 1` consecutive rows per `(seq, drafts)` in `rows`: the positions of its last
     token and of each draft. Returns each sequence's accepted drafts and the token after them (see the module).
     `allowed` (structured outputs) names the rows of `logits` it masks: a constrained sequence's row j under its
     grammar after its first j drafts, so each position is sampled as it would be without drafts. `draft_probs`: per
     sequence id, the draft's probabilities at each of its drafts (`[len(drafts), vocab]`), for sequences whose drafts
     were sampled (never constrained ones: the draft model does not propose for them); the others' are point
-    masses."""
+    masses. `prompt`: the step's prompt logprobs (`Sampler.score_prompts`). Everything reaches the host in one
+    transfer."""
     sampled = [i for i, (seq, _) in enumerate(rows) if draft_probs and seq.seq_id in draft_probs]
     if not sampled:
-        return _verify_point_masses(sampler, logits, rows, allowed)
+        return fetch_step(_verify_point_masses(sampler, logits, rows, allowed), prompt)
     point = [i for i in range(len(rows)) if i not in sampled]
     first_rows = list(accumulate((1 + len(drafts) for _, drafts in rows), initial=0))
 
     def logits_of(part: list[int]) -> torch.Tensor:
-        return logits[[r for i in part for r in range(first_rows[i], first_rows[i + 1])]]
+        if len(part) == len(rows):
+            return logits
+        index = [r for i in part for r in range(first_rows[i], first_rows[i + 1])]
+        return logits[to_device(index, torch.int64, logits.device)]
 
-    outputs = [_verify_distributions(sampler, logits_of(sampled), [rows[i] for i in sampled], draft_probs)]
+    parts = [_verify_distributions(sampler, logits_of(sampled), [rows[i] for i in sampled], draft_probs)]
     if point:
         mask = None if allowed is None else replace(allowed, rows=_rows_within(point, first_rows, allowed.rows))
-        outputs.append(_verify_point_masses(sampler, logits_of(point), [rows[i] for i in point], mask))
-    return _merge([sampled, point], outputs)
+        parts.append(_verify_point_masses(sampler, logits_of(point), [rows[i] for i in point], mask))
+    return fetch_step(gather(parts, lambda outputs: _merge([sampled, point], outputs)), prompt)
 
 
 def _rows_within(part: list[int], first_rows: list[int], rows: list[int]) -> list[int]:
@@ -93,56 +102,75 @@ def _virtual_rows(rows: list[tuple[Sequence, list[int]]]) -> list[Sequence | Sam
 
 
 def _verify_distributions(sampler: Sampler, logits: torch.Tensor, rows: list[tuple[Sequence, list[int]]],
-                          draft_probs: dict[int, torch.Tensor]) -> SamplerOutput:
-    """Speculative sampling of sampled drafts (see the module); draws from torch's default generator."""
+                          draft_probs: dict[int, torch.Tensor]) -> Pending[SamplerOutput]:
+    """Speculative sampling of sampled drafts (see the module), decided on the device: each sequence's drafts'
+    verdicts padded into a `[sequences, max drafts]` matrix, whose cumulative product counts its leading accepted
+    drafts; the row after them (the residual at the first rejected draft, else p) raced for the final token; the
+    logprobs of every row computed. Draws from torch's default generator."""
     virtual = _virtual_rows(rows)
     p = sampler.probabilities(logits, virtual)
     q = torch.cat([draft_probs[seq.seq_id] for seq, _ in rows])
-    first_rows = list(accumulate((1 + len(drafts) for _, drafts in rows), initial=0))
-    draft_rows = [first + j for (_, drafts), first in zip(rows, first_rows) for j in range(len(drafts))]
-    drafted = torch.tensor([d for _, drafts in rows for d in drafts], dtype=torch.int64, device=p.device)
-    ratio = p[draft_rows, drafted] / q[torch.arange(len(drafted), device=p.device), drafted]
-    accepts = iter((torch.rand(len(drafted), device=p.device) < ratio).tolist())
-    num_accepted, final_rows, q_row = [], [], 0
-    for (_, drafts), first in zip(rows, first_rows):
-        verdicts = [next(accepts) for _ in drafts]
-        accepted = verdicts.index(False) if False in verdicts else len(drafts)
-        if accepted < len(drafts):
-            residual = (p[first + accepted] - q[q_row + accepted]).clamp_min_(0)
-            final_rows.append(residual if residual.sum() > 0 else p[first + accepted])
-        else:
-            final_rows.append(p[first + accepted])
-        num_accepted.append(accepted)
-        q_row += len(drafts)
-    finals = exponential_race(torch.stack(final_rows), {}).tolist()
-    token_ids, used = [], []
-    for (_, drafts), first, accepted, final in zip(rows, first_rows, num_accepted, finals):
-        token_ids += drafts[:accepted] + [final]
-        used += range(first, first + accepted + 1)
-    logprobs = sampler.logprobs(logits[used], [virtual[r] for r in used],
-                                torch.tensor(token_ids, dtype=torch.int64, device=logits.device))
-    return SamplerOutput(token_ids, logprobs, num_accepted=num_accepted)
+    lengths = [len(drafts) for _, drafts in rows]
+    first_rows = list(accumulate((1 + n for n in lengths), initial=0))[:-1]
+    first_drafts = list(accumulate(lengths, initial=0))
+    num_seqs, num_drafts, width = len(rows), first_drafts[-1], max(lengths)
+    asked = any(seq.params.logprobs is not None for seq, _ in rows)
+    index = to_device([first + j for first, n in zip(first_rows, lengths) for j in range(n)]  # each draft's row
+                      + [d for _, drafts in rows for d in drafts]  # each draft
+                      + [first_drafts[i] + j if j < n else num_drafts for i, n in enumerate(lengths)
+                         for j in range(width)]  # the padded matrix's verdicts (num_drafts: a rejection)
+                      + first_rows + first_drafts[:-1] + lengths
+                      + ([d for _, drafts in rows for d in drafts + [0]] if asked else []),  # each row's token
+                      torch.int64, p.device)
+    draft_rows, drafted, padded, seq_rows, seq_drafts, seq_lengths, row_tokens = index.split(
+        [num_drafts, num_drafts, num_seqs * width, num_seqs, num_seqs, num_seqs, len(p) if asked else 0])
+    ratio = p[draft_rows, drafted] / q.gather(1, drafted.unsqueeze(1)).squeeze(1)
+    accepts = torch.rand(num_drafts, device=p.device) < ratio
+    verdicts = torch.cat([accepts, accepts.new_zeros(1)])[padded].view(num_seqs, width)
+    num_accepted = verdicts.cumprod(dim=1).sum(dim=1)
+    last = seq_rows + num_accepted  # each sequence's row after its accepted drafts
+    target = p[last]
+    residual = (target - q[seq_drafts + torch.minimum(num_accepted, seq_lengths - 1)]).clamp_min_(0)
+    rejected = (num_accepted < seq_lengths) & (residual.sum(dim=1) > 0)
+    finals = exponential_race(torch.where(rejected.unsqueeze(1), residual, target), {})
+    logprobs = sampler.logprobs(logits, virtual, row_tokens.index_put((last,), finals)) if asked else None
+
+    def finish(results: list) -> SamplerOutput:
+        (accepted_counts, final_tokens), row_logprobs = results
+        token_ids, logprobs = [], []
+        for (_, drafts), first, accepted, final in zip(rows, first_rows, accepted_counts, final_tokens):
+            token_ids += drafts[:accepted] + [final]
+            if row_logprobs is not None:
+                logprobs += row_logprobs[first:first + accepted + 1]
+        return SamplerOutput(token_ids, logprobs if row_logprobs is not None else None,
+                             num_accepted=accepted_counts)
+
+    return gather([Pending([torch.stack([num_accepted, finals])], lambda values: values[0]), logprobs], finish)
 
 
 def _verify_point_masses(sampler: Sampler, logits: torch.Tensor, rows: list[tuple[Sequence, list[int]]],
-                         allowed: TokenBitmask | None = None) -> SamplerOutput:
+                         allowed: TokenBitmask | None = None) -> Pending[SamplerOutput]:
     virtual = _virtual_rows(rows)
     seeded = {seq.seq_id: _state(sampler, seq) for seq, drafts in rows
               if drafts and seq.params.seed is not None and seq.params.temperature > 0}
-    sampled = sampler(logits, virtual, allowed)
-    token_ids, logprobs, num_accepted, row = [], [] if sampled.logprobs is not None else None, [], 0
-    for seq, drafts in rows:
-        accepted = 0
-        while accepted < len(drafts) and sampled.token_ids[row + accepted] == drafts[accepted]:
-            accepted += 1
-        token_ids += sampled.token_ids[row:row + accepted + 1]
-        if logprobs is not None:
-            logprobs += sampled.logprobs[row:row + accepted + 1]
-        num_accepted.append(accepted)
-        if seq.seq_id in seeded:
-            _replay(sampler, seq, seeded[seq.seq_id], accepted + 1)
-        row += len(drafts) + 1
-    return SamplerOutput(token_ids, logprobs, num_accepted=num_accepted)
+
+    def finish(results: list) -> SamplerOutput:
+        sampled = results[0]
+        token_ids, logprobs, num_accepted, row = [], [] if sampled.logprobs is not None else None, [], 0
+        for seq, drafts in rows:
+            accepted = 0
+            while accepted < len(drafts) and sampled.token_ids[row + accepted] == drafts[accepted]:
+                accepted += 1
+            token_ids += sampled.token_ids[row:row + accepted + 1]
+            if logprobs is not None:
+                logprobs += sampled.logprobs[row:row + accepted + 1]
+            num_accepted.append(accepted)
+            if seq.seq_id in seeded:
+                _replay(sampler, seq, seeded[seq.seq_id], accepted + 1)
+            row += len(drafts) + 1
+        return SamplerOutput(token_ids, logprobs, num_accepted=num_accepted)
+
+    return gather([sampler.sample(logits, virtual, allowed)], finish)
 
 
 def _state(sampler: Sampler, seq: Sequence) -> torch.Tensor | None:
