@@ -158,9 +158,10 @@ class ModelRunner:
         with self._timed("prepare"):
             input_ids, positions, prompt_rows = self.prepare(batch)
         with self._governed():
-            watch = Stopwatch(self.device).start()
+            watch = Stopwatch(self.device).start() if self.drafter is not None else None
             logits = self.call("run_model", input_ids, positions)
-            watch.stop()
+            if watch is not None:
+                watch.stop()
         reset_context()
         if self.rank != 0:
             return None

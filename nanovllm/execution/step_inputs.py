@@ -1,7 +1,6 @@
 """One step's inputs on the device: each sequence's chunk of tokens packed into the model's input ids and positions,
 and the attention context every layer reads (`nanovllm.kernels.attention.context`). The target model's steps and a
 draft model's forwards are packed the same way."""
-from itertools import accumulate
 from typing import NamedTuple
 
 import torch
@@ -36,24 +35,24 @@ def set_step_context(chunks: list[Chunk], block_size: int, device: torch.device,
                      rope_lengths: list[int] | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """Set the attention context of one varlen step over `chunks` (their K/V written to their blocks' slots, logits
     taken at rows `logits_indices`; `rope_lengths`: see `Context`) and return its input ids and positions."""
-    input_ids, positions, slot_mapping, context_lens = [], [], [], []
+    input_ids, positions, slot_mapping, context_lens, cu_seqlens_q, cu_seqlens_k = [], [], [], [], [0], [0]
+    width = 0
     for seq, start, tokens in chunks:
         end = start + len(tokens)
         input_ids += tokens
         positions += range(start, end)
         slot_mapping += cache_slots(seq.block_table, block_size, start, end)
         context_lens.append(end)
-    width = max(len(chunk.seq.block_table) for chunk in chunks)
-
-    def tensor(data: list, dtype: torch.dtype) -> torch.Tensor:
-        return to_device(data, dtype, device)
-
-    set_context(cu_seqlens_q=tensor(list(accumulate((len(c.tokens) for c in chunks), initial=0)), torch.int32),
-                cu_seqlens_k=tensor(list(accumulate(context_lens, initial=0)), torch.int32),
-                max_seqlen_q=max(len(c.tokens) for c in chunks), max_seqlen_k=max(context_lens),
-                context_lens=tensor(context_lens, torch.int32),
-                block_tables=tensor([c.seq.block_table + [-1] * (width - len(c.seq.block_table)) for c in chunks],
-                                    torch.int32),
-                slot_mapping=tensor(slot_mapping, torch.int64), logits_indices=tensor(logits_indices, torch.int64),
-                rope_lengths=None if rope_lengths is None else tensor(rope_lengths, torch.int64))
-    return tensor(input_ids, torch.int64), tensor(positions, torch.int64)
+        cu_seqlens_q.append(cu_seqlens_q[-1] + len(tokens))
+        cu_seqlens_k.append(cu_seqlens_k[-1] + end)
+        width = max(width, len(seq.block_table))
+    block_tables = [seq.block_table + [-1] * (width - len(seq.block_table)) for seq, _, _ in chunks]
+    set_context(cu_seqlens_q=to_device(cu_seqlens_q, torch.int32, device),
+                cu_seqlens_k=to_device(cu_seqlens_k, torch.int32, device),
+                max_seqlen_q=max(b - a for a, b in zip(cu_seqlens_q, cu_seqlens_q[1:])), max_seqlen_k=max(context_lens),
+                context_lens=to_device(context_lens, torch.int32, device),
+                block_tables=to_device(block_tables, torch.int32, device),
+                slot_mapping=to_device(slot_mapping, torch.int64, device),
+                logits_indices=to_device(logits_indices, torch.int64, device),
+                rope_lengths=None if rope_lengths is None else to_device(rope_lengths, torch.int64, device))
+    return to_device(input_ids, torch.int64, device), to_device(positions, torch.int64, device)
