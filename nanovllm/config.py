@@ -10,6 +10,10 @@ if TYPE_CHECKING:
 
 DTYPES = ("auto", "float32", "bfloat16", "float16")
 QUANTIZATIONS = {"int8": "Q8_0", "int4": "Q4_1"}  # quantization= at load: the GGML block type each makes
+# What logprobs and prompt logprobs hold (vLLM's `logprobs_mode`): log-probabilities or logits, of the model's logits
+# ("raw", after a structured output's mask) or of those a token is drawn from ("processed": then penalties, min_tokens,
+# allowed tokens, bad words, temperature, min-p, top-k and top-p); prompt tokens are not sampled: always raw
+LOGPROBS_MODES = ("raw_logprobs", "processed_logprobs", "raw_logits", "processed_logits")
 STRUCTURED_OUTPUT_BACKENDS = {"guidance": "llguidance", "xgrammar": "xgrammar"}  # grammar backend: its package
 SPECULATIVE_METHODS = ("ngram", "draft_model")
 SPECULATIVE_KEYS = ("method", "model", "num_speculative_tokens", "prompt_lookup_max", "prompt_lookup_min",
@@ -123,6 +127,7 @@ class Config:
     is allocated to what it holds; a value given explicitly is never lowered.
     Worker processes (tensor-parallel ranks, data-parallel replicas) have `worker_start_timeout_s` to start and set
     up their engine; after that a collective waits at most `distributed_timeout_s` for a rank that stopped answering.
+    `logprobs_mode` (vLLM's) says what logprobs and prompt logprobs hold: one of `LOGPROBS_MODES`.
     `speculative_config` is vLLM's dictionary (see `parse_speculative_config`), parsed into `speculative`; with a
     draft model, `draft` is its own resolved `Config`.
     `structured_outputs_config={"backend": ...}` picks the grammar backend of structured outputs, as vLLM's engine
@@ -150,6 +155,7 @@ class Config:
     distributed_timeout_s: float = 300.0
     seed: int = 0
     max_logprobs: int = 20
+    logprobs_mode: str = "raw_logprobs"
     enable_chunked_prefill: bool = True
     scheduling_policy: str = "fcfs"
     attention_backend: str = "auto"
@@ -185,6 +191,8 @@ class Config:
                 raise ValueError(f"{name} must be positive, got {getattr(self, name)}")
         if isinstance(self.max_logprobs, bool) or not isinstance(self.max_logprobs, int) or self.max_logprobs < -1:
             raise ValueError(f"max_logprobs must be an integer >= 0, or -1 for no limit, got {self.max_logprobs!r}")
+        if self.logprobs_mode not in LOGPROBS_MODES:
+            raise ValueError(f"logprobs_mode must be one of {list(LOGPROBS_MODES)}, got {self.logprobs_mode!r}")
         if not isinstance(self.enable_chunked_prefill, bool):
             raise ValueError(f"enable_chunked_prefill must be a bool, got {self.enable_chunked_prefill!r}")
         if self.load_format not in ("auto", "dummy"):

@@ -129,6 +129,13 @@ class Sampler:
     logits. Stages no row uses are skipped, as decided on the host from the params; the only host sync is reading
     the result (`sample` leaves it pending, so that verification and prompt logprobs share the step's transfer).
 
+    `logprobs_mode` (vLLM's, one of `nanovllm.config.LOGPROBS_MODES`) says what logprobs hold: log-probabilities
+    ("*_logprobs") or logits ("*_logits") of the raw logits (the model's, after a structured output's grammar mask) or
+    of the processed ones, those each row's token is drawn from: after penalties, min_tokens, allowed tokens and bad
+    words, and for rows that sample (temperature > 0) temperature, min-p, top-k and top-p, with what they drop at -inf
+    (a greedy row's are its logits before the argmax). Prompt logprobs are never processed: prompt tokens are not
+    sampled. The tokens drawn are the same in every mode.
+
     Per-sequence state, kept until `release(seq_ids)`: for penalized sequences a row of `prompt_mask` and
     `output_counts` (built from the sequence's tokens when first seen, then counted on the device after each
     sample), and for seeded ones a torch.Generator seeded with `params.seed`, so that their draws do not depend on
@@ -136,7 +143,11 @@ class Sampler:
     a partial prefill) still advances the row's generator.
     """
 
-    def __init__(self, vocab_size: int, eos_token_ids: Iterable[int], device: torch.device | str):
+    def __init__(self, vocab_size: int, eos_token_ids: Iterable[int], device: torch.device | str,
+                 logprobs_mode: str = "raw_logprobs"):
+        self.logprobs_mode = logprobs_mode
+        self.processed_logprobs = logprobs_mode.startswith("processed")  # read the logits a row is sampled from
+        self.normalized_logprobs = logprobs_mode.endswith("logprobs")  # log-softmax them (else the logits as they are)
         self.vocab_size = vocab_size
         self.eos_token_ids = set(eos_token_ids)
         self.device = torch.device(device)
@@ -186,27 +197,28 @@ class Sampler:
             processed = self._penalize(logits, [params[i] for i in penalized], index, entries)
         processed = self._suppress_stop_tokens(processed, seqs)
         processed = self._restrict(processed, seqs)
-        token_ids = self._sample(processed, seqs)
+        token_ids, sampled_from = self._sample(processed, seqs)
         if penalized:
             self.output_counts[entries, token_ids[index]] += 1
             for i in penalized:
                 self.counted[seqs[i].seq_id] += 1
-        logprobs = self.logprobs(logits, seqs, token_ids)
+        logprobs = self.logprobs(logits, seqs, token_ids, sampled_from)
         if logprobs is None:
             return Pending([token_ids], lambda values: SamplerOutput(values[0]))
         return gather([Pending([token_ids], lambda values: values[0]), logprobs],
                       lambda results: SamplerOutput(*results))
 
-    def logprobs(self, logits: torch.Tensor, seqs: Sequence[SamplingRow],
-                 token_ids: torch.Tensor) -> Pending[list[TokenLogprobs | None]] | None:
+    def logprobs(self, logits: torch.Tensor, seqs: Sequence[SamplingRow], token_ids: torch.Tensor,
+                 sampled_from: torch.Tensor) -> Pending[list[TokenLogprobs | None]] | None:
         """Each row's `token_ids` logprobs (and its top ones) where its sequence asked, pending; None when none
-        asked."""
+        asked. `logits` are the raw logits, `sampled_from` the processed ones (see the class): the mode reads one."""
         asked = [i for i, seq in enumerate(seqs) if seq.params.logprobs is not None]
         if not asked:
             return None
         index = self._index(asked, len(seqs))
         counts = [self._num_logprobs(seqs[i].params.logprobs) for i in asked]
-        results = token_logprobs(logits[index].float(), token_ids[index], max(counts))
+        scores = sampled_from if self.processed_logprobs else logits
+        results = token_logprobs(scores[index].float(), token_ids[index], max(counts), self.normalized_logprobs)
 
         def finish(values: list) -> list[TokenLogprobs | None]:
             chosen, ranks, top_ids, top_logprobs = values
@@ -225,24 +237,26 @@ class Sampler:
         return self._restrict(self._suppress_stop_tokens(logits.float(), seqs), seqs, tail)
 
     @torch.inference_mode()
-    def probabilities(self, logits: torch.Tensor, seqs: Sequence[SamplingRow]) -> torch.Tensor:
-        """The distribution each row (temperature > 0, no penalties) samples from: `masked`, then temperature,
-        min-p, top-k and top-p as `__call__` applies them."""
-        return self.distribution(self.masked(logits, seqs), seqs)
+    def distribution(self, masked: torch.Tensor, seqs: Sequence[SamplingRow]) -> torch.Tensor:
+        """The distribution each row (temperature > 0, no penalties) samples from, given its logits `masked`: the
+        softmax of `truncated`."""
+        return self.truncated(masked, seqs).softmax(dim=-1)
 
     @torch.inference_mode()
-    def distribution(self, masked: torch.Tensor, seqs: Sequence[SamplingRow]) -> torch.Tensor:
-        """`probabilities` from logits already `masked`."""
-        params = [seq.params for seq in seqs]
-        return self._truncated(masked, params, [False] * len(seqs)).softmax(dim=-1)
+    def truncated(self, masked: torch.Tensor, seqs: Sequence[SamplingRow]) -> torch.Tensor:
+        """The logits each row (temperature > 0, no penalties) samples from, given its logits `masked`: temperature,
+        min-p, top-k and top-p as `__call__` applies them (what they drop at -inf)."""
+        return self._truncated(masked, [seq.params for seq in seqs], [False] * len(seqs))
 
     @torch.inference_mode()
     def score_prompts(self, logits: torch.Tensor, prompt_rows: list[PromptRows]) -> Pending[dict]:
-        """The raw log-probabilities of prompt tokens, from the logits rows `prompt_rows` name (in that order),
-        pending: per sequence id, the first prompt position scored and its tokens' logprobs."""
+        """The log-probabilities of prompt tokens (their logits in the "*_logits" modes; never processed: prompt
+        tokens are not sampled), from the logits rows `prompt_rows` name (in that order), pending: per sequence id,
+        the first prompt position scored and its tokens' logprobs."""
         targets = [token_id for p in prompt_rows for token_id in p.seq.token_ids[p.first + 1:p.first + 1 + len(p.rows)]]
         counts = [self._num_logprobs(p.seq.params.prompt_logprobs) for p in prompt_rows]
-        results = token_logprobs(logits.float(), self._tensor(targets, torch.int64), max(counts))
+        results = token_logprobs(logits.float(), self._tensor(targets, torch.int64), max(counts),
+                                 self.normalized_logprobs)
 
         def finish(values: list) -> dict[int, tuple[int, list[TokenLogprobs]]]:
             chosen, ranks, top_ids, top_logprobs = values
@@ -363,21 +377,23 @@ class Sampler:
                                        self._tensor([t for _, t, _ in unsure], torch.int64)), ban, accumulate=True)
         return logits
 
-    def _sample(self, logits: torch.Tensor, seqs: Sequence[SamplingRow]) -> torch.Tensor:
+    def _sample(self, logits: torch.Tensor, seqs: Sequence[SamplingRow]) -> tuple[torch.Tensor, torch.Tensor]:
+        """Each row's token, and the logits it was drawn from (a greedy row's: `logits`, temperature 1, nothing
+        truncated)."""
         params = [seq.params for seq in seqs]
         greedy = [p.temperature == 0 for p in params]
         if all(greedy):
-            return logits.argmax(dim=-1)
+            return logits.argmax(dim=-1), logits
         scaled = self._truncated(logits, params, greedy)
         generators = {i: self._generator(seq) for i, (seq, g) in enumerate(zip(seqs, greedy))
                       if not g and seq.params.seed is not None}
         sampled = exponential_race(scaled.softmax(dim=-1), generators)
         if not any(greedy):
-            return sampled
-        return torch.where(self._tensor(greedy, torch.bool), logits.argmax(dim=-1), sampled)
+            return sampled, scaled
+        return torch.where(self._tensor(greedy, torch.bool), logits.argmax(dim=-1), sampled), scaled
 
     def _truncated(self, logits: torch.Tensor, params: list[SamplingParams], greedy: list[bool]) -> torch.Tensor:
-        """Temperature, then min-p, top-k and top-p, on the rows that are not `greedy`."""
+        """Temperature, then min-p, top-k and top-p, on the rows that are not `greedy` (those are divided by 1)."""
         scaled = logits / self._tensor([p.temperature or 1.0 for p in params], torch.float32).unsqueeze(1)
         min_p = [0.0 if g else p.min_p for p, g in zip(params, greedy)]
         if any(min_p):

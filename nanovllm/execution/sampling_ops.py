@@ -76,13 +76,15 @@ def _exponential(out: torch.Tensor, generator: torch.Generator | None = None) ->
     out.copy_(uniform.log_().neg_())
 
 
-def token_logprobs(logits: torch.Tensor, token_ids: torch.Tensor,
-                   num_top: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-    """vLLM's default (raw) logprobs, from the model's logits before any penalty or temperature: each row's
-    log-probability of `token_ids[row]` and its rank (how many tokens are at least as likely, itself included: 1 is the
-    most likely), and the `num_top` most likely token ids and their log-probabilities."""
-    logprobs = logits.log_softmax(dim=-1)
-    chosen = logprobs.gather(1, token_ids.unsqueeze(1))
-    ranks = (logprobs >= chosen).sum(dim=-1)
-    top = logprobs.topk(num_top, dim=-1)
+def token_logprobs(scores: torch.Tensor, token_ids: torch.Tensor, num_top: int,
+                   normalize: bool = True) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Each row's value of `token_ids[row]` and its rank (how many tokens' values are at least as high, itself
+    included: 1 is the highest; a token at -inf: the vocabulary's size), and the `num_top` highest values' token ids
+    and values. The values are `scores` log-softmaxed (`normalize`, the `*_logprobs` modes of `logprobs_mode`) or
+    `scores` as they are (the `*_logits` modes); `scores` are the model's logits (the raw modes) or the logits a row
+    was sampled from (the processed ones, where tokens the sampler cannot draw are at -inf)."""
+    values = scores.log_softmax(dim=-1) if normalize else scores
+    chosen = values.gather(1, token_ids.unsqueeze(1))
+    ranks = (values >= chosen).sum(dim=-1)
+    top = values.topk(num_top, dim=-1)
     return chosen.squeeze(1), ranks, top.indices, top.values

@@ -18,7 +18,8 @@ the first rejected position draws from max(0, p - q) renormalised, and the posit
 from p. Each emitted token has the target's distribution.
 
 Both are decided on the device: a step's tokens, acceptance counts and logprobs (and prompt logprobs, when passed)
-reach the host in one transfer (`nanovllm.execution.sampler.fetch`).
+reach the host in one transfer (`nanovllm.execution.sampler.fetch`). An accepted token's logprobs are those of its
+position's row, in the sampler's `logprobs_mode`: the processed modes read the logits the row was sampled from.
 """
 from bisect import bisect_right
 from dataclasses import replace
@@ -108,7 +109,8 @@ def _verify_distributions(sampler: Sampler, logits: torch.Tensor, rows: list[tup
     drafts; the row after them (the residual at the first rejected draft, else p) raced for the final token; the
     logprobs of every row computed. Draws from torch's default generator."""
     virtual = _virtual_rows(rows)
-    p = sampler.probabilities(logits, virtual)
+    truncated = sampler.truncated(sampler.masked(logits, virtual), virtual)  # the logits each row samples from
+    p = truncated.softmax(dim=-1)
     q = torch.cat([draft_probs[seq.seq_id] for seq, _ in rows])
     lengths = [len(drafts) for _, drafts in rows]
     first_rows = list(accumulate((1 + n for n in lengths), initial=0))[:-1]
@@ -133,7 +135,7 @@ def _verify_distributions(sampler: Sampler, logits: torch.Tensor, rows: list[tup
     residual = (target - q[seq_drafts + torch.minimum(num_accepted, seq_lengths - 1)]).clamp_min_(0)
     rejected = (num_accepted < seq_lengths) & (residual.sum(dim=1) > 0)
     finals = exponential_race(torch.where(rejected.unsqueeze(1), residual, target), {})
-    logprobs = sampler.logprobs(logits, virtual, row_tokens.index_put((last,), finals)) if asked else None
+    logprobs = sampler.logprobs(logits, virtual, row_tokens.index_put((last,), finals), truncated) if asked else None
 
     def finish(results: list) -> SamplerOutput:
         (accepted_counts, final_tokens), row_logprobs = results
