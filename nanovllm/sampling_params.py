@@ -18,9 +18,9 @@ def _integer(name: str, value, valid: str, ok: Callable[[int], bool]) -> int:
     return value
 
 
-def _flag(name: str, value) -> bool:
-    if not isinstance(value, bool):
-        raise ValueError(f"{name} must be True or False, got {value!r}")
+def _flag(name: str, value, none: bool = False) -> bool | None:
+    if not (isinstance(value, bool) or none and value is None):
+        raise ValueError(f"{name} must be True{', False or None' if none else ' or False'}, got {value!r}")
     return value
 
 
@@ -46,11 +46,16 @@ CONSTRAINT_KINDS = ("json", "regex", "choice", "grammar", "json_object", "struct
 class StructuredOutputsParams:
     """A constraint every completion token must keep to, as vLLM's (exactly one kind): `json`, a JSON schema (dict or
     its text); `regex`; `choice`, a list of strings (the output is one of them); `grammar`, an EBNF / GBNF / Lark
-    grammar; `json_object=True`, any JSON object; `structural_tag`, vLLM's structural tag (JSON text with
-    `structures` and `triggers`). `disable_any_whitespace` writes JSON without optional whitespace,
-    `disable_additional_properties` closes objects to keys the schema does not name, `whitespace_pattern` is a regex
-    for JSON's optional whitespace. The constraint itself is checked (schema, regex, grammar) when the request is
-    submitted, by the engine's grammar backend."""
+    grammar (Lark unless a rule is defined with `::=`); `json_object=True`, any JSON object; `structural_tag`, vLLM's
+    structural tag (JSON text with `structures` and `triggers`). `disable_any_whitespace` writes JSON without optional
+    whitespace; `whitespace_pattern` is a regex for JSON's optional whitespace.
+
+    `disable_additional_properties`: None (the default) compiles a schema as vLLM's default backend does (xgrammar's
+    strict mode), on either backend: an object that names its properties and says nothing of others takes no other
+    key, and a `prefixItems` tuple that says nothing of more items takes no more; True is the same. False leaves them
+    open, as JSON Schema itself (and llguidance, vLLM's "guidance" backend, by default) reads them. A schema's own
+    `additionalProperties` / `items` always rule. The constraint itself is checked (schema, regex, grammar) when the
+    request is submitted, by the engine's grammar backend."""
 
     json: str | dict | None = None
     regex: str | None = None
@@ -58,7 +63,7 @@ class StructuredOutputsParams:
     grammar: str | None = None
     json_object: bool | None = None
     disable_any_whitespace: bool = False
-    disable_additional_properties: bool = False
+    disable_additional_properties: bool | None = None
     whitespace_pattern: str | None = None
     structural_tag: str | None = None
 
@@ -80,8 +85,8 @@ class StructuredOutputsParams:
             raise ValueError(f"structured_outputs.choice must be a non-empty list of strings, got {self.choice!r}")
         if self.json_object is not None and self.json_object is not True:
             raise ValueError(f"structured_outputs.json_object must be True (or left None), got {self.json_object!r}")
-        for name in ("disable_any_whitespace", "disable_additional_properties"):
-            _flag(f"structured_outputs.{name}", getattr(self, name))
+        _flag("structured_outputs.disable_any_whitespace", self.disable_any_whitespace)
+        _flag("structured_outputs.disable_additional_properties", self.disable_additional_properties, none=True)
 
     @property
     def kind(self) -> str:
@@ -109,6 +114,8 @@ class SamplingParams:
     `detokenize=False` returns token ids only (no text, so no stop strings).
     `structured_outputs` constrains the completion to a JSON schema, regex, choice or grammar (see
     `StructuredOutputsParams`); a completion whose constraint is complete ends there with `finish_reason="stop"`.
+    `best_of` is vLLM's field, checked as vLLM checks it (None, or an integer >= `n`), and as in vLLM V1 a request
+    with `best_of` > 1 is refused at submission (a ValueError).
     """
 
     n: int = 1
@@ -133,6 +140,7 @@ class SamplingParams:
     allowed_token_ids: list[int] | None = None
     bad_words: list[str] | None = None
     structured_outputs: StructuredOutputsParams | None = None
+    best_of: int | None = None
     bad_words_token_ids: list[list[int]] = field(default_factory=list, init=False, repr=False, compare=False)
     """`bad_words` as token-id sequences, filled in by the engine from the model's tokenizer."""
 
@@ -185,14 +193,24 @@ class SamplingParams:
         if self.structured_outputs is not None and not isinstance(self.structured_outputs, StructuredOutputsParams):
             raise ValueError("structured_outputs must be a StructuredOutputsParams (from nanovllm import "
                              f"StructuredOutputsParams), got {type(self.structured_outputs).__name__}")
+        if self.best_of is not None:
+            self.best_of = _integer("best_of", self.best_of, ">= 1, or None", lambda v: v >= 1)
+            if self.best_of < self.n:
+                raise ValueError(f"best_of must be greater than or equal to n, got n={self.n} and "
+                                 f"best_of={self.best_of}.")
 
     @property
     def uses_penalties(self) -> bool:
         return self.repetition_penalty != 1 or self.presence_penalty != 0 or self.frequency_penalty != 0
 
     def check_vocab(self, vocab_size: int, max_logprobs: int) -> None:
-        """Reject token ids and logprobs counts the model's vocabulary, or the engine's `max_logprobs` (-1: no cap),
-        cannot serve (call before any work)."""
+        """Reject, at submission (before any work), what the engine does not serve: `best_of` > 1 (as vLLM V1), token
+        ids outside the model's vocabulary, and logprobs counts beyond it or the engine's `max_logprobs` (-1: no cap).
+        Each message starts with vLLM's own words where vLLM has the check."""
+        if self.best_of is not None and self.best_of > 1:
+            raise ValueError(f"vLLM V1 does not yet support best_of, and neither does nanovllm (got best_of="
+                             f"{self.best_of}): ask for n={self.best_of} with logprobs=0 and keep the completions with "
+                             "the highest cumulative_logprob")
         for name in ("stop_token_ids", "allowed_token_ids"):
             bad = [t for t in getattr(self, name) or () if t >= vocab_size]
             if bad:
@@ -202,12 +220,16 @@ class SamplingParams:
             if value is None:
                 continue
             count = vocab_size if value == -1 else value
+            allowed = vocab_size if max_logprobs == -1 else min(max_logprobs, vocab_size)
+            if count <= allowed:
+                continue
+            vllm = f"Requested {'sample' if name == 'logprobs' else 'prompt'} logprobs of {count}, which is greater " \
+                   f"than max allowed: {allowed}"
             if count > vocab_size:
-                raise ValueError(f"{name} must be at most the vocabulary size {vocab_size}, got {value}")
-            if max_logprobs != -1 and count > max_logprobs:
-                raise ValueError(f"{name}={value} asks for {count} log-probabilities per token, more than the "
-                                 f"engine's max_logprobs={max_logprobs}; create the LLM with a larger max_logprobs "
-                                 "(-1: no limit)")
+                raise ValueError(f"{vllm} ({name} must be at most the vocabulary size {vocab_size}, got {value})")
+            raise ValueError(f"{vllm} ({name}={value} asks for {count} log-probabilities per token, more than the "
+                             f"engine's max_logprobs={max_logprobs}; create the LLM with a larger max_logprobs, -1 "
+                             "for no limit)")
 
     def for_sample(self, index: int) -> "SamplingParams":
         """The parameters of the `index`-th of the `n` samples of one prompt: n=1, and with a seed, seed + index (as

@@ -118,14 +118,15 @@ class PromptChecker:
             raise ValueError(f"prompt {index} must be a string, {{'prompt': text}}, {{'prompt_token_ids': ids}} or a "
                              f"list of token ids (ints), got {got}")
         if not token_ids:
-            raise ValueError(f"prompt {index} is empty; every prompt needs at least one token")
+            raise ValueError(f"prompt {index} is empty: the decoder prompt cannot be empty (every prompt needs at "
+                             "least one token)")
         if len(token_ids) > self.max_model_len:
-            raise ValueError(f"prompt {index} has {len(token_ids)} tokens, more than "
-                             f"max_model_len={self.max_model_len}; {self._too_long_hint()}")
+            raise ValueError(f"prompt {index} (length {len(token_ids)}) is longer than the maximum model length of "
+                             f"{self.max_model_len} (max_model_len); {self._too_long_hint()}")
         vocab_size = self.config.hf_config.vocab_size
         bad = [t for t in token_ids if not 0 <= t < vocab_size]
         if bad:
-            raise ValueError(f"prompt {index} has token id {bad[0]} outside the vocabulary [0, {vocab_size})")
+            raise ValueError(f"prompt {index}: token id {bad[0]} is out of vocabulary [0, {vocab_size})")
         return text, token_ids
 
     def _too_long_hint(self) -> str:

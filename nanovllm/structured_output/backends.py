@@ -6,7 +6,7 @@ from importlib import import_module
 from transformers import PreTrainedTokenizerBase
 
 from nanovllm.sampling_params import StructuredOutputsParams
-from nanovllm.structured_output.spec import GrammarSpec, grammar_spec
+from nanovllm.structured_output.spec import GrammarSpec, grammar_spec, grammar_syntax
 
 _MODULES = {"guidance": ("nanovllm.structured_output.guidance", "GuidanceBackend"),
             "xgrammar": ("nanovllm.structured_output.xgrammar_backend", "XgrammarBackend")}
@@ -28,7 +28,11 @@ def check_constraint(params: StructuredOutputsParams, backend: str) -> GrammarSp
     spec = grammar_spec(params)
     problem = _problem(spec, backend)
     if problem is not None:
-        raise ValueError(f"structured_outputs.{spec.field} is not a valid {_WHAT[spec.field]}: {problem}")
+        read_as = ""
+        if spec.kind == "grammar":
+            read_as = ("read as EBNF / GBNF (a rule is defined with '::='): " if grammar_syntax(spec.text) == "ebnf"
+                       else "read as Lark (no rule is defined with '::='): ")
+        raise ValueError(f"structured_outputs.{spec.field} is not a valid {_WHAT[spec.field]}: {read_as}{problem}")
     return spec
 
 

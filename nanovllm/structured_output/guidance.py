@@ -6,16 +6,32 @@ import llguidance
 import llguidance.hf
 import llguidance.torch
 import torch
+from llguidance.gbnf_to_lark import gbnf_to_lark
 from transformers import PreTrainedTokenizerBase
 
-from nanovllm.structured_output.spec import GrammarSpec, structural_tags
+from nanovllm.structured_output.spec import GrammarSpec, closed_schema, grammar_syntax, structural_tags
 
 
 def _json_grammar(schema: str | dict, spec: GrammarSpec) -> str:
+    """llguidance's grammar for a JSON schema; llguidance reads objects and tuples open where the schema is silent,
+    so a `strict` spec's schema is closed first (`closed_schema`: what xgrammar's strict mode takes)."""
     options = {"whitespace_flexible": spec.any_whitespace}
     if spec.whitespace_pattern is not None:
         options["whitespace_pattern"] = spec.whitespace_pattern
+    if spec.strict:
+        schema = closed_schema(json.loads(schema) if isinstance(schema, str) else schema)
     return llguidance.LLMatcher.grammar_from_json_schema(schema, defaults=options)
+
+
+def _grammar(text: str) -> str:
+    """llguidance's grammar for a Lark or EBNF / GBNF grammar, told apart by `grammar_syntax` (llguidance's own test
+    reads a Lark grammar as GBNF unless a line starts with `start:`, which turns away `?start:` and others)."""
+    if grammar_syntax(text) == "lark":
+        return llguidance.LLMatcher.grammar_from_lark(text)
+    try:
+        return llguidance.LLMatcher.grammar_from_lark(gbnf_to_lark(text))
+    except Exception as e:  # the converter raises its own errors, and others on what it does not expect
+        raise ValueError(str(e)) from None
 
 
 def grammar_text(spec: GrammarSpec) -> str:
@@ -28,7 +44,7 @@ def grammar_text(spec: GrammarSpec) -> str:
         return llguidance.LLMatcher.grammar_from_lark("start: " + " | ".join(json.dumps(c) for c in
                                                                             json.loads(spec.text)))
     if spec.kind == "grammar":
-        return llguidance.grammar_from("grammar", spec.text)
+        return _grammar(spec.text)
     structures, triggers = structural_tags(spec)
     tags = []
     for s in structures:

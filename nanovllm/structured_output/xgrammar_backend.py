@@ -5,7 +5,7 @@ import torch
 import xgrammar as xgr
 from transformers import PreTrainedTokenizerBase
 
-from nanovllm.structured_output.spec import GrammarSpec, structural_tags
+from nanovllm.structured_output.spec import GrammarSpec, grammar_syntax, open_schema, structural_tags
 
 
 def grammar(spec: GrammarSpec) -> xgr.Grammar:
@@ -14,21 +14,32 @@ def grammar(spec: GrammarSpec) -> xgr.Grammar:
         raise ValueError("whitespace_pattern is not supported by the xgrammar backend; use "
                          "structured_outputs_config={'backend': 'guidance'}")
     try:
-        if spec.kind == "json":
-            return xgr.Grammar.from_json_schema(spec.text, any_whitespace=spec.any_whitespace)
+        if spec.kind == "json":  # strict_mode: vLLM's default, xgrammar's own
+            return xgr.Grammar.from_json_schema(spec.text, any_whitespace=spec.any_whitespace, strict_mode=spec.strict)
         if spec.kind == "regex":
             return xgr.Grammar.from_regex(spec.text)
         if spec.kind == "choice":
             choices = json.loads(spec.text)
             return xgr.Grammar.from_ebnf("root ::= " + " | ".join(json.dumps(c) for c in choices))
         if spec.kind == "grammar":
-            return xgr.Grammar.from_ebnf(spec.text)
-        structures, triggers = structural_tags(spec)
-        tags = [xgr.StructuralTagItem(begin=s["begin"], schema=json.dumps(s["schema"]), end=s["end"])
+            return _grammar(spec.text)
+        structures, triggers = structural_tags(spec)  # their schemas compile in strict mode: say where they are open
+        tags = [xgr.StructuralTagItem(begin=s["begin"], end=s["end"],
+                                      schema=json.dumps(s["schema"] if spec.strict else open_schema(s["schema"])))
                 for s in structures]
         return xgr.Grammar.from_structural_tag(tags, triggers)
     except RuntimeError as e:
         raise ValueError(str(e).strip()) from None
+
+
+def _grammar(text: str) -> xgr.Grammar:
+    """A Lark or EBNF / GBNF grammar, told apart by `grammar_syntax` (as vLLM's xgrammar backend)."""
+    if grammar_syntax(text) == "ebnf":
+        return xgr.Grammar.from_ebnf(text)
+    if not hasattr(xgr.Grammar, "from_lark"):
+        raise ValueError("this xgrammar cannot compile Lark: upgrade it (pip install -U xgrammar), or use "
+                         "structured_outputs_config={'backend': 'guidance'}")
+    return xgr.Grammar.from_lark(text)
 
 
 def check(spec: GrammarSpec) -> None:

@@ -26,9 +26,9 @@ def expected(tied_model):
 @pytest.mark.parametrize("prompts, params, message", [
     ([GOOD, []], GREEDY, "prompt 1 is empty"),
     ([""], GREEDY, "prompt 0 is empty"),
-    ([GOOD, [1] * 129], GREEDY, "more than max_model_len=128"),
-    ([[1, 384]], GREEDY, "token id 384 outside the vocabulary"),
-    ([[-1, 2]], GREEDY, "token id -1 outside the vocabulary"),
+    ([GOOD, [1] * 129], GREEDY, "longer than the maximum model length of 128"),
+    ([[1, 384]], GREEDY, "token id 384 is out of vocabulary"),
+    ([[-1, 2]], GREEDY, "token id -1 is out of vocabulary"),
     ([[1, 2.5]], GREEDY, r"must be a string, .* or a list of token ids \(ints\), got a list holding float 2.5"),
     ([{"prompt_token_ids": GOOD, "multi_modal_data": {}}], GREEDY,
      r"got keys \['multi_modal_data', 'prompt_token_ids'\]"),

@@ -147,8 +147,9 @@ def test_bad_requests_are_rejected_on_the_gpu_and_the_engine_still_serves(gpu_mo
     good = [5, 6, 7, 8]
     expected = hf_greedy(gpu_model, [good], GREEDY.max_tokens, device="cuda")[0]
     with LLM(gpu_model, dtype="float32", max_model_len=128, kvcache_block_size=16) as llm:
-        for prompts, message in [([good, []], "prompt 1 is empty"), ([good, [1] * 129], "more than max_model_len=128"),
-                                 ([[1, 384]], "token id 384 outside the vocabulary")]:
+        for prompts, message in [([good, []], "prompt 1 is empty"),
+                                 ([good, [1] * 129], "longer than the maximum model length of 128"),
+                                 ([[1, 384]], "token id 384 is out of vocabulary")]:
             with pytest.raises(ValueError, match=message):
                 llm.generate(prompts, GREEDY, use_tqdm=False)
             assert llm.is_finished()

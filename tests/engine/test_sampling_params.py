@@ -1,17 +1,18 @@
 """SamplingParams: vLLM's defaults, and a ValueError naming the field, the value and the valid range for bad input;
-RequestOutput's dict access."""
+the input errors vLLM's offline tests match, in vLLM's words; RequestOutput's dict access."""
+import re
 from dataclasses import asdict
 
 import pytest
 
-from nanovllm import SamplingParams
+from nanovllm import LLM, SamplingParams
 from nanovllm.outputs import CompletionOutput, RequestOutput
 
 VLLM_DEFAULTS = {"n": 1, "temperature": 1.0, "top_p": 1.0, "top_k": -1, "min_p": 0.0, "seed": None, "stop": [],
                  "stop_token_ids": [], "include_stop_str_in_output": False, "max_tokens": 16, "min_tokens": 0,
                  "ignore_eos": False, "repetition_penalty": 1.0, "presence_penalty": 0.0, "frequency_penalty": 0.0,
                  "logprobs": None, "skip_special_tokens": True, "prompt_logprobs": None, "detokenize": True,
-                 "allowed_token_ids": None, "bad_words": None, "structured_outputs": None}
+                 "allowed_token_ids": None, "bad_words": None, "structured_outputs": None, "best_of": None}
 
 
 def test_defaults_are_vllms():
@@ -60,6 +61,9 @@ def test_defaults_are_vllms():
     ({"frequency_penalty": -3}, r"frequency_penalty must be a number in \[-2, 2\], got -3"),
     ({"logprobs": True}, r"logprobs must be an integer"),
     ({"skip_special_tokens": None}, r"skip_special_tokens must be True or False"),
+    ({"best_of": 0}, r"best_of must be an integer >= 1, or None, got 0"),
+    ({"best_of": 2.0}, r"best_of must be an integer"),
+    ({"n": 3, "best_of": 2}, r"best_of must be greater than or equal to n, got n=3 and best_of=2\."),  # vLLM's words
 ])
 def test_bad_values_name_the_field_and_the_range(kwargs, message):
     with pytest.raises(ValueError, match=message):
@@ -94,6 +98,48 @@ def test_check_vocab():
     with pytest.raises(ValueError, match=r"prompt_logprobs=-1 asks for 100 log-probabilities per token, more than the "
                                          r"engine's max_logprobs=20; create the LLM with a larger max_logprobs"):
         SamplingParams(prompt_logprobs=-1).check_vocab(100, 20)
+
+
+def test_best_of_is_checked_as_vllm_and_refused_at_submission_as_in_v1():
+    params = SamplingParams(n=2, best_of=3)  # vLLM builds it (its tests build it outside pytest.raises)...
+    assert (params.n, params.best_of) == (2, 3)
+    with pytest.raises(ValueError, match=r"vLLM V1 does not yet support best_of.* ask for n=3 with logprobs=0"):
+        params.check_vocab(100, 20)  # ...and V1's input processor refuses it
+    SamplingParams(best_of=1).check_vocab(100, 20)  # which V1 serves
+    SamplingParams(n=2, best_of=2).for_sample(1)
+
+
+def test_logprobs_beyond_the_limit_in_vllms_words():
+    with pytest.raises(ValueError, match=r"^Requested sample logprobs of 21, which is greater than max allowed: 20 "):
+        SamplingParams(logprobs=21).check_vocab(100, 20)
+    with pytest.raises(ValueError, match=r"^Requested prompt logprobs of 100, which is greater than max allowed: 20 "):
+        SamplingParams(prompt_logprobs=-1).check_vocab(100, 20)
+    with pytest.raises(ValueError, match=r"^Requested sample logprobs of 101, which is greater than max allowed: 100 "):
+        SamplingParams(logprobs=101).check_vocab(100, -1)
+
+
+@pytest.fixture(scope="module")
+def llm(tied_model):
+    with LLM(tied_model, device="cpu", dtype="float32", max_model_len=64) as engine:
+        yield engine
+
+
+@pytest.mark.parametrize("prompt, params, vllm_regex, hint", [
+    # vLLM's tests/entrypoints/llm/test_prompt_validation.py, with their regexes
+    ([""], None, "decoder prompt cannot be empty", "prompt 0 is empty"),
+    ({"prompt_token_ids": [999999]}, None, "out of vocabulary",
+     r"prompt 0: token id 999999 is out of vocabulary \[0, 384\)"),
+    # vLLM's input processor; its tests match "longer than the maximum model length"
+    ({"prompt_token_ids": [1] * 65}, None, "longer than the maximum model length",
+     r"^prompt 0 \(length 65\) is longer than the maximum model length of 64 \(max_model_len\); "),
+    # vLLM's tests/v1/sample/test_sampling_params_e2e.py::test_best_of (any ValueError); V1's message
+    ("Hello", SamplingParams(n=2, best_of=3), "does not yet support best_of", "best_of=3"),
+    ("Hello", SamplingParams(logprobs=21), "greater than max allowed: 20", "max_logprobs=20"),
+])
+def test_vllms_input_errors_in_vllms_words_and_nanovllms_hint(llm, prompt, params, vllm_regex, hint):
+    with pytest.raises(ValueError, match=vllm_regex) as error:
+        llm.generate(prompt, params, use_tqdm=False)
+    assert re.search(hint, str(error.value)), str(error.value)
 
 
 def test_request_output_keeps_nano_vllm_dict_access():

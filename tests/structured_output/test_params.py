@@ -12,8 +12,9 @@ def test_importable_from_both_places_with_vllms_fields_and_defaults():
     assert nanovllm.StructuredOutputsParams is FromModule
     params = StructuredOutputsParams(regex="a+")
     assert (params.json, params.choice, params.grammar, params.json_object, params.structural_tag) == (None,) * 5
+    # disable_additional_properties: None, vLLM's default compilation (closed objects); False opens them
     assert (params.disable_any_whitespace, params.disable_additional_properties, params.whitespace_pattern) == (
-        False, False, None)
+        False, None, None)
     assert params.kind == "regex"
     assert SamplingParams(structured_outputs=params).structured_outputs is params
     assert SamplingParams().structured_outputs is None
@@ -35,6 +36,8 @@ def test_exactly_one_kind_as_vllm():
     ({"json": 5}, "structured_outputs.json must be a JSON schema"),
     ({"json_object": False}, "structured_outputs.json_object must be True"),
     ({"regex": "a", "disable_any_whitespace": "yes"}, "structured_outputs.disable_any_whitespace must be True or"),
+    ({"json": {}, "disable_additional_properties": 0}, r"structured_outputs.disable_additional_properties must be "
+                                                       r"True, False or None, got 0"),
 ])
 def test_malformed_fields(kwargs, message):
     with pytest.raises(ValueError, match=message):
