@@ -1,7 +1,7 @@
 """`LLM`, the public entry point, as vLLM's: `LLM(model, **engine_settings).generate(prompts, sampling_params)`."""
 from collections.abc import Iterable, Iterator
 from contextlib import AbstractContextManager
-from typing import Protocol
+from typing import TYPE_CHECKING, Protocol
 
 from tqdm.auto import tqdm
 from transformers import PreTrainedTokenizerBase
@@ -14,6 +14,9 @@ from nanovllm.engine.setup import resolve_config
 from nanovllm.metrics import Metric, metrics_from_stats
 from nanovllm.outputs import RequestOutput
 from nanovllm.sampling_params import SamplingParams
+
+if TYPE_CHECKING:
+    import torch
 
 
 class Handle(Protocol):
@@ -51,6 +54,10 @@ class Engine(Protocol):
     def stats(self) -> dict: ...
 
     def engine_stats(self) -> list[tuple[int, dict]]: ...
+
+    def load_weights(self, weights: Iterable[tuple[str, "torch.Tensor"]]) -> None: ...
+
+    def reset_prefix_cache(self) -> bool: ...
 
     def exit(self) -> None: ...
 
@@ -167,6 +174,22 @@ class LLM:
         data-parallel replica, "0" without data parallelism)."""
         return [metric for index, stats in self.engine.engine_stats()
                 for metric in metrics_from_stats(stats, self.config.model, index)]
+
+    def load_weights(self, weights: Iterable[tuple[str, "torch.Tensor"]]) -> None:
+        """Replace some or all of the model's weights in place, then reset the prefix cache (as RL trainers update
+        vLLM between rollouts). `weights` are (name, tensor) pairs under the model's Hugging Face checkpoint names,
+        e.g. `hf_model.state_dict().items()` or a few of them ("model.layers.0.self_attn.q_proj.weight", in any
+        dtype and on any device); fused and stacked parameters, tied heads and each family's renames are handled as
+        at load. Every tensor-parallel rank and data-parallel replica gets the update before this returns. A weight
+        kept quantized (a GGUF file, `quantization=`) is requantized into its type (Q8_0, Q4_0, Q4_1; other types
+        are refused). An unknown name, a wrong shape or a type that cannot be requantized is a ValueError before
+        anything changes; with a request waiting or running it is a RuntimeError (let them finish first)."""
+        self.engine.load_weights(weights)
+
+    def reset_prefix_cache(self) -> bool:
+        """Forget every cached KV block, so no later request reuses K/V computed before (`load_weights` does this
+        itself). Blocks of running requests keep theirs; returns whether none was kept, as vLLM's."""
+        return self.engine.reset_prefix_cache()
 
     def exit(self) -> None:
         """Stop the engine and its worker processes, and free its memory; safe to call twice."""

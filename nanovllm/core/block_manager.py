@@ -159,6 +159,20 @@ class BlockManager:
         if block.ref_count == 0:
             self.free_block_ids[block_id] = None
 
+    def reset_prefix_cache(self) -> bool:
+        """Forget the name of every block no sequence holds, so no later request reuses its K/V (after the model's
+        weights changed, say). Blocks that sequences hold keep their names: their K/V are their sequences' own, and
+        the blocks they fill next are named after them. Returns whether no name was kept (vLLM's: whether the
+        cache could be reset)."""
+        kept = False
+        for block in self.blocks:
+            if block.ref_count:
+                kept |= block.hash != -1
+            else:
+                self._forget(block)
+                block.token_ids = []
+        return not kept
+
     def deallocate(self, seq: Sequence, num_valid_tokens: int | None = None) -> None:
         """Release `seq`'s blocks. Blocks past its first `num_valid_tokens` tokens (a step that was
         scheduled but never ran) lose their names, so nobody hits K/V that were never computed."""

@@ -132,6 +132,11 @@ class Scheduler:
     def is_finished(self) -> bool:
         return not self.waiting and not self.running
 
+    def reset_prefix_cache(self) -> bool:
+        """`BlockManager.reset_prefix_cache`: no later request hits a block computed before; whether no block in use
+        kept its name."""
+        return self.block_manager.reset_prefix_cache()
+
     def add(self, seq: Sequence) -> None:
         """Queue `seq`; a ValueError if it could never be scheduled, so nothing waits forever."""
         if seq.num_blocks > len(self.block_manager.blocks):

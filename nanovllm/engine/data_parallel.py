@@ -17,12 +17,14 @@ and is closed. A replica whose engine raised is not retried: its requests fail w
 import atexit
 import logging
 import os
+import pickle
 import threading
 import traceback
 from collections.abc import Iterable
 from contextlib import AbstractContextManager
 from dataclasses import dataclass, field, replace
 from multiprocessing.connection import Connection, wait
+from typing import TYPE_CHECKING
 
 from nanovllm.config import Config
 from nanovllm.distributed.supervisor import Child, spawn, stop
@@ -30,8 +32,12 @@ from nanovllm.engine.llm_engine import LLMEngine
 from nanovllm.engine.prompts import CheckedPrompt
 from nanovllm.engine.router import PrefixRouter
 from nanovllm.engine.tokenizer import load_tokenizer
+from nanovllm.models.reload import weight_pairs
 from nanovllm.outputs import CompletionOutput, RequestOutput
 from nanovllm.spec_decode.stats import combine_stats
+
+if TYPE_CHECKING:
+    import torch
 
 logger = logging.getLogger("nanovllm")
 
@@ -94,6 +100,10 @@ class Replica:
     load: int = 0
     routed: int = 0
     stats: dict | None = None
+    reply: object = None  # the answer to a request sent to every replica (`_ask_all`), or _PENDING
+
+
+_PENDING = object()
 
 
 class DataParallelLLM:
@@ -235,6 +245,8 @@ class DataParallelLLM:
                 updated[routed.request_id] = routed
         elif kind == "stats":
             replica.stats = payload
+        elif kind == "reply":
+            replica.reply = payload
         elif kind == "crashed":
             self._lost(replica, payload)
 
@@ -290,6 +302,44 @@ class DataParallelLLM:
         """Each live replica's `LLMEngine.stats()`, with its index."""
         return [(r["replica"], r) for r in self.stats()["replicas"] if r["alive"]]
 
+    def load_weights(self, weights: Iterable[tuple[str, "torch.Tensor"]]) -> None:
+        """Every replica's `LLMEngine.load_weights`: the weights pickled once (moved to the CPU), sent through each
+        replica's pipe, and applied there; returns when every replica has them. Refused while requests are in
+        flight. A replica's ValueError (every replica checks the same model the same way, so all refuse alike) is
+        raised here; a replica lost meanwhile is a ReplicaFailure after the others have the weights."""
+        with self._lock:
+            if self._requests:
+                busy = len(self._requests)
+                raise RuntimeError(f"load_weights: {busy} request{' is' if busy == 1 else 's are'} waiting or "
+                                   "running; weights can be replaced only when no request is in flight (its K/V "
+                                   "and tokens come from the old weights): let them finish or abort_request() them "
+                                   "first")
+            pairs = [(name, tensor.cpu()) for name, tensor in weight_pairs(weights)]
+            replies = self._ask_all(pickle.dumps(("load_weights", pairs), protocol=pickle.HIGHEST_PROTOCOL))
+            failed = next((reply for _, reply in replies if isinstance(reply, BaseException)), None)
+            if failed is not None:
+                raise failed
+            lost = [replica for replica, _ in replies if not replica.alive]
+            if lost:
+                raise ReplicaFailure("load_weights: " + "; ".join(r.child.describe() for r in lost) + " meanwhile; "
+                                     "the replicas left have the new weights and go on")
+
+    def reset_prefix_cache(self) -> bool:
+        """Every replica's `LLMEngine.reset_prefix_cache`; whether each reset all of its cache."""
+        with self._lock:
+            return all(reply is True for _, reply in self._ask_all(pickle.dumps(("reset_prefix_cache", None))))
+
+    def _ask_all(self, message: bytes) -> list[tuple[Replica, object]]:
+        """Send a pickled (kind, payload) message to every live replica and wait for each one's reply (or its loss:
+        its reply stays _PENDING)."""
+        live = [r for r in self.replicas if r.alive]
+        for replica in live:
+            replica.reply = _PENDING
+            replica.child.conn.send_bytes(message)
+        while any(r.alive and r.reply is _PENDING for r in live):
+            self._pump(1.0)
+        return [(replica, replica.reply) for replica in live]
+
     def exit(self) -> None:
         """Stop every replica (orderly, then killed after a timeout); safe to call twice."""
         atexit.unregister(self.exit)
@@ -303,6 +353,20 @@ def aborted(routed: Routed) -> RequestOutput:
     indices = range(n) if routed.total is None else [c.index for c in routed.total.outputs]
     return RequestOutput(routed.request_id, routed.checked.text, routed.checked.token_ids,
                          [CompletionOutput(i, "", [], finish_reason="abort") for i in indices], True)
+
+
+def _attempt(method, *args) -> BaseException | None:
+    """`method(*args)`: None, or the exception it raised (made picklable: its type and message, else a RuntimeError
+    with its traceback) for the front to raise."""
+    try:
+        method(*args)
+    except Exception as e:  # noqa: BLE001 (the front raises it; the replica goes on)
+        try:
+            pickle.loads(pickle.dumps(e))
+            return e
+        except Exception:  # noqa: BLE001
+            return RuntimeError(traceback.format_exc())
+    return None
 
 
 def _replica_main(config: Config, devices: list[int] | None, cores: list[int], conn: Connection) -> None:
@@ -338,6 +402,10 @@ def _replica_main(config: Config, devices: list[int] | None, cores: list[int], c
                             del ids[own]
                     elif kind == "stats":
                         conn.send(("stats", engine.stats()))
+                    elif kind == "load_weights":
+                        conn.send(("reply", _attempt(engine.load_weights, payload[0])))
+                    elif kind == "reset_prefix_cache":
+                        conn.send(("reply", engine.reset_prefix_cache()))
                     continue
                 deltas = engine.step(delta=True)
                 conn.send(("outputs", [replace(d, request_id=ids[d.request_id]) for d in deltas]))

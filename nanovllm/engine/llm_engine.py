@@ -4,6 +4,7 @@ import time
 from collections.abc import Iterable, Iterator
 from contextlib import contextmanager
 from itertools import count
+from typing import TYPE_CHECKING
 
 from nanovllm.config import Config
 from nanovllm.core.scheduler import ScheduledBatch, Scheduler, SchedulerConfig
@@ -19,6 +20,9 @@ from nanovllm.spec_decode.grammar_drafts import GrammarDrafts
 from nanovllm.spec_decode.proposer import DraftModelProposer, NgramProposer
 from nanovllm.spec_decode.stats import spec_decode_stats
 from nanovllm.structured_output.manager import StructuredOutputs
+
+if TYPE_CHECKING:
+    import torch
 
 logger = logging.getLogger("nanovllm")
 
@@ -94,6 +98,36 @@ class LLMEngine:
                 self.model_runner = None
             if getattr(self, "structured", None) is not None:
                 self.structured.shutdown()
+
+    def load_weights(self, weights: Iterable[tuple[str, "torch.Tensor"]]) -> None:
+        """Replace some or all of the model's weights in place, on every tensor-parallel rank, then reset the prefix
+        cache (`LLM.load_weights`). Refused (a RuntimeError) while any request is waiting or running: its K/V and
+        its tokens so far come from the old weights, and mixing them with the new ones would give an output neither
+        model gives. Every check (names, shapes, quantized types) comes before any change: a ValueError, and the
+        engine goes on with its old weights."""
+        with self.turn():
+            if self.model_runner is None:
+                raise RuntimeError("this engine has been shut down (exit() was called); create a new LLM")
+            if not self.scheduler.is_finished():
+                busy = len(self._requests)
+                raise RuntimeError(f"load_weights: {busy} request{' is' if busy == 1 else 's are'} waiting or "
+                                   "running; weights can be replaced only when no request is in flight (its K/V "
+                                   "and tokens come from the old weights): let them finish or abort_request() them "
+                                   "first")
+            try:
+                self.model_runner.load_weights(weights)
+            except ValueError:
+                raise  # a check failed: nothing changed, and the cached K/V are still the model's
+            except BaseException:
+                self.scheduler.reset_prefix_cache()  # some weights may have changed
+                raise
+            self.scheduler.reset_prefix_cache()
+
+    def reset_prefix_cache(self) -> bool:
+        """Forget every cached KV block, so no later request reuses K/V computed before (blocks that running requests
+        hold keep theirs); whether none was kept, as vLLM's `reset_prefix_cache` returns."""
+        with self.turn():
+            return self.scheduler.reset_prefix_cache()
 
     def _new_request(self, checked: CheckedPrompt) -> Request:
         """A request for a checked prompt (nothing is queued yet): `params.n` sequences of the prompt."""

@@ -23,6 +23,7 @@ from nanovllm.kernels.attention.context import get_context, reset_context
 from nanovllm.kernels.attention.torch_backend import SHORT_QUERIES
 from nanovllm.kernels.cpu import cpu_kernels
 from nanovllm.kernels.fused import set_fused_ops
+from nanovllm.models.reload import check_reload, reload_weights
 from nanovllm.structured_output.bitmask import TokenBitmask
 
 logger = logging.getLogger("nanovllm")
@@ -100,6 +101,24 @@ class ModelRunner:
         with self.workers.guard():
             self.workers.dispatch(method, *args)
             return getattr(self, method)(*args)
+
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
+        """Replace weights in place on every rank (`nanovllm.models.reload.reload_weights`, each rank's loaders
+        keeping their slices): a ValueError from its checks means nothing changed on any rank. With tensor
+        parallelism rank 0 checks first, then the tensors reach the workers by broadcast, as the steps' do (on CUDA
+        from this rank's device)."""
+        if self.workers is None:
+            self.reload_weights(weights)
+            return
+        weights = check_reload(self.model, weights, self.config.hf_config)
+        if self.device.type == "cuda":
+            weights = [(name, tensor.to(self.device)) for name, tensor in weights]
+        self.call("reload_weights", weights)
+
+    def reload_weights(self, weights: list[tuple[str, torch.Tensor]]) -> None:
+        """This rank's part of `load_weights`."""
+        dequantized = self.config.quantization if self.device.type == "cuda" or cpu_kernels() is None else None
+        reload_weights(self.model, weights, self.config.hf_config, dequantized)
 
     def prepare(self, batch: ScheduledBatch) -> tuple[torch.Tensor, torch.Tensor, list[PromptRows]]:
         """Set the attention context for one varlen step (sequence i computes its tokens `starts[i]` to

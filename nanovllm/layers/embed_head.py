@@ -32,8 +32,8 @@ class VocabParallelEmbedding(nn.Module):
         if isinstance(shard, GGMLTensor):
             self.ggml_parts.append((0, shard.padded(self.num_embeddings_per_partition)))
             return
-        param.data.zero_()
         param.data[:shard.size(0)].copy_(shard)
+        param.data[shard.size(0):].zero_()  # the rows past the vocabulary, on the last rank
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.tp_size == 1:

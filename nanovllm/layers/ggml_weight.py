@@ -12,6 +12,9 @@ from torch import nn
 from nanovllm.kernels.ggml import (
     BLOCK,
     FLOAT_TYPES,
+    Q4_0,
+    Q4_1,
+    Q8_0,
     ggml_dequantize,
     ggml_embedding,
     ggml_linear,
@@ -81,6 +84,19 @@ def quantize(weight: torch.Tensor, qtype: int) -> GGMLTensor:
     return GGMLTensor(ggml_quantize(weight.detach().cpu(), qtype), qtype, weight.size(1))
 
 
+REQUANTIZABLE = frozenset({Q8_0, Q4_0, Q4_1, *FLOAT_TYPES})
+"""The GGML types a float weight can be put into here (`requantize`): `ggml_quantize`'s and the float ones."""
+
+
+def requantize(weight: torch.Tensor, qtype: int) -> GGMLTensor:
+    """A float `weight` `[rows, in_features]` as GGML blocks of `qtype`, one of `REQUANTIZABLE`: rounded to nearest
+    (Q8_0, Q4_0, Q4_1, as a weight quantized at load), or converted (F32, F16, BF16)."""
+    if qtype not in FLOAT_TYPES:
+        return quantize(weight, qtype)
+    data = weight.detach().to(device="cpu", dtype=FLOAT_TYPES[qtype]).contiguous().view(torch.uint8)
+    return GGMLTensor(data.reshape(weight.size(0), -1), qtype, weight.size(1))
+
+
 class GGMLWeight(nn.Module):
     """A layer's weight `[rows, in_features]` as GGML row segments, one type each, in row order.
 
@@ -114,6 +130,21 @@ class GGMLWeight(nn.Module):
                   GGMLTensor(torch.cat([p.data for p in group]), group[0].qtype, group[0].in_features)
                   for group in segments]
         return cls(joined, dtype)
+
+    def write_rows(self, start: int, rows: GGMLTensor) -> None:
+        """Overwrite rows `start`.. with `rows` in place (a weight reloaded: kernels and a `DecoderStack` holding the
+        segments see the new bytes); they must lie in one segment of their type."""
+        end = 0
+        for i, qtype in enumerate(self.qtypes):
+            segment = getattr(self, f"segment{i}")
+            begin, end = end, end + segment.size(0)
+            if begin <= start < end:
+                if start + rows.size(0) > end or qtype != rows.qtype or rows.in_features != self.in_features:
+                    raise RuntimeError(f"GGML rows {start}..{start + rows.size(0)} of type {type_name(rows.qtype)} do "
+                                     f"not fit segment {i} (rows {begin}..{end}, {type_name(qtype)})")
+                segment[start - begin:start - begin + rows.size(0)].copy_(rows.data)
+                return
+        raise RuntimeError(f"GGML rows from {start} lie outside this weight's {end} rows")
 
     @property
     def segments(self) -> list[GGMLTensor]:

@@ -7,7 +7,8 @@ or no CPU kernels) they are dequantized once here instead, to the model's dtype.
 import json
 import os
 import re
-from collections.abc import Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator
+from dataclasses import dataclass
 
 import torch
 from safetensors import SafetensorError, safe_open
@@ -33,15 +34,94 @@ def default_weight_loader(param: nn.Parameter, loaded_weight: torch.Tensor) -> N
     param.data.copy_(loaded_weight)
 
 
-def _load(param: nn.Parameter, name: str, source: str, tensor: torch.Tensor | GGMLTensor, *shard) -> None:
+def shard_args(shard) -> tuple:
+    return () if shard is None else (shard,)
+
+
+def _load(param: nn.Parameter, name: str, source: str, tensor: torch.Tensor | GGMLTensor, shard=None) -> None:
     """`param`'s loader on checkpoint tensor `name`; a tensor it cannot take is a ValueError naming the tensor."""
     try:
-        getattr(param, "weight_loader", default_weight_loader)(param, tensor, *shard)
+        getattr(param, "weight_loader", default_weight_loader)(param, tensor, *shard_args(shard))
     except ValueError as e:
         raise ValueError(f"checkpoint tensor {name!r} in {source!r}: {e}") from None
 
 
 EXPERT_WEIGHT = re.compile(r"\.experts\.(\d+)\.([^.]+)\.weight$")
+
+
+def resolve_name(weight_name: str, packed: dict, experts: dict) -> tuple[str, object]:
+    """The parameter a checkpoint tensor (under the model's own names) goes to, and its shard: the expert and
+    projection of a per-expert tensor, the part of a fused projection, or None for the whole parameter."""
+    expert = EXPERT_WEIGHT.search(weight_name)
+    if expert and expert.group(2) in experts:
+        fused, shard = experts[expert.group(2)]
+        return f"{weight_name[:expert.start()]}.experts.{fused}", (int(expert.group(1)), shard)
+    for fragment, (fused, shard_id) in packed.items():
+        if f".{fragment}." in weight_name:
+            return weight_name.replace(f".{fragment}.", f".{fused}."), shard_id
+    return weight_name, None
+
+
+@dataclass
+class WeightSlot:
+    """A parameter of the model as it was built: the module attribute that holds it (a float parameter, a
+    oneDNN-packed one, a `GGMLWeight`, or per-expert lists of those, once loaded), the loader that fills it from
+    checkpoint tensors, its shape and dtype on this rank as built, and the shards a complete load gives it."""
+
+    module: nn.Module
+    attr: str
+    loader: Callable
+    shape: torch.Size
+    dtype: torch.dtype
+    shards: frozenset
+
+    @property
+    def value(self):
+        return getattr(self.module, self.attr)
+
+
+@dataclass
+class LoadRecord:
+    """What `load_weights` leaves on a model (`model.load_record`) for `reload_weights`: its parameters as built
+    (by name), the other names of tied parameters (a tied LM head), the GGML type each (parameter, shard) was given
+    in, and transformers' names and full shapes of the checkpoint (read at the first reload)."""
+
+    slots: dict[str, WeightSlot]
+    aliases: dict[str, tuple[str, nn.Module, str]]  # a tied parameter's later name -> (first name, module, attribute)
+    ggml_types: dict[tuple[str, object], int]
+    checkpoint_shapes: dict[str, tuple[int, ...]] | None = None
+
+
+def _expected_shards(model: nn.Module, params: dict[str, nn.Parameter]) -> dict[str, frozenset]:
+    packed = getattr(model, "packed_modules_mapping", {})
+    experts = getattr(model, "expert_modules_mapping", {})
+    expected: dict[str, frozenset] = {name: frozenset({None}) for name in params}
+    for name, param in params.items():
+        for fused in {v for v, _ in packed.values()}:
+            if f".{fused}." in name:
+                expected[name] = frozenset(shard for v, shard in packed.values() if v == fused)
+        for fused in {v for v, _ in experts.values()}:
+            if name.endswith(f".experts.{fused}"):
+                expected[name] = frozenset((e, shard) for v, shard in experts.values() if v == fused
+                                           for e in range(param.size(0)))
+    return expected
+
+
+def _record(model: nn.Module, params: dict[str, nn.Parameter], expected: dict[str, frozenset],
+            ggml_types: dict[tuple[str, object], int]) -> LoadRecord:
+    slots = {}
+    for name, param in params.items():
+        prefix, _, attr = name.rpartition(".")
+        slots[name] = WeightSlot(model.get_submodule(prefix), attr,
+                                 getattr(param, "weight_loader", default_weight_loader), param.shape, param.dtype,
+                                 expected[name])
+    first = {id(param): name for name, param in params.items()}
+    aliases = {}
+    for name, param in model.named_parameters(remove_duplicate=False):
+        if first[id(param)] != name:
+            prefix, _, attr = name.rpartition(".")
+            aliases[name] = first[id(param)], model.get_submodule(prefix), attr
+    return LoadRecord(slots, aliases, ggml_types)
 
 
 def load_weights(model: nn.Module, weights: Iterable[tuple[str, torch.Tensor]], source: str) -> None:
@@ -54,47 +134,30 @@ def load_weights(model: nn.Module, weights: Iterable[tuple[str, torch.Tensor]], 
     "...experts.3.gate_proj.weight" to the stacked parameter ("...experts.gate_up_proj") and the
     shard, which goes to its loader with the expert's index; a whole stacked tensor (transformers'
     own layout) loads as it is. Each parameter's `weight_loader` keeps only this tensor-parallel rank's slice.
-    Tensors with no parameter (a tied `lm_head.weight`, rotary buffers) are ignored.
+    Tensors with no parameter (a tied `lm_head.weight`, rotary buffers) are ignored. The model keeps a
+    `LoadRecord` (`model.load_record`), with which `reload_weights` replaces weights later through the same loaders.
     """
     if (rename := getattr(model, "checkpoint_weights", None)) is not None:
         weights = rename(weights)
     packed = getattr(model, "packed_modules_mapping", {})
     experts = getattr(model, "expert_modules_mapping", {})
     params = dict(model.named_parameters())
-    expected: dict[str, set] = {name: {None} for name in params}
-    for name, param in params.items():
-        for fused in {v for v, _ in packed.values()}:
-            if f".{fused}." in name:
-                expected[name] = {shard for v, shard in packed.values() if v == fused}
-        for fused in {v for v, _ in experts.values()}:
-            if name.endswith(f".experts.{fused}"):
-                expected[name] = {(e, shard) for v, shard in experts.values() if v == fused
-                                  for e in range(param.size(0))}
+    expected = _expected_shards(model, params)
     loaded: dict[str, set] = {name: set() for name in params}
+    ggml_types: dict[tuple[str, object], int] = {}
     for weight_name, tensor in weights:
-        expert = EXPERT_WEIGHT.search(weight_name)
-        if expert and expert.group(2) in experts:
-            fused, shard = experts[expert.group(2)]
-            name = f"{weight_name[:expert.start()]}.experts.{fused}"
-            if name in params:
-                _load(params[name], weight_name, source, tensor, (int(expert.group(1)), shard))
-                loaded[name].add((int(expert.group(1)), shard))
+        name, shard = resolve_name(weight_name, packed, experts)
+        if name not in params:
             continue
-        for fragment, (fused, shard_id) in packed.items():
-            if f".{fragment}." in weight_name:
-                name = weight_name.replace(f".{fragment}.", f".{fused}.")
-                if name in params:
-                    _load(params[name], weight_name, source, tensor, shard_id)
-                    loaded[name].add(shard_id)
-                break
-        else:
-            if weight_name in params:
-                _load(params[weight_name], weight_name, source, tensor)
-                loaded[weight_name] |= expected[weight_name]
+        _load(params[name], weight_name, source, tensor, shard)
+        if isinstance(tensor, GGMLTensor):
+            ggml_types[name, shard] = tensor.qtype
+        loaded[name] |= expected[name] if shard is None else {shard}
     missing = sorted(name for name in params if not expected[name] <= loaded[name])
     if missing:
         shown = ", ".join(missing[:5]) + (f" and {len(missing) - 5} more" if len(missing) > 5 else "")
         raise ValueError(f"checkpoint in {source!r} is missing weights for: {shown}")
+    model.load_record = _record(model, params, expected, ggml_types)
     install_ggml_weights(model)
 
 
@@ -123,7 +186,7 @@ def install_ggml_weights(model: nn.Module) -> None:
                 setattr(module, name, made[id(param)][1])
 
 
-def _as_loaded(weights: Iterable[tuple[str, torch.Tensor | GGMLTensor]], quantization: str | None,
+def as_loaded(weights: Iterable[tuple[str, torch.Tensor | GGMLTensor]], quantization: str | None,
                keep_ggml: bool) -> Iterator[tuple[str, torch.Tensor | GGMLTensor]]:
     """Linear weights quantized (`quantization`), and GGML weights dequantized unless `keep_ggml`."""
     qtype = TYPE_IDS[QUANTIZATIONS[quantization]] if quantization else None
@@ -171,9 +234,15 @@ def _shape_mismatch(name: str, file: str, shape: tuple[int, ...], expected: tupl
                       "or use the config the weights were saved with.")
 
 
-def _safetensors_weights(path: str, hf_config: PretrainedConfig) -> Iterator[tuple[str, torch.Tensor]]:
-    """Every tensor of the checkpoint, each checked against the full shape the config implies before it is read."""
-    expected = {name: tuple(t.shape) for name, t in _reference_model(hf_config).state_dict().items()}
+def reference_shapes(hf_config: PretrainedConfig) -> dict[str, tuple[int, ...]]:
+    """transformers' checkpoint names for this config and the full shape of each."""
+    return {name: tuple(t.shape) for name, t in _reference_model(hf_config).state_dict().items()}
+
+
+def _safetensors_weights(path: str, hf_config: PretrainedConfig,
+                         expected: dict[str, tuple[int, ...]]) -> Iterator[tuple[str, torch.Tensor]]:
+    """Every tensor of the checkpoint, each checked against the full shape the config implies (`expected`, by name)
+    before it is read."""
     with open(os.path.join(path, "config.json")) as f:
         sources = _shape_sources(hf_config, json.load(f))
     for file in find_weight_files(path):
@@ -193,10 +262,12 @@ def load_model(model: nn.Module, path: str, hf_config: PretrainedConfig, gguf_ta
                quantization: str | None = None, keep_ggml: bool = True) -> None:
     """The weights of the model directory or GGUF file (with its tensor table `gguf_table`) at `path`."""
     if gguf_table is None:
-        load_weights(model, _as_loaded(_safetensors_weights(path, hf_config), quantization, keep_ggml), path)
+        expected = reference_shapes(hf_config)
+        load_weights(model, as_loaded(_safetensors_weights(path, hf_config, expected), quantization, keep_ggml), path)
+        model.load_record.checkpoint_shapes = expected  # what a reload checks its tensors against
         return
     mapped = map_file(path)
-    load_weights(model, _as_loaded(gguf_weights(mapped, gguf_table, hf_config), None, keep_ggml), path)
+    load_weights(model, as_loaded(gguf_weights(mapped, gguf_table, hf_config), None, keep_ggml), path)
     drop_resident_pages(mapped)
 
 
@@ -220,5 +291,5 @@ def _dummy_weights(hf_config: PretrainedConfig, seed: int) -> Iterator[tuple[str
 def init_dummy_weights(model: nn.Module, hf_config: PretrainedConfig, seed: int, quantization: str | None = None,
                        keep_ggml: bool = True) -> None:
     """Random weights for benchmarks and tests without a checkpoint, identical for every tensor-parallel size."""
-    load_weights(model, _as_loaded(_dummy_weights(hf_config, seed), quantization, keep_ggml),
+    load_weights(model, as_loaded(_dummy_weights(hf_config, seed), quantization, keep_ggml),
                  f"dummy weights for {hf_config.model_type}")
