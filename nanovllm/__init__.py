@@ -5,11 +5,12 @@
 """
 from importlib import import_module
 
+from nanovllm.beam_search import BeamSearchOutput, BeamSearchParams, BeamSearchSequence
 from nanovllm.outputs import CompletionOutput, Logprob, RequestOutput
 from nanovllm.sampling_params import SamplingParams, StructuredOutputsParams
 
 __all__ = ["LLM", "SamplingParams", "StructuredOutputsParams", "RequestOutput", "CompletionOutput", "Logprob",
-           "default_model"]
+           "BeamSearchParams", "BeamSearchOutput", "BeamSearchSequence", "default_model"]
 
 _LAZY = {"LLM": "nanovllm.llm", "default_model": "nanovllm.smollm2"}
 

@@ -2,6 +2,7 @@
 model and the machine."""
 import importlib.util
 from dataclasses import dataclass, field
+from types import SimpleNamespace
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
@@ -25,6 +26,9 @@ DEFAULT_PROMPT_LOOKUP = 5  # vLLM's n-gram length when neither bound is given
 # (k=5, always on) on the 2-core CPU with SmolLM2-135M (README, speculative decoding); the CUDA figures are a guess,
 # not measured: a GPU stays bound by reading the weights up to hundreds of rows.
 STEP_COST = {"cpu": (8, 8), "cuda": (256, 1)}
+# vLLM V1's refusal of custom logits processors beside speculative decoding, in its words
+SPEC_DECODE_REJECTS_LOGITS_PROCESSORS = "Custom logits processors are not supported when speculative decoding is " \
+    "enabled."
 
 
 @dataclass(frozen=True)
@@ -128,12 +132,18 @@ class Config:
     Worker processes (tensor-parallel ranks, data-parallel replicas) have `worker_start_timeout_s` to start and set
     up their engine; after that a collective waits at most `distributed_timeout_s` for a rank that stopped answering.
     `logprobs_mode` (vLLM's) says what logprobs and prompt logprobs hold: one of `LOGPROBS_MODES`.
+    `disable_log_stats=False` (vLLM's; True by default, as vLLM's `LLM`) logs vLLM's periodic throughput line
+    (`nanovllm.engine.stats_logger`); request metrics are filled either way.
     `speculative_config` is vLLM's dictionary (see `parse_speculative_config`), parsed into `speculative`; with a
     draft model, `draft` is its own resolved `Config`.
     `structured_outputs_config={"backend": ...}` picks the grammar backend of structured outputs, as vLLM's engine
     argument: "auto" (llguidance), "guidance" (llguidance) or "xgrammar" (needs `pip install xgrammar`); its
     `"jump_forward"` (nanovllm's; default True) proposes the tokens a grammar forces as drafts, verified in one step
     (`nanovllm.spec_decode.grammar_drafts`).
+    `logits_processors` (vLLM V1's): custom logits processor classes, each a `nanovllm.logits_processor.LogitsProcessor`
+    subclass or its "module:Class" name, built once by the sampler (per-request arguments in
+    `SamplingParams.extra_args`); not with speculative decoding (vLLM V1's rule), and with them structured outputs
+    do not jump forward (its drafts would be verified without the processors).
 
     The fields after `speculative_config` are not settings: `nanovllm.engine.setup.resolve_config` fills them in.
     """
@@ -161,10 +171,12 @@ class Config:
     attention_backend: str = "auto"
     tokenizer: str | None = None
     quantization: str | None = None
+    disable_log_stats: bool = True
     speculative_config: dict | None = None
     speculative: SpeculativeConfig | None = field(init=False)
     draft: "Config | None" = field(init=False, default=None, repr=False)
     structured_outputs_config: dict | None = None
+    logits_processors: list | None = None
     hf_config: "PretrainedConfig" = field(init=False, repr=False)
     architecture: str = field(init=False, default="")  # the model family that runs hf_config
     sliding_window: int = field(init=False, default=0)  # no layer reads K/V outside it (0: some layer reads all)
@@ -195,6 +207,8 @@ class Config:
             raise ValueError(f"logprobs_mode must be one of {list(LOGPROBS_MODES)}, got {self.logprobs_mode!r}")
         if not isinstance(self.enable_chunked_prefill, bool):
             raise ValueError(f"enable_chunked_prefill must be a bool, got {self.enable_chunked_prefill!r}")
+        if not isinstance(self.disable_log_stats, bool):
+            raise ValueError(f"disable_log_stats must be a bool, got {self.disable_log_stats!r}")
         if self.load_format not in ("auto", "dummy"):
             raise ValueError(f"load_format must be 'auto' or 'dummy', got {self.load_format!r}")
         if self.scheduling_policy not in ("fcfs", "priority"):
@@ -207,6 +221,7 @@ class Config:
             raise ValueError(f"dtype must be one of {list(DTYPES)}, got {self.dtype!r}")
         self.speculative = parse_speculative_config(self.speculative_config)
         self._check_structured_outputs_config()
+        self._check_logits_processors()
 
     def _check_structured_outputs_config(self) -> None:
         options = self.structured_outputs_config
@@ -227,6 +242,19 @@ class Config:
             raise ValueError(f"structured outputs backend {backend!r} needs the {package} package: pip install "
                              f"{package}")
 
+    def _check_logits_processors(self) -> None:
+        entries = self.logits_processors
+        if entries is None:
+            return
+        if not isinstance(entries, (list, tuple)) or not all(
+                isinstance(e, type) or isinstance(e, str) and len(e.split(":")) == 2 and all(e.split(":"))
+                for e in entries):
+            raise ValueError(f"logits_processors must be a list of LogitsProcessor subclasses or their "
+                             f"'module:Class' names, got {entries!r}")
+        if entries and self.speculative_config is not None:
+            raise ValueError(f"{SPEC_DECODE_REJECTS_LOGITS_PROCESSORS} (logits_processors={list(entries)!r} with "
+                             f"speculative_config={self.speculative_config!r}: drop one)")
+
     @property
     def structured_outputs_backend(self) -> str:
         """The grammar backend that runs: the one given, or for "auto" (the default) llguidance's, "guidance" (the
@@ -236,10 +264,37 @@ class Config:
 
     @property
     def jump_forward(self) -> bool:
-        """Whether the tokens a grammar forces are proposed as drafts (on unless turned off)."""
-        return (self.structured_outputs_config or {}).get("jump_forward", True)
+        """Whether the tokens a grammar forces are proposed as drafts (on unless turned off, or custom logits
+        processors run: its drafts would be verified without them)."""
+        return (self.structured_outputs_config or {}).get("jump_forward", True) and not self.logits_processors
 
     @property
     def blocks_per_sequence(self) -> int:
         """KV blocks one `max_model_len` sequence takes."""
         return -(-self.max_model_len // self.kvcache_block_size)
+
+
+class VllmConfig:
+    """The engine's settings under the names of vLLM's `VllmConfig`, as custom logits processors read them (the
+    `vllm_config` their constructor gets): `scheduler_config` (`max_num_seqs`: most rows a step's logits have,
+    `max_num_batched_tokens`, `max_model_len`), `model_config` (`model`, `max_model_len`, `hf_config`, `dtype`,
+    `max_logprobs`, `logits_processors`, `get_vocab_size()`), `cache_config.block_size`,
+    `parallel_config.tensor_parallel_size`, and `speculative_config`, None (processors run without speculation).
+    `config` is nanovllm's `Config` itself, as `nanovllm.engine.setup.resolve_config` made it."""
+
+    def __init__(self, config: Config):
+        self.config = config
+        self.scheduler_config = SimpleNamespace(max_num_seqs=config.max_num_seqs,
+                                                max_num_batched_tokens=config.max_num_batched_tokens,
+                                                max_model_len=config.max_model_len,
+                                                enable_chunked_prefill=config.enable_chunked_prefill,
+                                                policy=config.scheduling_policy)
+        hf_config = getattr(config, "hf_config", None)
+        self.model_config = SimpleNamespace(model=config.model, max_model_len=config.max_model_len, hf_config=hf_config,
+                                            dtype=getattr(config, "torch_dtype", config.dtype),
+                                            max_logprobs=config.max_logprobs, logprobs_mode=config.logprobs_mode,
+                                            logits_processors=config.logits_processors,
+                                            get_vocab_size=lambda: hf_config.vocab_size)
+        self.cache_config = SimpleNamespace(block_size=config.kvcache_block_size)
+        self.parallel_config = SimpleNamespace(tensor_parallel_size=config.tensor_parallel_size)
+        self.speculative_config = None

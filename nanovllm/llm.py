@@ -6,7 +6,9 @@ from typing import TYPE_CHECKING, Protocol
 from tqdm.auto import tqdm
 from transformers import PreTrainedTokenizerBase
 
+from nanovllm.beam_search import BeamSearchOutput, BeamSearchParams
 from nanovllm.config import Config
+from nanovllm.engine.beam_search import EngineBeamSearch, PromptSearch, search_by_requests, token_decoder
 from nanovllm.engine.data_parallel import DataParallelLLM
 from nanovllm.engine.llm_engine import LLMEngine
 from nanovllm.engine.prompts import CheckedPrompt, Conversation, Params, Prompt, PromptChecker
@@ -120,6 +122,37 @@ class LLM:
         """The token ids `chat` sends for `conversation`, e.g. to `stream` a reply."""
         return self.tokenizer.encode(self.prompts.chat_text(conversation, add_generation_prompt),
                                      add_special_tokens=False)
+
+    def beam_search(self, prompts: Prompt | list[Prompt], params: BeamSearchParams, lora_request: None = None,
+                    use_tqdm: bool = False, concurrency_limit: int | None = None) -> list[BeamSearchOutput]:
+        """vLLM's beam search (`nanovllm.beam_search.BeamSearchParams` says how it goes): one `BeamSearchOutput` per
+        prompt, in order, its `beam_width` best beams. Prompts are taken as by `generate`. Every prompt's beams run
+        in the same steps, and beams share their prompt's KV blocks (`nanovllm.engine.beam_search`); at most
+        `concurrency_limit` prompts are searched at once (None: all). A beam's candidates are its `2 * beam_width`
+        most likely next tokens (the vocabulary at most), whose logprobs count against `max_logprobs` as vLLM's do.
+        `lora_request` must be None."""
+        if not isinstance(params, BeamSearchParams):
+            raise ValueError(f"params must be a BeamSearchParams (from nanovllm import BeamSearchParams), got "
+                             f"{type(params).__name__}")
+        if lora_request is not None:
+            raise ValueError("nanovllm has no LoRA adapters: lora_request must be None")
+        if concurrency_limit is not None and (isinstance(concurrency_limit, bool)
+                                              or not isinstance(concurrency_limit, int) or concurrency_limit < 1):
+            raise ValueError(f"concurrency_limit must be an integer >= 1 or None, got {concurrency_limit!r}")
+        sampling = SamplingParams(temperature=params.temperature, max_tokens=1, detokenize=False,
+                                  logprobs=min(2 * params.beam_width, self.config.hf_config.vocab_size))
+        checked = self.prompts.check_prompts(prompts, sampling, None)
+        eos = self.tokenizer.eos_token_id if self.tokenizer is not None else None
+        if eos is None:
+            eos = getattr(self.config.hf_config, "eos_token_id", None)
+            eos = eos[0] if isinstance(eos, list) and eos else eos
+        if isinstance(self.engine, LLMEngine):
+            return EngineBeamSearch(self.engine, checked, params, eos, concurrency_limit).run(use_tqdm)
+        searches = [PromptSearch(prompt, params, eos, self.max_model_len) for prompt in checked]
+        search_by_requests(lambda beams: self._run(self.prompts.check_prompts(beams, sampling, None), False),
+                           searches, concurrency_limit, use_tqdm)
+        decode = token_decoder(self.tokenizer)
+        return [search.output(self.tokenizer, decode) for search in searches]
 
     def stream(self, prompts: Prompt | list[Prompt], sampling_params: Params = None,
                priority: int | list[int] | None = None) -> Iterator[RequestOutput]:

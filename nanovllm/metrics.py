@@ -32,12 +32,17 @@ class Gauge(Metric):
 
 
 def metrics_from_stats(stats: dict, model_name: str, engine: int = 0) -> list[Metric]:
-    """One engine's `stats()` as vLLM's metrics: preemptions, prefix cache hits (tokens), KV cache usage, and with
-    speculative decoding the drafts (verification rows), draft tokens, accepted tokens and accepted tokens per
-    draft position."""
+    """One engine's `stats()` as vLLM's metrics: requests running and waiting (sequences: each of `n` samples
+    counts, as vLLM's child requests), preemptions, prompt tokens (of each sequence, counted at its first token)
+    and generated tokens, prefix cache hits (tokens), KV cache usage, and with speculative decoding the drafts
+    (verification rows), draft tokens, accepted tokens and accepted tokens per draft position."""
     labels = {"model_name": model_name, "engine": str(engine)}
     metrics: list[Metric] = [
+        Gauge("vllm:num_requests_running", labels, float(stats["num_requests_running"])),
+        Gauge("vllm:num_requests_waiting", labels, float(stats["num_requests_waiting"])),
         Counter("vllm:num_preemptions", labels, stats["num_preemptions"]),
+        Counter("vllm:prompt_tokens", labels, stats["num_prompt_tokens"]),
+        Counter("vllm:generation_tokens", labels, stats["num_generation_tokens"]),
         Counter("vllm:prefix_cache_hits", labels, stats["num_cached_tokens"]),
         Gauge("vllm:kv_cache_usage_perc", labels, 1 - stats["num_free_blocks"] / stats["num_blocks"])]
     if "num_draft_tokens" in stats:

@@ -45,13 +45,40 @@ LEGACY_KEYS = ("text", "token_ids")
 
 @dataclass
 class RequestMetrics:
-    """When things happened to a request, in `time.time()` seconds: it arrived, got its first and its latest token,
-    and finished (None until then)."""
+    """What happened to a request so far, as vLLM V1's `RequestStateStats` (its `RequestOutput.metrics`), recorded
+    by the engine where each event happens: `arrival_time` (submitted to `LLM`), `queued_ts` (queued in the engine
+    that runs it: a data-parallel replica's is later than the front's arrival), `scheduled_ts` (a step first
+    computed some of its prompt; a preemption does not move it), `first_token_ts` and `last_token_ts` (the steps
+    that gave it its first and its latest token), `first_token_latency` (`first_token_ts - arrival_time`) and
+    `num_generation_tokens` (tokens generated, summed over its `n` completions). A timestamp is 0.0 until its event.
+    Unlike vLLM, whose engine core stamps the `_ts` fields with `time.monotonic()`, every time here is `time.time()`
+    seconds, so they compare with `arrival_time` and with each other across processes. `is_corrupted` (vLLM's NaN
+    check) is always False here.
+
+    nanovllm adds the prompt's tokens, those of them the prefix cache served (`RequestOutput.num_cached_tokens`),
+    `finished_time` (None until it finished or was aborted), and `first_token_time` / `last_token_time`, its earlier
+    names for `first_token_ts` / `last_token_ts` (None until then). Each output carries the metrics as they were
+    when it was made."""
 
     arrival_time: float
-    first_token_time: float | None = None
-    last_token_time: float | None = None
+    num_generation_tokens: int = 0
+    queued_ts: float = 0.0
+    scheduled_ts: float = 0.0
+    first_token_ts: float = 0.0
+    last_token_ts: float = 0.0
+    first_token_latency: float = 0.0
+    is_corrupted: bool = False
+    num_prompt_tokens: int = 0
+    num_cached_tokens: int = 0
     finished_time: float | None = None
+
+    @property
+    def first_token_time(self) -> float | None:
+        return self.first_token_ts or None
+
+    @property
+    def last_token_time(self) -> float | None:
+        return self.last_token_ts or None
 
 
 @dataclass

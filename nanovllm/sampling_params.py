@@ -1,7 +1,9 @@
 import math
 import warnings
-from dataclasses import dataclass, field, replace
-from typing import Callable
+from dataclasses import InitVar, dataclass, field, replace
+from typing import Any, Callable
+
+from nanovllm.beam_search import BeamSearchParams  # noqa: F401 (vLLM's import path: vllm.sampling_params)
 
 MIN_TEMPERATURE = 0.01
 
@@ -116,6 +118,9 @@ class SamplingParams:
     `StructuredOutputsParams`); a completion whose constraint is complete ends there with `finish_reason="stop"`.
     `best_of` is vLLM's field, checked as vLLM checks it (None, or an integer >= `n`), and as in vLLM V1 a request
     with `best_of` > 1 is refused at submission (a ValueError).
+    `extra_args` (a dict, vLLM's) holds per-request arguments for the engine's custom logits processors
+    (`LLM(logits_processors=[...])`), which may refuse them at submission. Per-request `logits_processors` are
+    refused, a ValueError in vLLM V1's words: V1 takes logits processor classes for the engine instead.
     """
 
     n: int = 1
@@ -141,10 +146,17 @@ class SamplingParams:
     bad_words: list[str] | None = None
     structured_outputs: StructuredOutputsParams | None = None
     best_of: int | None = None
+    extra_args: dict[str, Any] | None = None
+    logits_processors: InitVar[Any] = None
     bad_words_token_ids: list[list[int]] = field(default_factory=list, init=False, repr=False, compare=False)
     """`bad_words` as token-id sequences, filled in by the engine from the model's tokenizer."""
 
-    def __post_init__(self) -> None:
+    def __post_init__(self, logits_processors: Any = None) -> None:
+        if logits_processors:
+            raise ValueError("vLLM V1 does not support per request user provided logits processors. Pass logits "
+                             "processor classes to the engine, LLM(logits_processors=[...]), with per-request "
+                             "arguments in SamplingParams(extra_args={...}); a per-request callable runs through "
+                             "nanovllm.v1.sample.logits_processor.AdapterLogitsProcessor")
         self.n = _integer("n", self.n, ">= 1", lambda v: v >= 1)
         self.temperature = _number("temperature", self.temperature, ">= 0 (0 is greedy)", lambda v: v >= 0)
         if 0 < self.temperature < MIN_TEMPERATURE:
@@ -198,6 +210,8 @@ class SamplingParams:
             if self.best_of < self.n:
                 raise ValueError(f"best_of must be greater than or equal to n, got n={self.n} and "
                                  f"best_of={self.best_of}.")
+        if self.extra_args is not None and not isinstance(self.extra_args, dict):
+            raise ValueError(f"extra_args must be a dict or None, got {type(self.extra_args).__name__}")
 
     @property
     def uses_penalties(self) -> bool:

@@ -141,6 +141,29 @@ class BlockManager:
         while len(seq.block_table) > seq.num_blocks:
             self._release(seq.block_table.pop())
 
+    def fork(self, seq: Sequence, child: Sequence, may_copy: bool = True) -> list[tuple[int, int, int]] | None:
+        """Give `child`, a fork of `seq` (`Sequence.fork`: the same tokens, every one computed), `seq`'s blocks, copy
+        on write: it shares every full block (ref counts), and when the last block is partial, the next token of
+        each would be written into it, so `child` gets a new block instead, whose K/V must first be copied from
+        `seq`'s: returned as `[(source, destination, its number of tokens)]` (empty when the last block is full)
+        for the model runner's cache. None, changing nothing, when that copy is needed and `may_copy` is False or
+        no block is free."""
+        assert not child.block_table and seq.num_computed_tokens == len(seq) == len(child)
+        partial = len(seq) % self.block_size
+        if partial and (not may_copy or not self.free_block_ids):
+            return None
+        shared = seq.block_table[:-1] if partial else seq.block_table
+        for block_id in shared:
+            if block_id != -1:  # released outside the sliding window
+                self.blocks[block_id].ref_count += 1
+        child.block_table = list(shared)
+        if not partial:
+            return []
+        block = self._allocate_block(next(iter(self.free_block_ids)))
+        child.block_table.append(block.block_id)
+        self.peak_used_blocks = max(self.peak_used_blocks, len(self.blocks) - self.num_free_blocks)
+        return [(seq.block_table[-1], block.block_id, partial)]
+
     def _release_outside_window(self, seq: Sequence, start: int, end: int) -> None:
         """Free the blocks before the window of this step's first query (position `start`). The block before the
         one that `end` falls in stays: the next block named hashes on its name."""

@@ -111,6 +111,11 @@ class Scheduler:
     much of their prompt (after any prefix-cache hit) as the budget and the free blocks allow.
     With `enable_chunked_prefill=False` a step is nano-vLLM's instead: whole prompts only, and
     only when none waits does every running sequence decode.
+
+    Beam search's sequences (`Sequence.search`) run as any other, without drafts; one that is `held` (it has sampled
+    and waits for the other beams of its search) is neither run nor admitted, and `fork` adds a copy of one that
+    shares its KV blocks. When nothing else can run because held beams fill the cache or `max_num_seqs`, the
+    youngest are preempted so that the beams they wait for get in.
     """
 
     def __init__(self, config: SchedulerConfig):
@@ -139,14 +144,18 @@ class Scheduler:
 
     def add(self, seq: Sequence) -> None:
         """Queue `seq`; a ValueError if it could never be scheduled, so nothing waits forever."""
+        self.check(seq)
+        self.waiting.push(seq)
+        self.unfinished[seq.seq_id] = seq
+
+    def check(self, seq: Sequence) -> None:
+        """A ValueError if `seq` could never be scheduled."""
         if seq.num_blocks > len(self.block_manager.blocks):
             raise ValueError(f"request {seq.seq_id} needs {seq.num_blocks} KV blocks for its {len(seq)} prompt "
                              f"tokens but the cache has {len(self.block_manager.blocks)}")
         if not self.chunked_prefill and len(seq) > self.max_num_batched_tokens:
             raise ValueError(f"request {seq.seq_id} has {len(seq)} prompt tokens, more than max_num_batched_tokens="
                              f"{self.max_num_batched_tokens}, and chunked prefill is off")
-        self.waiting.push(seq)
-        self.unfinished[seq.seq_id] = seq
 
     def schedule(self) -> ScheduledBatch:
         batch = self.in_flight = ScheduledBatch(finished_seq_ids=self.finished_seq_ids)
@@ -158,6 +167,9 @@ class Scheduler:
                 self._schedule_waiting(batch, budget)
         elif not self._schedule_waiting(batch, budget):
             self._schedule_running(batch, budget)
+        while not batch.seqs and self.waiting and any(seq.held for seq in self.running):
+            self.preempt(max((seq for seq in self.running if seq.held), key=self.waiting.key))
+            self._schedule_waiting(batch, budget)
         if batch.seqs:
             self.num_steps += 1
             self.num_chunked_steps += not all(batch.samples)
@@ -169,10 +181,10 @@ class Scheduler:
         for seq in sorted(self.running, key=lambda seq: len(seq.token_ids) - seq.num_computed_tokens > 1):
             if budget == 0:
                 break
-            if seq.status != SequenceStatus.RUNNING:  # preempted earlier in this pass
+            if seq.status != SequenceStatus.RUNNING or seq.held:  # preempted earlier in this pass, or a held beam
                 continue
             num_tokens = min(len(seq.token_ids) - seq.num_computed_tokens, budget)
-            drafts = seq.spec_token_ids[:budget - 1] if num_tokens == 1 else []
+            drafts = seq.spec_token_ids[:budget - 1] if num_tokens == 1 and seq.search is None else []
             if drafts and self.block_manager.allocate(seq, 1 + len(drafts)):
                 batch.add(seq, 1 + len(drafts), drafts)
                 budget -= 1 + len(drafts)
@@ -192,10 +204,10 @@ class Scheduler:
 
     def _schedule_waiting(self, batch: ScheduledBatch, budget: int) -> bool:
         admitted = False
-        compiling = []  # set aside while their grammar compiles; the rest go on
+        compiling = []  # set aside while their grammar compiles, or held beams; the rest go on
         while self.waiting and budget and len(self.running) < self.max_num_seqs:
             seq = self.waiting.peek()
-            if seq.grammar is not None and not seq.grammar.ready:
+            if seq.held or seq.grammar is not None and not seq.grammar.ready:
                 compiling.append(self.waiting.pop())
                 continue
             shares = self.prefix_caching and seq.params.prompt_logprobs is None
@@ -221,6 +233,26 @@ class Scheduler:
         for seq in compiling:
             self.waiting.push(seq)
         return admitted
+
+    def fork(self, seq: Sequence, child_id: int,
+             may_copy: bool = True) -> tuple[Sequence, list[tuple[int, int, int]]]:
+        """A new sequence `child_id` with `seq`'s tokens (a beam search's beam forking: `seq` has sampled, and each
+        will get a different next token). If `seq` runs, `max_num_seqs` allows one more, and its last block, when
+        partial, can be copied (`may_copy`; a free block), the child runs beside it, sharing its KV blocks
+        (`BlockManager.fork`), and the block copies it needs are returned for the model runner's caches; otherwise
+        the child waits, to be computed when admitted (its full blocks served from the prefix cache)."""
+        child = seq.fork(child_id)
+        copies = None
+        if seq.status == SequenceStatus.RUNNING and len(self.running) < self.max_num_seqs:
+            copies = self.block_manager.fork(seq, child, may_copy)
+        if copies is None:
+            child.num_computed_tokens = 0
+            child.status = SequenceStatus.WAITING
+            self.waiting.push(child)
+        else:
+            self.running.append(child)
+        self.unfinished[child.seq_id] = child
+        return child, copies or []
 
     def preempt(self, seq: Sequence) -> None:
         self._free(seq)

@@ -21,6 +21,9 @@ class Sequence:
     `spec_token_ids`: tokens proposed to follow it (speculative decoding), verified in its next decode step;
     `spec_trials` and `spec_accepted`: drafts it has verified up to and including the first rejected one, and of
     those the accepted ones (its per-draft acceptance, which decides how many it proposes).
+    `search`: for a beam of a beam search (`nanovllm.engine.beam_search`), the search, which takes each token the
+    beam samples instead of the engine appending it; `held` while the beam has sampled and waits for its search to
+    choose the next beams (the scheduler neither runs nor admits it). `fork` makes a copy to share its KV blocks.
     """
 
     def __init__(self, seq_id: int, token_ids: list[int], block_size: int, params: SamplingParams,
@@ -40,6 +43,8 @@ class Sequence:
         self.spec_token_ids: list[int] = []
         self.spec_trials = self.spec_accepted = 0
         self.grammar = None  # structured outputs: the engine's GrammarState; not scheduled until `grammar.ready`
+        self.search = None
+        self.held = False
 
     def __len__(self) -> int:
         return len(self.token_ids)
@@ -69,3 +74,14 @@ class Sequence:
 
     def append_token(self, token_id: int) -> None:
         self.token_ids.append(token_id)
+
+    def fork(self, seq_id: int) -> "Sequence":
+        """A copy under `seq_id` with the same tokens, progress, params and search, but no blocks yet (the block
+        manager's `fork` shares them) and no drafts."""
+        child = copy(self)
+        child.seq_id = seq_id
+        child.token_ids = copy(self.token_ids)
+        child.block_table = []
+        child.spec_token_ids = []
+        child.spec_trials = child.spec_accepted = 0
+        return child

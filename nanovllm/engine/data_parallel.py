@@ -8,6 +8,10 @@ the block manager names it) go to the replica that got the first of them; other 
 least outstanding work (prompt plus max_tokens). A replica sends back, after each of its steps, what is new for each
 of its requests.
 
+Each request's `RequestMetrics` are the replica's (they travel in its deltas), with the front's `arrival_time` (and
+`first_token_latency` from it). With `disable_log_stats=False` each replica's periodic stats lines are logged by
+the front, in the caller's process, as "Engine 001: ..." (a spawned process has no logging set up).
+
 A replica that dies: the requests it held that nobody has seen output of yet (all of `generate`'s and `chat`'s) are
 retried on the other replicas, with a logged warning, so they complete exactly as they would have (greedy and seeded
 sampling do not depend on the replica); a `stream` that already yielded output of one of its requests raises
@@ -19,9 +23,11 @@ import logging
 import os
 import pickle
 import threading
+import time
 import traceback
 from collections.abc import Iterable
 from contextlib import AbstractContextManager
+from copy import copy
 from dataclasses import dataclass, field, replace
 from multiprocessing.connection import Connection, wait
 from typing import TYPE_CHECKING
@@ -33,7 +39,7 @@ from nanovllm.engine.prompts import CheckedPrompt
 from nanovllm.engine.router import PrefixRouter
 from nanovllm.engine.tokenizer import load_tokenizer
 from nanovllm.models.reload import weight_pairs
-from nanovllm.outputs import CompletionOutput, RequestOutput
+from nanovllm.outputs import CompletionOutput, RequestMetrics, RequestOutput
 from nanovllm.spec_decode.stats import combine_stats
 
 if TYPE_CHECKING:
@@ -59,6 +65,7 @@ class Routed:
     news: list[RequestOutput] = field(default_factory=list)  # deltas not yet read by a stream
     seen: bool = False  # a stream yielded some of its output
     error: BaseException | None = None
+    arrival_time: float = field(default_factory=time.time)  # submitted to the front
 
     @property
     def finished(self) -> bool:
@@ -134,8 +141,8 @@ class DataParallelLLM:
             for i in range(data_parallel_size):
                 devices = list(range(i * tp, (i + 1) * tp)) if config.device == "cuda" else None
                 share = cores[i * per:(i + 1) * per] or [cores[i % len(cores)]]
-                self.replicas.append(Replica(i, spawn(f"data-parallel replica {i}", _replica_main, config, devices,
-                                                      share)))
+                self.replicas.append(Replica(i, spawn(f"data-parallel replica {i}", _replica_main, i, config,
+                                                      devices, share)))
             config.max_model_len = min(self._wait_ready(replica) for replica in self.replicas)
         except BaseException:
             self.exit()
@@ -237,6 +244,10 @@ class DataParallelLLM:
                 if routed is None:  # aborted meanwhile
                     continue
                 delta = replace(delta, prompt=routed.checked.text)
+                if delta.metrics is not None:  # a copy of its own, unpickled: the front's arrival goes in
+                    delta.metrics.arrival_time = routed.arrival_time
+                    if delta.metrics.first_token_ts:
+                        delta.metrics.first_token_latency = delta.metrics.first_token_ts - routed.arrival_time
                 if delta.finished:
                     self._finish(routed, delta)
                 else:
@@ -247,6 +258,8 @@ class DataParallelLLM:
             replica.stats = payload
         elif kind == "reply":
             replica.reply = payload
+        elif kind == "log":  # a periodic stats line of the replica's engine
+            logger.log(*payload)
         elif kind == "crashed":
             self._lost(replica, payload)
 
@@ -348,11 +361,17 @@ class DataParallelLLM:
 
 
 def aborted(routed: Routed) -> RequestOutput:
-    """The last output of a request aborted before it finished."""
+    """The last output of a request aborted before it finished, its metrics as the replica last sent them."""
     n = routed.checked.params.n
     indices = range(n) if routed.total is None else [c.index for c in routed.total.outputs]
+    if routed.total is not None and routed.total.metrics is not None:
+        metrics = copy(routed.total.metrics)
+    else:
+        metrics = RequestMetrics(routed.arrival_time, num_prompt_tokens=len(routed.checked.token_ids))
+    metrics.finished_time = time.time()
     return RequestOutput(routed.request_id, routed.checked.text, routed.checked.token_ids,
-                         [CompletionOutput(i, "", [], finish_reason="abort") for i in indices], True)
+                         [CompletionOutput(i, "", [], finish_reason="abort") for i in indices], True,
+                         num_cached_tokens=metrics.num_cached_tokens, metrics=metrics)
 
 
 def _attempt(method, *args) -> BaseException | None:
@@ -369,8 +388,9 @@ def _attempt(method, *args) -> BaseException | None:
     return None
 
 
-def _replica_main(config: Config, devices: list[int] | None, cores: list[int], conn: Connection) -> None:
-    """A replica: build the engine on its devices or cores, then take requests and send back each step's news."""
+def _replica_main(index: int, config: Config, devices: list[int] | None, cores: list[int], conn: Connection) -> None:
+    """Replica `index`: build the engine on its devices or cores, then take requests and send back each step's news
+    (and its periodic stats lines, which the front logs)."""
     if devices is not None:
         os.environ["CUDA_VISIBLE_DEVICES"] = ",".join(map(str, devices))
     else:
@@ -383,6 +403,9 @@ def _replica_main(config: Config, devices: list[int] | None, cores: list[int], c
     except BaseException:
         conn.send(("failed", traceback.format_exc()))
         return
+    if engine.stat_logger is not None:
+        engine.stat_logger.engine_index = index
+        engine.stat_logger.emit = lambda level, line: conn.send(("log", (level, line)))
     ids: dict[str, str] = {}  # the engine's request id -> the front's
     try:
         conn.send(("ready", config.max_model_len))

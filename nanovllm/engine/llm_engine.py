@@ -12,6 +12,7 @@ from nanovllm.core.sequence import Sequence
 from nanovllm.core.stopping import token_finish
 from nanovllm.engine.prompts import CheckedPrompt
 from nanovllm.engine.request import Completion, Request
+from nanovllm.engine.stats_logger import StatsLogger
 from nanovllm.engine.tokenizer import load_tokenizer
 from nanovllm.execution.model_runner import ModelRunner
 from nanovllm.outputs import RequestOutput, TokenLogprobs
@@ -25,7 +26,6 @@ if TYPE_CHECKING:
     import torch
 
 logger = logging.getLogger("nanovllm")
-
 
 
 class LLMEngine:
@@ -62,6 +62,11 @@ class LLMEngine:
         self._seq_ids, self._request_ids = count(), count()
         self._requests: dict[str, Request] = {}
         self._completions: dict[int, tuple[Request, Completion]] = {}
+        self._unscheduled: dict[int, Request] = {}  # sequences never scheduled yet, for `RequestMetrics.scheduled_ts`
+        # sequences that got their first token, their prompt tokens, of those the cached ones; tokens generated
+        self.num_prompt_sequences = self.num_prompt_tokens = self.num_prompt_cached_tokens = 0
+        self.num_generation_tokens = 0
+        self.stat_logger = None if config.disable_log_stats else StatsLogger()
         self._lock = threading.RLock()
         self._waiting: set[int] = set()  # threads blocked on the lock
 
@@ -139,13 +144,17 @@ class LLMEngine:
             bad_words_token_ids = self._bad_word_ids(params)
             for sample_params in samples:
                 sample_params.bad_words_token_ids = bad_words_token_ids
-        seqs = [Sequence(next(self._seq_ids), checked.token_ids, self.config.kvcache_block_size, sample_params,
+        seqs = [Sequence(self.next_seq_id(), checked.token_ids, self.config.kvcache_block_size, sample_params,
                          checked.priority)
                 for sample_params in samples]
         if checked.grammar is not None:
             for seq in seqs:
                 seq.grammar = self.structured.state(checked.grammar)
         return Request(str(next(self._request_ids)), checked.text, seqs, self.tokenizer)
+
+    def next_seq_id(self) -> int:
+        """A sequence id no other sequence of this engine has (requests' samples, beams)."""
+        return next(self._seq_ids)
 
     def _bad_word_ids(self, params: SamplingParams) -> list[list[int]]:
         """Each bad word's token ids, as written and after a space (as vLLM), without duplicates."""
@@ -158,11 +167,14 @@ class LLMEngine:
         requests = [self._new_request(c) for c in checked]
         with self.turn():
             added = []
+            queued = time.time()
             try:
                 for request in requests:
+                    request.metrics.queued_ts = queued
                     for completion in request.completions:
                         self.scheduler.add(completion.seq)
                         self._completions[completion.seq.seq_id] = request, completion
+                        self._unscheduled[completion.seq.seq_id] = request
                     self._requests[request.request_id] = request
                     added.append(request)
             except BaseException:
@@ -176,6 +188,7 @@ class LLMEngine:
         self._requests.pop(request.request_id, None)
         for completion in request.completions:
             self._completions.pop(completion.seq.seq_id, None)
+            self._unscheduled.pop(completion.seq.seq_id, None)
 
     def abort_request(self, request_id: str | Iterable[str]) -> None:
         """Stop requests wherever their sequences are (waiting, running or preempted) and free their blocks at
@@ -202,6 +215,10 @@ class LLMEngine:
             batch = self.scheduler.schedule()
         if not batch:
             return batch, []
+        if self.stat_logger is not None:
+            self.stat_logger.step_started()
+        if self._unscheduled:
+            self._stamp_scheduled(batch.seqs)
         allowed = self.structured.bitmask([(seq, drafts) for seq, drafts, samples
                                            in zip(batch.seqs, batch.drafts, batch.samples) if samples])
         output = self.model_runner.run(batch, allowed)
@@ -211,11 +228,16 @@ class LLMEngine:
         updated: dict[str, Request] = {}
         ended: list[Request] = []
         now = time.time()
+        generated = 0
         all_logprobs = iter(output.logprobs or [None] * len(output.token_ids))
         for seq, token_ids in sampled:
+            if seq.search is not None:  # a beam: its search takes the token (nanovllm.engine.beam_search)
+                seq.search.take(seq, token_ids[0], next(all_logprobs))
+                continue
             request, completion = self._completions[seq.seq_id]
             updated[request.request_id] = request
             logprobs = [next(all_logprobs) for _ in token_ids]
+            before = len(seq.token_ids)
             try:
                 for token_id, token_logprobs in zip(token_ids, logprobs):
                     seq.append_token(token_id)
@@ -230,14 +252,30 @@ class LLMEngine:
                 logger.exception("request %s: processing its output failed; it is aborted, the others go on",
                                  request.request_id)
                 self.scheduler.abort(seq.seq_id)
+            generated += len(seq.token_ids) - before
+            if before == seq.num_prompt_tokens < len(seq.token_ids):  # its first token
+                self.num_prompt_sequences += 1
+                self.num_prompt_tokens += before
+                self.num_prompt_cached_tokens += max(seq.num_cached_tokens, 0)
             if seq.is_finished:
                 ended.append(request)
+        self.num_generation_tokens += generated
         for request in updated.values():
             request.record_token(now)
         for request in ended:
             if request.finished:
                 self._forget(request)
+        if self.stat_logger is not None:
+            self.stat_logger.step_ended(self.stats, self.scheduler.is_finished())
         return batch, list(updated.values())
+
+    def _stamp_scheduled(self, seqs: list[Sequence]) -> None:
+        """`RequestMetrics.scheduled_ts` of the requests of `seqs` that had none of their sequences scheduled yet."""
+        now = time.time()
+        for seq in seqs:
+            request = self._unscheduled.pop(seq.seq_id, None)
+            if request is not None and not request.metrics.scheduled_ts:
+                request.metrics.scheduled_ts = now
 
     def _advance(self, seq: Sequence, completion: Completion, logprobs: TokenLogprobs | None) -> None:
         """Take the token `seq` just got and decide whether it ends there: the one place that decides (EOS, stop
@@ -291,8 +329,10 @@ class LLMEngine:
     def stats(self) -> dict[str, int | float]:
         """Counters since the engine started: prompt tokens served from the prefix cache, steps (with a
         prompt chunk that did not finish its prompt; with decodes and prefill chunks together),
-        preemptions, KV blocks (released outside a sliding window; the most in use at once), and with speculative
-        decoding or jump-forward `spec_decode_stats`."""
+        preemptions, KV blocks (released outside a sliding window; the most in use at once), the sequences that got
+        their first token (each of `n` samples counts), their prompt tokens and of those the ones the prefix cache
+        served when each was first scheduled, the tokens generated, the sequences running and waiting now, and with
+        speculative decoding or jump-forward `spec_decode_stats`."""
         s, bm = self.scheduler, self.scheduler.block_manager
         stats = {"num_cached_tokens": s.num_cached_tokens,
                  "num_steps": s.num_steps,
@@ -302,7 +342,13 @@ class LLMEngine:
                  "num_free_blocks": bm.num_free_blocks,
                  "num_blocks": len(bm.blocks),
                  "num_released_blocks": bm.num_released_blocks,
-                 "peak_used_blocks": bm.peak_used_blocks}
+                 "peak_used_blocks": bm.peak_used_blocks,
+                 "num_prompt_sequences": self.num_prompt_sequences,
+                 "num_prompt_tokens": self.num_prompt_tokens,
+                 "num_prompt_cached_tokens": self.num_prompt_cached_tokens,
+                 "num_generation_tokens": self.num_generation_tokens,
+                 "num_requests_running": len(s.running),
+                 "num_requests_waiting": len(s.waiting)}
         if self.proposer is not None or self.config.jump_forward:
             k = self.config.speculative.num_speculative_tokens if self.config.speculative is not None else 0
             per_position = s.num_accepted_per_position + [0] * (k - len(s.num_accepted_per_position))

@@ -5,6 +5,7 @@ from dataclasses import dataclass, replace
 from transformers import PreTrainedTokenizerBase
 
 from nanovllm.config import Config
+from nanovllm.logits_processor import validate_logits_processors_parameters
 from nanovllm.sampling_params import SamplingParams
 from nanovllm.structured_output.backends import check_constraint
 from nanovllm.structured_output.spec import GrammarSpec
@@ -81,6 +82,7 @@ class PromptChecker:
             raise ValueError(f"sampling_params must be a SamplingParams or a list of them (one per prompt), got "
                              f"{type(params).__name__}")
         params.check_vocab(self.config.hf_config.vocab_size, self.config.max_logprobs)
+        validate_logits_processors_parameters(self.config.logits_processors, params)
         if isinstance(priority, bool) or not isinstance(priority, int):
             raise ValueError(f"priority must be an int (lower runs first), got {priority!r}")
         if params.bad_words and self.tokenizer is None:

@@ -1,5 +1,6 @@
 """A user's request as the user sees it: the `n` sequences sampling one prompt, their text and log-probabilities."""
 import time
+from copy import copy
 
 from transformers import PreTrainedTokenizerBase
 
@@ -103,7 +104,7 @@ class Request:
         self.tokenizer = tokenizer if seqs[0].params.detokenize else None
         self.prompt_logprobs: list[dict[int, Logprob] | None] | None = None
         self._prompt_scores: dict[int, dict[int, Logprob]] = {}  # prompt position -> its token's logprobs
-        self.metrics = RequestMetrics(time.time())
+        self.metrics = RequestMetrics(time.time(), num_prompt_tokens=len(self.prompt_token_ids))
         self.error: BaseException | None = None
 
     @staticmethod
@@ -128,9 +129,19 @@ class Request:
             self.prompt_logprobs = [None] + [self._prompt_scores[p] for p in range(1, len(self.prompt_token_ids))]
 
     def record_token(self, now: float) -> None:
-        if self.metrics.first_token_time is None:
-            self.metrics.first_token_time = now
-        self.metrics.last_token_time = now
+        """It got tokens in the step that ended at `now`."""
+        metrics = self.metrics
+        if not metrics.first_token_ts:
+            metrics.first_token_ts = now
+            metrics.first_token_latency = now - metrics.arrival_time
+        metrics.last_token_ts = now
+
+    def current_metrics(self) -> RequestMetrics:
+        """A copy of the metrics with the counts as they are now (each output keeps its own)."""
+        metrics = copy(self.metrics)
+        metrics.num_generation_tokens = sum(c.seq.num_completion_tokens for c in self.completions)
+        metrics.num_cached_tokens = max(self.completions[0].seq.num_cached_tokens, 0)
+        return metrics
 
     def take_news(self) -> list[RequestOutput]:
         """What a stream has not read yet: one output with the completions' news since the last delta, or none."""
@@ -141,7 +152,7 @@ class Request:
         completions = self.completions
         if delta:
             completions = [c for c in completions if c.has_news]
-        seq = self.completions[0].seq
+        metrics = self.current_metrics()
         return RequestOutput(self.request_id, self.prompt, self.prompt_token_ids,
                              [c.output(delta) for c in completions], self.finished, self.prompt_logprobs,
-                             max(seq.num_cached_tokens, 0), self.metrics)
+                             metrics.num_cached_tokens, metrics)

@@ -96,6 +96,14 @@ def bind_kv_cache(model: nn.Module, kv_cache: torch.Tensor | None) -> None:
         layer.k_cache, layer.v_cache = (torch.tensor([]),) * 2 if kv_cache is None else kv_cache[:, i]
 
 
+def copy_kv_blocks(cache: KVCache, copies: list[tuple[int, int, int]]) -> None:
+    """Copy blocks' first tokens on every layer, keys and values: for each `(source, destination, num_tokens)`, the
+    destination block's first `num_tokens` get the source's K/V (beam search's copy on write, `BlockManager.fork`).
+    One strided copy each: only the tokens written, about half a block on average."""
+    for source, destination, num_tokens in copies:
+        cache.tensor[:, :, destination, :num_tokens].copy_(cache.tensor[:, :, source, :num_tokens])
+
+
 def _zeros(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
     """Zeros on `device`. On the CPU they live in an anonymous memory map, whose pages read as zeros and take memory
     only once written: a KV cache sized for the worst case costs the blocks actually used (torch.zeros writes every

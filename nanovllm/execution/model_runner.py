@@ -12,6 +12,7 @@ from nanovllm.execution.cpu_threads import ThreadGovernor
 from nanovllm.execution.cuda_graph import DecodeGraphs
 from nanovllm.execution.draft_model import DraftModel
 from nanovllm.execution.kv_cache import bind_kv_cache, create_kv_cache
+from nanovllm.execution.logits_processors import build_logits_processors
 from nanovllm.execution.model_loading import load_runner_model
 from nanovllm.execution.sampler import PromptRows, Sampler, SamplerOutput
 from nanovllm.execution.step_inputs import Chunk, set_step_context
@@ -63,6 +64,8 @@ class ModelRunner:
         self.sampler = Sampler(hf_config.vocab_size, eos_token_ids, self.device, config.logprobs_mode)
         self.drafter = DraftModel(config.draft, self.device, self._governed) if config.draft is not None else None
         self.kv_cache = create_kv_cache(self.model, self.sampler, config, self.device)
+        if rank == 0:  # custom logits processors run where the sampler samples, built after the warm-up's sampling
+            self.sampler.logits_processors = build_logits_processors(config, self.device)
         if self.drafter is not None:
             self.drafter.bind(self.kv_cache.num_blocks)
         self.cpu_decoder = None  # decode steps in one C++ call (`nanovllm.execution.cpu_decode`)

@@ -9,6 +9,7 @@ from typing import Generic, NamedTuple, TypeVar
 
 import torch
 
+from nanovllm.execution.logits_processors import ProcessorBatch
 from nanovllm.execution.sampling_ops import (
     NEG_INF,
     apply_min_p,
@@ -124,15 +125,19 @@ class DeviceTail(NamedTuple):
 
 
 class Sampler:
-    """Samples one token per row of a step's logits `[batch, vocab]`, row i for `seqs[i]`: penalties, min_tokens,
-    temperature, min-p, top-k, top-p, then a draw; greedy rows (temperature 0) take the exact argmax of the penalized
-    logits. Stages no row uses are skipped, as decided on the host from the params; the only host sync is reading
-    the result (`sample` leaves it pending, so that verification and prompt logprobs share the step's transfer).
+    """Samples one token per row of a step's logits `[batch, vocab]`, row i for `seqs[i]`: min_tokens, allowed
+    tokens, bad words, custom logits processors, penalties, temperature, min-p, top-k, top-p, then a draw; greedy rows
+    (temperature 0) take the exact argmax of the penalized logits. The order is vLLM V1's: custom processors that can
+    change the argmax see the logits before penalties, argmax-invariant ones run after temperature and min-p in steps
+    that sample (`logits_processors`: a `ProcessorBatch`, which the model runner sets after its warm-up). Stages no
+    row uses are skipped, as decided on the host from the params; the only host sync is reading the result (`sample`
+    leaves it pending, so that verification and prompt logprobs share the step's transfer).
 
     `logprobs_mode` (vLLM's, one of `nanovllm.config.LOGPROBS_MODES`) says what logprobs hold: log-probabilities
     ("*_logprobs") or logits ("*_logits") of the raw logits (the model's, after a structured output's grammar mask) or
-    of the processed ones, those each row's token is drawn from: after penalties, min_tokens, allowed tokens and bad
-    words, and for rows that sample (temperature > 0) temperature, min-p, top-k and top-p, with what they drop at -inf
+    of the processed ones, those each row's token is drawn from: after min_tokens, allowed tokens, bad words, custom
+    logits processors and penalties, and for rows that sample (temperature > 0) temperature, min-p, argmax-invariant
+    processors, top-k and top-p, with what they drop at -inf
     (a greedy row's are its logits before the argmax). Prompt logprobs are never processed: prompt tokens are not
     sampled. The tokens drawn are the same in every mode.
 
@@ -157,9 +162,13 @@ class Sampler:
         self.free_entries: list[int] = []
         self.prompt_mask = torch.zeros(0, vocab_size, dtype=torch.bool, device=self.device)
         self.output_counts = torch.zeros(0, vocab_size, dtype=torch.int32, device=self.device)
+        self.logits_processors: ProcessorBatch | None = None
 
     def release(self, seq_ids: Iterable[int]) -> None:
         """Drop the state of finished or aborted sequences."""
+        seq_ids = list(seq_ids)
+        if self.logits_processors is not None:
+            self.logits_processors.release(seq_ids)
         for seq_id in seq_ids:
             self.generators.pop(seq_id, None)
             self.counted.pop(seq_id, None)
@@ -185,18 +194,21 @@ class Sampler:
         """`__call__`'s output, still on the device."""
         if not seqs:
             return Pending([], lambda values: SamplerOutput([]))
+        processors = self.logits_processors
+        if processors is not None:
+            processors.update(seqs)
         logits = logits.float()
         if allowed is not None:
             logits = apply_token_bitmask(logits, allowed)
         params = [seq.params for seq in seqs]
-        processed = logits
+        processed = self._restrict(self._suppress_stop_tokens(logits, seqs), seqs)
+        if processors is not None and processors.non_argmax_invariant:
+            processed = processors.apply(processed, processors.non_argmax_invariant, shared=processed is logits)
         penalized = [i for i, p in enumerate(params) if p.uses_penalties]
         if penalized:
             index = self._index(penalized, len(seqs))
             entries = self._entries([seqs[i] for i in penalized])
-            processed = self._penalize(logits, [params[i] for i in penalized], index, entries)
-        processed = self._suppress_stop_tokens(processed, seqs)
-        processed = self._restrict(processed, seqs)
+            processed = self._penalize(processed, [params[i] for i in penalized], index, entries)
         token_ids, sampled_from = self._sample(processed, seqs)
         if penalized:
             self.output_counts[entries, token_ids[index]] += 1
@@ -384,7 +396,9 @@ class Sampler:
         greedy = [p.temperature == 0 for p in params]
         if all(greedy):
             return logits.argmax(dim=-1), logits
-        scaled = self._truncated(logits, params, greedy)
+        processors = self.logits_processors
+        scaled = self._truncated(logits, params, greedy,
+                                 processors if processors is not None and processors.argmax_invariant else None)
         generators = {i: self._generator(seq) for i, (seq, g) in enumerate(zip(seqs, greedy))
                       if not g and seq.params.seed is not None}
         sampled = exponential_race(scaled.softmax(dim=-1), generators)
@@ -392,12 +406,18 @@ class Sampler:
             return sampled, scaled
         return torch.where(self._tensor(greedy, torch.bool), logits.argmax(dim=-1), sampled), scaled
 
-    def _truncated(self, logits: torch.Tensor, params: list[SamplingParams], greedy: list[bool]) -> torch.Tensor:
-        """Temperature, then min-p, top-k and top-p, on the rows that are not `greedy` (those are divided by 1)."""
+    def _truncated(self, logits: torch.Tensor, params: list[SamplingParams], greedy: list[bool],
+                   processors: ProcessorBatch | None = None) -> torch.Tensor:
+        """Temperature, then min-p, `processors`' argmax-invariant custom logits processors (on every row, as vLLM;
+        a greedy row keeps its logits), top-k and top-p, on the rows that are not `greedy` (those are divided by 1)."""
         scaled = logits / self._tensor([p.temperature or 1.0 for p in params], torch.float32).unsqueeze(1)
         min_p = [0.0 if g else p.min_p for p, g in zip(params, greedy)]
         if any(min_p):
             scaled = apply_min_p(scaled, self._tensor(min_p, torch.float32))
+        if processors is not None:
+            scaled = processors.apply(scaled, processors.argmax_invariant, shared=False)
+            if any(greedy):
+                scaled = torch.where(self._tensor(greedy, torch.bool).unsqueeze(1), logits, scaled)
         top_k = [p.top_k if not g and 0 < p.top_k < self.vocab_size else 0 for p, g in zip(params, greedy)]
         if any(top_k):
             scaled = apply_top_k(scaled, self._tensor(top_k, torch.int64), max(top_k))

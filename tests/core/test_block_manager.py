@@ -225,3 +225,50 @@ def test_preempting_a_sequence_with_released_blocks_frees_the_rest():
     assert -1 in s.block_table
     bm.deallocate(s, num_valid_tokens=36)
     assert s.block_table == [] and bm.num_free_blocks == 16 and all(block.ref_count == 0 for block in bm.blocks)
+
+
+def test_fork_shares_full_blocks_and_copies_a_partial_last_one():
+    bm = BlockManager(8, BS)
+    parent = seq(list(range(11)), 1)
+    admit(bm, parent)
+    child = parent.fork(2)
+    assert child.token_ids == parent.token_ids and child.token_ids is not parent.token_ids
+    assert bm.fork(parent, child) == [(parent.block_table[2], child.block_table[2], 3)]  # its 3 tokens' K/V
+    assert child.block_table[:2] == parent.block_table[:2] and child.block_table[2] != parent.block_table[2]
+    assert [bm.blocks[b].ref_count for b in parent.block_table] == [2, 2, 1]
+    assert bm.blocks[child.block_table[2]].ref_count == 1 and bm.blocks[child.block_table[2]].hash == -1
+    parent.append_token(50)
+    child.append_token(60)
+    for s in (parent, child):  # each writes its own next token, into its own block, and names it
+        assert bm.allocate(s, 1)
+        s.num_computed_tokens += 1
+    assert -1 != bm.blocks[parent.block_table[2]].hash != bm.blocks[child.block_table[2]].hash != -1
+    bm.deallocate(parent)
+    bm.deallocate(child)
+    assert bm.num_free_blocks == 8 and all(block.ref_count == 0 for block in bm.blocks)
+
+
+def test_fork_at_a_block_boundary_copies_nothing():
+    bm = BlockManager(8, BS)
+    parent = seq(list(range(8)), 1)
+    admit(bm, parent)
+    child = parent.fork(2)
+    assert bm.fork(parent, child) == [] and child.block_table == parent.block_table
+    assert [bm.blocks[b].ref_count for b in parent.block_table] == [2, 2]
+    child.append_token(60)
+    assert bm.allocate(child, 1) and child.block_table[2] not in parent.block_table
+    bm.deallocate(parent)
+    bm.deallocate(child)
+    assert bm.num_free_blocks == 8
+
+
+def test_fork_needing_a_copy_is_refused_without_a_free_block_or_copies():
+    bm = BlockManager(3, BS)
+    parent = seq(list(range(10)), 1)
+    admit(bm, parent)
+    assert bm.fork(parent, parent.fork(2)) is None
+    bm2 = BlockManager(8, BS)
+    admit(bm2, parent2 := seq(list(range(10)), 1))
+    child = parent2.fork(2)
+    assert bm2.fork(parent2, child, may_copy=False) is None and not child.block_table
+    assert [bm2.blocks[b].ref_count for b in parent2.block_table] == [1, 1, 1]

@@ -289,3 +289,71 @@ def test_a_prefix_being_prefilled_is_shared_with_a_later_request():
     # a's last chunk fills block 5 in this very step; b, admitted after it, shares all six blocks.
     assert plan(run_step(s)) == [(1, 20, 4), (2, 24, 1)]
     assert b.block_table[:6] == a.block_table[:6] and s.num_cached_tokens == 24
+
+
+def beam(seq_id: int, n: int) -> Sequence:
+    x = seq(seq_id, n)
+    x.search = object()  # a beam search's: the engine hands its sampled tokens to the search instead of appending
+    return x
+
+
+def hold(s: Scheduler, batch: ScheduledBatch) -> list[Sequence]:
+    """What the engine and a beam search do with a step's beams: each that sampled waits, its token not appended."""
+    sampled = [x for x, _ in s.new_tokens(batch, [7] * sum(batch.samples))]
+    for x in sampled:
+        x.held = True
+    return sampled
+
+
+def test_held_beams_are_not_run_and_forks_share_their_blocks():
+    s = make_scheduler(num_blocks=16)
+    s.add(a := beam(1, 6))
+    assert hold(s, s.schedule()) == [a]
+    assert not s.schedule(), "a held beam is not run"
+    b, copies = s.fork(a, 2)
+    assert b.status == SequenceStatus.RUNNING and b in s.running and b.search is a.search
+    assert copies == [(a.block_table[1], b.block_table[1], 2)] and b.block_table[0] == a.block_table[0]
+    a.append_token(8)
+    b.append_token(9)
+    a.held = b.held = False
+    assert plan(s.schedule()) == [(1, 6, 1), (2, 6, 1)], "both decode: nothing is computed again"
+    for x in (a, b):
+        s.finish(x, "stop")
+    assert all_blocks_free(s)
+
+
+def test_a_fork_waits_without_room_and_its_full_blocks_come_from_the_prefix_cache():
+    s = make_scheduler(num_blocks=16, max_num_seqs=1)
+    s.add(a := beam(1, 9))
+    hold(s, s.schedule())
+    b, copies = s.fork(a, 2)
+    assert copies == [] and b.status == SequenceStatus.WAITING and not b.block_table and b.num_computed_tokens == 0
+    for x, token in ((a, 8), (b, 9)):
+        x.append_token(token)
+        x.held = False
+    assert plan(s.schedule()) == [(1, 9, 1)]
+    s.finish(a, "stop")  # a's blocks are freed, their names kept
+    assert plan(s.schedule()) == [(2, 8, 2)], "its two full blocks hit the cache"
+    s.finish(b, "stop")
+    assert all_blocks_free(s)
+
+
+def test_held_beams_are_preempted_when_the_beams_they_wait_for_cannot_get_in():
+    s = make_scheduler(num_blocks=4, max_num_seqs=8)
+    s.add(a := beam(1, 7))
+    s.add(b := beam(2, 7))
+    hold(s, s.schedule())  # both sampled and wait; a third beam, waiting, needs 2 blocks and none is free
+    s.add(c := beam(3, 7))
+    batch = s.schedule()
+    assert b.status == SequenceStatus.PREEMPTED and b.held and not b.block_table
+    assert plan(batch) == [(3, 0, 7)], "c got b's blocks"
+    assert list(s.waiting) == [b], "a held beam waits to be admitted until its search releases it"
+    hold(s, batch)
+    assert not s.schedule()
+    b.append_token(8)
+    b.held = False
+    for x in (a, c):
+        s.finish(x, "stop")
+    assert plan(s.schedule()) == [(2, 0, 8)], "b is computed again, with the token its search gave it"
+    s.finish(b, "stop")
+    assert all_blocks_free(s)

@@ -1,0 +1,1 @@
+"""vLLM's `vllm.v1.sample`: its `logits_processor` package."""
