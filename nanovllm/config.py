@@ -134,6 +134,7 @@ class Config:
     `logprobs_mode` (vLLM's) says what logprobs and prompt logprobs hold: one of `LOGPROBS_MODES`.
     `disable_log_stats=False` (vLLM's; True by default, as vLLM's `LLM`) logs vLLM's periodic throughput line
     (`nanovllm.engine.stats_logger`); request metrics are filled either way.
+    `enable_sleep_mode` (vLLM's) allows `LLM.sleep` and `LLM.wake_up` (`nanovllm.engine.llm_engine.LLMEngine.sleep`).
     `speculative_config` is vLLM's dictionary (see `parse_speculative_config`), parsed into `speculative`; with a
     draft model, `draft` is its own resolved `Config`.
     `structured_outputs_config={"backend": ...}` picks the grammar backend of structured outputs, as vLLM's engine
@@ -172,6 +173,7 @@ class Config:
     tokenizer: str | None = None
     quantization: str | None = None
     disable_log_stats: bool = True
+    enable_sleep_mode: bool = False
     speculative_config: dict | None = None
     speculative: SpeculativeConfig | None = field(init=False)
     draft: "Config | None" = field(init=False, default=None, repr=False)
@@ -209,6 +211,8 @@ class Config:
             raise ValueError(f"enable_chunked_prefill must be a bool, got {self.enable_chunked_prefill!r}")
         if not isinstance(self.disable_log_stats, bool):
             raise ValueError(f"disable_log_stats must be a bool, got {self.disable_log_stats!r}")
+        if not isinstance(self.enable_sleep_mode, bool):
+            raise ValueError(f"enable_sleep_mode must be a bool, got {self.enable_sleep_mode!r}")
         if self.load_format not in ("auto", "dummy"):
             raise ValueError(f"load_format must be 'auto' or 'dummy', got {self.load_format!r}")
         if self.scheduling_policy not in ("fcfs", "priority"):

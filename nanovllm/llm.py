@@ -61,6 +61,12 @@ class Engine(Protocol):
 
     def reset_prefix_cache(self) -> bool: ...
 
+    def sleep(self, level: int = 1) -> None: ...
+
+    def wake_up(self, tags: list[str] | None = None) -> None: ...
+
+    def is_sleeping(self) -> bool: ...
+
     def exit(self) -> None: ...
 
 
@@ -136,6 +142,8 @@ class LLM:
                              f"{type(params).__name__}")
         if lora_request is not None:
             raise ValueError("nanovllm has no LoRA adapters: lora_request must be None")
+        if self.is_sleeping():
+            raise RuntimeError("the engine is sleeping (sleep() was called); call wake_up() first")
         if concurrency_limit is not None and (isinstance(concurrency_limit, bool)
                                               or not isinstance(concurrency_limit, int) or concurrency_limit < 1):
             raise ValueError(f"concurrency_limit must be an integer >= 1 or None, got {concurrency_limit!r}")
@@ -216,13 +224,35 @@ class LLM:
         at load. Every tensor-parallel rank and data-parallel replica gets the update before this returns. A weight
         kept quantized (a GGUF file, `quantization=`) is requantized into its type (Q8_0, Q4_0, Q4_1; other types
         are refused). An unknown name, a wrong shape or a type that cannot be requantized is a ValueError before
-        anything changes; with a request waiting or running it is a RuntimeError (let them finish first)."""
+        anything changes; with a request waiting or running it is a RuntimeError (let them finish first), as while
+        the weights sleep (`sleep`; after `sleep(level=2)`, `wake_up(tags=["weights"])` first)."""
         self.engine.load_weights(weights)
 
     def reset_prefix_cache(self) -> bool:
         """Forget every cached KV block, so no later request reuses K/V computed before (`load_weights` does this
         itself). Blocks of running requests keep theirs; returns whether none was kept, as vLLM's."""
         return self.engine.reset_prefix_cache()
+
+    def sleep(self, level: int = 1) -> None:
+        """vLLM's sleep mode (needs `LLM(..., enable_sleep_mode=True)`, else a ValueError): give the engine's memory
+        back until `wake_up`, e.g. to a trainer sharing the machine. Every level resets the prefix cache and frees the
+        KV cache (its K/V forgotten). `level=1` keeps the weights: on CUDA copied to host memory (the device memory
+        freed), on the CPU where they are. `level=2` drops the weights too; they come back through `load_weights`
+        after `wake_up(tags=["weights"])`, or, given none, from the model's checkpoint when the engine wakes. Every
+        tensor-parallel rank and data-parallel replica sleeps. Refused (a RuntimeError) while requests are in
+        flight; while asleep, `generate` and the other request methods raise a RuntimeError."""
+        self.engine.sleep(level)
+
+    def wake_up(self, tags: list[str] | None = None) -> None:
+        """Wake from `sleep`: `tags` is vLLM's, some of "weights" and "kv_cache" (None: both), so that the weights
+        can be woken (and written by `load_weights`) before the KV cache takes its memory again. The engine serves
+        again once both are awake: the same greedy tokens as before it slept (after level 2, with the checkpoint's
+        weights unless `load_weights` gave others)."""
+        self.engine.wake_up(tags)
+
+    def is_sleeping(self) -> bool:
+        """Whether the engine sleeps (some of its memory is not back yet)."""
+        return self.engine.is_sleeping()
 
     def exit(self) -> None:
         """Stop the engine and its worker processes, and free its memory; safe to call twice."""

@@ -25,7 +25,7 @@ import pickle
 import threading
 import time
 import traceback
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from contextlib import AbstractContextManager
 from copy import copy
 from dataclasses import dataclass, field, replace
@@ -34,7 +34,16 @@ from typing import TYPE_CHECKING
 
 from nanovllm.config import Config
 from nanovllm.distributed.supervisor import Child, spawn, stop
-from nanovllm.engine.llm_engine import LLMEngine
+from nanovllm.engine.llm_engine import (
+    RELOAD_IN_FLIGHT,
+    SLEEP_IN_FLIGHT,
+    LLMEngine,
+    check_sleep_level,
+    check_sleep_mode,
+    in_flight_error,
+    sleeping_error,
+    wake_tags,
+)
 from nanovllm.engine.prompts import CheckedPrompt
 from nanovllm.engine.router import PrefixRouter
 from nanovllm.engine.tokenizer import load_tokenizer
@@ -115,8 +124,8 @@ _PENDING = object()
 
 class DataParallelLLM:
     """N `LLMEngine` replicas in worker processes behind the engine's interface (`submit`, `progress`, `turn`, `step`,
-    `abort_request`, `is_finished`, `stats`, `engine_stats`, `exit`), which `LLM` drives (see the module
-    docstring)."""
+    `abort_request`, `is_finished`, `stats`, `engine_stats`, `load_weights`, `sleep`, `wake_up`, `exit`), which
+    `LLM` drives (see the module docstring)."""
 
     def __init__(self, config: Config, data_parallel_size: int):
         """`config` as `nanovllm.engine.setup.resolve_config` made it; each replica runs an engine of it."""
@@ -127,6 +136,8 @@ class DataParallelLLM:
         self._next_id = 0
         self._router = PrefixRouter(config.kvcache_block_size)
         self.replicas: list[Replica] = []
+        self._asleep: set[str] = set()  # what sleeps on every replica (`sleep`, `wake_up`), and at which level
+        self._sleep_level = 0
         tp = config.tensor_parallel_size
         if config.device == "cuda":
             import torch
@@ -177,6 +188,8 @@ class DataParallelLLM:
         if not self.replicas:
             raise RuntimeError("this LLM has been shut down (exit() was called); create a new LLM")
         with self._lock:
+            if self._asleep:
+                raise sleeping_error(self._sleep_level)
             routed = []
             for c in checked:
                 routed.append(Routed(str(self._next_id), c))
@@ -322,25 +335,59 @@ class DataParallelLLM:
         raised here; a replica lost meanwhile is a ReplicaFailure after the others have the weights."""
         with self._lock:
             if self._requests:
-                busy = len(self._requests)
-                raise RuntimeError(f"load_weights: {busy} request{' is' if busy == 1 else 's are'} waiting or "
-                                   "running; weights can be replaced only when no request is in flight (its K/V "
-                                   "and tokens come from the old weights): let them finish or abort_request() them "
-                                   "first")
+                raise in_flight_error("load_weights", len(self._requests), RELOAD_IN_FLIGHT)
             pairs = [(name, tensor.cpu()) for name, tensor in weight_pairs(weights)]
-            replies = self._ask_all(pickle.dumps(("load_weights", pairs), protocol=pickle.HIGHEST_PROTOCOL))
-            failed = next((reply for _, reply in replies if isinstance(reply, BaseException)), None)
-            if failed is not None:
-                raise failed
-            lost = [replica for replica, _ in replies if not replica.alive]
-            if lost:
-                raise ReplicaFailure("load_weights: " + "; ".join(r.child.describe() for r in lost) + " meanwhile; "
-                                     "the replicas left have the new weights and go on")
+            self._tell_all("load_weights", pairs, lambda: None)
 
     def reset_prefix_cache(self) -> bool:
         """Every replica's `LLMEngine.reset_prefix_cache`; whether each reset all of its cache."""
         with self._lock:
             return all(reply is True for _, reply in self._ask_all(pickle.dumps(("reset_prefix_cache", None))))
+
+    def sleep(self, level: int = 1) -> None:
+        """Every replica's `LLMEngine.sleep` (see there); refused while requests are in flight."""
+        check_sleep_mode(self.config, "sleep")
+        check_sleep_level(level)
+        with self._lock:
+            if self._asleep:
+                logger.warning("sleep: the engine is already sleeping (level %d); wake_up() first", self._sleep_level)
+                return
+            if self._requests:
+                raise in_flight_error("sleep", len(self._requests), SLEEP_IN_FLIGHT)
+            self._tell_all("sleep", level, lambda: self._fell_asleep(level))
+
+    def wake_up(self, tags: list[str] | None = None) -> None:
+        """Every replica's `LLMEngine.wake_up` (see there)."""
+        check_sleep_mode(self.config, "wake_up")
+        named, tags = tags is not None, wake_tags(tags)
+        with self._lock:
+            if not self._asleep:
+                logger.warning("wake_up: the engine is not sleeping")
+                return
+            if named and tags - self._asleep:
+                logger.warning("wake_up: %s already awake", " and ".join(sorted(tags - self._asleep)))
+            if tags & self._asleep:
+                self._tell_all("wake_up", sorted(tags & self._asleep), lambda: self._asleep.difference_update(tags))
+
+    def is_sleeping(self) -> bool:
+        return bool(self._asleep)
+
+    def _fell_asleep(self, level: int) -> None:
+        self._asleep, self._sleep_level = {"weights", "kv_cache"}, level
+
+    def _tell_all(self, kind: str, payload: object, done: Callable[[], None]) -> None:
+        """Every live replica runs its engine's `kind(payload)`: the first one's error is raised here (the replicas
+        run the same engine on the same requests, so they fail alike); else `done()`, and a replica lost meanwhile
+        is a ReplicaFailure (the others are done)."""
+        replies = self._ask_all(pickle.dumps((kind, payload), protocol=pickle.HIGHEST_PROTOCOL))
+        failed = next((reply for _, reply in replies if isinstance(reply, BaseException)), None)
+        if failed is not None:
+            raise failed
+        done()
+        lost = [replica for replica, _ in replies if not replica.alive]
+        if lost:
+            raise ReplicaFailure(f"{kind}: " + "; ".join(r.child.describe() for r in lost) + " meanwhile; the "
+                                 "replicas left go on")
 
     def _ask_all(self, message: bytes) -> list[tuple[Replica, object]]:
         """Send a pickled (kind, payload) message to every live replica and wait for each one's reply (or its loss:
@@ -425,8 +472,8 @@ def _replica_main(index: int, config: Config, devices: list[int] | None, cores: 
                             del ids[own]
                     elif kind == "stats":
                         conn.send(("stats", engine.stats()))
-                    elif kind == "load_weights":
-                        conn.send(("reply", _attempt(engine.load_weights, payload[0])))
+                    elif kind in ("load_weights", "sleep", "wake_up"):
+                        conn.send(("reply", _attempt(getattr(engine, kind), payload[0])))
                     elif kind == "reset_prefix_cache":
                         conn.send(("reply", engine.reset_prefix_cache()))
                     continue

@@ -14,7 +14,7 @@ from nanovllm.engine.prompts import CheckedPrompt
 from nanovllm.engine.request import Completion, Request
 from nanovllm.engine.stats_logger import StatsLogger
 from nanovllm.engine.tokenizer import load_tokenizer
-from nanovllm.execution.model_runner import ModelRunner
+from nanovllm.execution.model_runner import SLEEP_TAGS, ModelRunner
 from nanovllm.outputs import RequestOutput, TokenLogprobs
 from nanovllm.sampling_params import SamplingParams
 from nanovllm.spec_decode.grammar_drafts import GrammarDrafts
@@ -26,6 +26,47 @@ if TYPE_CHECKING:
     import torch
 
 logger = logging.getLogger("nanovllm")
+
+
+def check_sleep_mode(config: Config, method: str) -> None:
+    """`sleep` and `wake_up` need `enable_sleep_mode=True` (vLLM's setting): a ValueError naming it otherwise."""
+    if not config.enable_sleep_mode:
+        raise ValueError(f"{method}: sleep mode is off; create the LLM with enable_sleep_mode=True to use sleep() "
+                         "and wake_up()")
+
+
+def check_sleep_level(level: int) -> int:
+    if isinstance(level, bool) or level not in (1, 2):
+        raise ValueError(f"sleep level must be 1 (the KV cache freed, the weights kept: in host memory on CUDA) or 2 "
+                         f"(the weights dropped too), got {level!r}")
+    return level
+
+
+def wake_tags(tags: Iterable[str] | None) -> set[str]:
+    """vLLM's `wake_up(tags)`: None for everything, else some of "weights" and "kv_cache"; a ValueError for others."""
+    if tags is None:
+        return set(SLEEP_TAGS)
+    if isinstance(tags, str) or not all(isinstance(tag, str) for tag in tags):
+        raise ValueError(f"wake_up tags must be a list of {list(SLEEP_TAGS)} (or None: all), got {tags!r}")
+    tags = set(tags)
+    if not tags or tags - set(SLEEP_TAGS):
+        raise ValueError(f"wake_up tags must be some of {list(SLEEP_TAGS)} (or None: all), got {sorted(tags)}")
+    return tags
+
+
+def sleeping_error(level: int) -> RuntimeError:
+    return RuntimeError(f"the engine is sleeping (sleep(level={level}) was called); call wake_up() first")
+
+
+def in_flight_error(method: str, busy: int, why: str) -> RuntimeError:
+    """`load_weights` and `sleep` wait for no request: `busy` requests are waiting or running, and `why` says what
+    they would lose."""
+    return RuntimeError(f"{method}: {busy} request{' is' if busy == 1 else 's are'} waiting or running; {why}: let "
+                        "them finish or abort_request() them first")
+
+
+RELOAD_IN_FLIGHT = "weights can be replaced only when no request is in flight (its K/V and tokens come from the old weights)"
+SLEEP_IN_FLIGHT = "the engine sleeps only when no request is in flight (its K/V would be lost)"
 
 
 class LLMEngine:
@@ -114,11 +155,7 @@ class LLMEngine:
             if self.model_runner is None:
                 raise RuntimeError("this engine has been shut down (exit() was called); create a new LLM")
             if not self.scheduler.is_finished():
-                busy = len(self._requests)
-                raise RuntimeError(f"load_weights: {busy} request{' is' if busy == 1 else 's are'} waiting or "
-                                   "running; weights can be replaced only when no request is in flight (its K/V "
-                                   "and tokens come from the old weights): let them finish or abort_request() them "
-                                   "first")
+                raise in_flight_error("load_weights", len(self._requests), RELOAD_IN_FLIGHT)
             try:
                 self.model_runner.load_weights(weights)
             except ValueError:
@@ -134,10 +171,58 @@ class LLMEngine:
         with self.turn():
             return self.scheduler.reset_prefix_cache()
 
-    def _new_request(self, checked: CheckedPrompt) -> Request:
-        """A request for a checked prompt (nothing is queued yet): `params.n` sequences of the prompt."""
+    def sleep(self, level: int = 1) -> None:
+        """vLLM's sleep mode (`enable_sleep_mode=True`): give the engine's memory back until `wake_up`. The prefix
+        cache is reset and the KV cache's memory freed, its K/V forgotten, at every level; level 1 keeps the weights
+        (on the CPU where they are, on CUDA in host memory), level 2 drops them. Every tensor-parallel rank sleeps
+        (and the draft model's KV cache; its weights are kept, in host memory on CUDA). Refused (a RuntimeError)
+        while a request is waiting or running; while asleep, new requests are a RuntimeError. Already asleep: a
+        warning, nothing changes (as vLLM)."""
+        check_sleep_mode(self.config, "sleep")
+        check_sleep_level(level)
+        with self.turn():
+            runner = self._runner()
+            if runner.asleep:
+                logger.warning("sleep: the engine is already sleeping (level %d); wake_up() first", runner.sleep_level)
+                return
+            if not self.scheduler.is_finished():
+                raise in_flight_error("sleep", len(self._requests), SLEEP_IN_FLIGHT)
+            self.scheduler.reset_prefix_cache()  # every block is free: none keeps a name, the K/V are forgotten
+            runner.sleep(level)
+
+    def wake_up(self, tags: Iterable[str] | None = None) -> None:
+        """vLLM's `wake_up`: take back the memory of `tags` ("weights", "kv_cache"; None: both), as they were before
+        `sleep` (the KV cache empty). The engine serves again once both are awake. After `sleep(level=2)` the
+        weights come back zero-filled for `load_weights` to write (vLLM's way to update an RL policy:
+        `wake_up(tags=["weights"])`, `load_weights(...)`, `wake_up(tags=["kv_cache"])`); when the last tag wakes
+        and load_weights wrote none of them, the checkpoint is read again from the model's path, so `sleep(level=2)`
+        then `wake_up()` gives back the engine that slept; when it wrote only some, a RuntimeError names the rest.
+        Tags named but already awake are ignored, with a warning; not asleep at all: a warning (as vLLM)."""
+        check_sleep_mode(self.config, "wake_up")
+        named, tags = tags is not None, wake_tags(tags)
+        with self.turn():
+            runner = self._runner()
+            if not runner.asleep:
+                logger.warning("wake_up: the engine is not sleeping")
+                return
+            if named and tags - runner.asleep:
+                logger.warning("wake_up: %s already awake", " and ".join(sorted(tags - runner.asleep)))
+            if tags & runner.asleep:
+                runner.wake_up(tags & runner.asleep)
+
+    def is_sleeping(self) -> bool:
+        """Whether some of the engine's memory sleeps (`sleep` was called, and `wake_up` has not woken it all)."""
+        return self.model_runner is not None and bool(self.model_runner.asleep)
+
+    def _runner(self) -> ModelRunner:
         if self.model_runner is None:
             raise RuntimeError("this engine has been shut down (exit() was called); create a new LLM")
+        return self.model_runner
+
+    def _new_request(self, checked: CheckedPrompt) -> Request:
+        """A request for a checked prompt (nothing is queued yet): `params.n` sequences of the prompt."""
+        if self._runner().asleep:
+            raise sleeping_error(self.model_runner.sleep_level)
         params = checked.params
         samples = Request.sample_params(params)
         if params.bad_words:
@@ -166,6 +251,8 @@ class LLMEngine:
         """Queue a request for each checked prompt, all or none; returns them, in order."""
         requests = [self._new_request(c) for c in checked]
         with self.turn():
+            if self._runner().asleep:  # it fell asleep meanwhile
+                raise sleeping_error(self.model_runner.sleep_level)
             added = []
             queued = time.time()
             try:
@@ -215,6 +302,8 @@ class LLMEngine:
             batch = self.scheduler.schedule()
         if not batch:
             return batch, []
+        if self.model_runner.asleep:  # requests are refused meanwhile; beam search's sequences come this way
+            raise sleeping_error(self.model_runner.sleep_level)
         if self.stat_logger is not None:
             self.stat_logger.step_started()
         if self._unscheduled:

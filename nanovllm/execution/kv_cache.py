@@ -27,10 +27,13 @@ logger = logging.getLogger("nanovllm")
 
 @dataclass
 class KVCache:
-    """The cache tensor and its number of blocks (the same on every tensor-parallel rank)."""
+    """The cache tensor and its number of blocks (the same on every tensor-parallel rank); on the CPU, `memory` is
+    the anonymous map the tensor lives in. While the cache is released (`release_kv_cache`, sleep mode) on CUDA,
+    `tensor` is None."""
 
-    tensor: torch.Tensor
+    tensor: torch.Tensor | None
     num_blocks: int
+    memory: mmap.mmap | None = None
 
 
 def kv_cache_shape(config: Config, num_blocks: int) -> tuple[int, ...]:
@@ -64,9 +67,29 @@ def create_kv_cache(model: nn.Module, sampler: Sampler, config: Config, device: 
 
 def allocate_kv_cache(model: nn.Module, config: Config, num_blocks: int, device: torch.device) -> KVCache:
     """A zeroed cache of `num_blocks` blocks shaped for `config`'s model, bound to `model`."""
-    tensor = _zeros(kv_cache_shape(config, num_blocks), config.torch_dtype, device)
+    tensor, memory = _zeros(kv_cache_shape(config, num_blocks), config.torch_dtype, device)
     bind_kv_cache(model, tensor)
-    return KVCache(tensor, num_blocks)
+    return KVCache(tensor, num_blocks, memory)
+
+
+def release_kv_cache(model: nn.Module, cache: KVCache) -> None:
+    """Give the cache's memory back, its K/V forgotten (sleep mode). On the CPU its map's pages are dropped
+    (`MADV_DONTNEED`): the map stays where it is, still bound, and reads as zeros again, taking memory only as blocks
+    are written, as when it was made. On CUDA (and where Python has no `MADV_DONTNEED`) the tensor is freed (the
+    model unbound; nothing else may hold it); `restore_kv_cache` allocates it again, at other addresses."""
+    if cache.memory is not None and hasattr(mmap, "MADV_DONTNEED"):
+        cache.memory.madvise(mmap.MADV_DONTNEED)
+        return
+    bind_kv_cache(model, None)
+    cache.tensor = cache.memory = None
+
+
+def restore_kv_cache(model: nn.Module, config: Config, cache: KVCache, device: torch.device) -> None:
+    """After `release_kv_cache`: a zeroed cache of the same blocks bound to `model` again (where the tensor was
+    freed; a map whose pages were dropped is there already)."""
+    if cache.tensor is None:
+        cache.tensor, cache.memory = _zeros(kv_cache_shape(config, cache.num_blocks), config.torch_dtype, device)
+        bind_kv_cache(model, cache.tensor)
 
 
 def _fit_max_model_len(config: Config, num_blocks: int) -> None:
@@ -104,14 +127,15 @@ def copy_kv_blocks(cache: KVCache, copies: list[tuple[int, int, int]]) -> None:
         cache.tensor[:, :, destination, :num_tokens].copy_(cache.tensor[:, :, source, :num_tokens])
 
 
-def _zeros(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
-    """Zeros on `device`. On the CPU they live in an anonymous memory map, whose pages read as zeros and take memory
-    only once written: a KV cache sized for the worst case costs the blocks actually used (torch.zeros writes every
-    page up front). The map is released with the tensor."""
+def _zeros(shape: tuple[int, ...], dtype: torch.dtype,
+           device: torch.device) -> tuple[torch.Tensor, mmap.mmap | None]:
+    """Zeros on `device`, and on the CPU the map they live in: an anonymous memory map, whose pages read as zeros
+    and take memory only once written, so a KV cache sized for the worst case costs the blocks actually used
+    (torch.zeros writes every page up front). The map is released with the tensor."""
     if device.type != "cpu":
-        return torch.zeros(shape, dtype=dtype, device=device)
+        return torch.zeros(shape, dtype=dtype, device=device), None
     memory = mmap.mmap(-1, math.prod(shape) * dtype.itemsize, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
-    return torch.frombuffer(memory, dtype=dtype).view(shape)
+    return torch.frombuffer(memory, dtype=dtype).view(shape), memory
 
 
 def kv_cache_budget(total: int, free: int, peak: int, current: int, utilization: float) -> int:

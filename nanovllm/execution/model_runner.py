@@ -1,3 +1,4 @@
+import ctypes
 import logging
 import time
 from collections.abc import Iterable
@@ -11,7 +12,7 @@ from nanovllm.execution.cpu_decode import cpu_decoder
 from nanovllm.execution.cpu_threads import ThreadGovernor
 from nanovllm.execution.cuda_graph import DecodeGraphs
 from nanovllm.execution.draft_model import DraftModel
-from nanovllm.execution.kv_cache import bind_kv_cache, create_kv_cache
+from nanovllm.execution.kv_cache import bind_kv_cache, create_kv_cache, release_kv_cache, restore_kv_cache
 from nanovllm.execution.logits_processors import build_logits_processors
 from nanovllm.execution.model_loading import load_runner_model
 from nanovllm.execution.sampler import PromptRows, Sampler, SamplerOutput
@@ -24,10 +25,21 @@ from nanovllm.kernels.attention.context import get_context, reset_context
 from nanovllm.kernels.attention.torch_backend import SHORT_QUERIES
 from nanovllm.kernels.cpu import cpu_kernels
 from nanovllm.kernels.fused import set_fused_ops
-from nanovllm.models.reload import check_reload, reload_weights
+from nanovllm.models.reload import (
+    StowedWeights,
+    adopt_weights,
+    check_reload,
+    release_weights,
+    reload_weights,
+    unwritten_shards,
+    weight_pairs,
+    written_shards,
+)
 from nanovllm.structured_output.bitmask import TokenBitmask
 
 logger = logging.getLogger("nanovllm")
+
+SLEEP_TAGS = ("weights", "kv_cache")  # what `wake_up` brings back, as vLLM names it
 
 
 class ModelRunner:
@@ -68,18 +80,33 @@ class ModelRunner:
             self.sampler.logits_processors = build_logits_processors(config, self.device)
         if self.drafter is not None:
             self.drafter.bind(self.kv_cache.num_blocks)
-        self.cpu_decoder = None  # decode steps in one C++ call (`nanovllm.execution.cpu_decode`)
-        if not on_gpu and cpu_kernels() is not None and not config.enforce_eager:
-            self.cpu_decoder = cpu_decoder(self.model)
         self.governor = None  # tensor-parallel ranks keep their threads: a rank on one thread would hold up the rest
         if not on_gpu and config.tensor_parallel_size == 1 and torch.get_num_threads() > 1:
             self.governor = ThreadGovernor(torch.get_num_threads())
             for layer in self.model.model.layers:
                 layer.register_forward_pre_hook(lambda *_: self.governor.tick())
+        # sleep mode: what sleeps (`SLEEP_TAGS`), at which level, the model's memory meanwhile (and the draft's); on
+        # rank 0, after a level-2 sleep, the weights' shards no load_weights has written since (None: not tracked)
+        self.asleep: set[str] = set()
+        self.sleep_level = 0
+        self.stowed: StowedWeights | None = None
+        self.draft_stowed: StowedWeights | None = None
+        self.unwritten: dict[str, set] | None = None
+        self._build_fast_paths()
+
+    def _build_fast_paths(self) -> None:
+        """What reads the weights and the KV cache where they lie, built once they are in place (at start, and when
+        the engine wakes): the one-call CPU decoder (`nanovllm.execution.cpu_decode`, a C++ object holding the
+        layers' weights and caches) and the CUDA decode graphs (which bake in every address)."""
+        config, on_gpu = self.config, self.device.type == "cuda"
+        self.cpu_decoder = None  # decode steps in one C++ call (`nanovllm.execution.cpu_decode`)
+        if not on_gpu and cpu_kernels() is not None and not config.enforce_eager:
+            self.cpu_decoder = cpu_decoder(self.model)
         self.graphs = None
         if on_gpu and not config.enforce_eager and self.backend.capturable:
             self.graphs = DecodeGraphs(self.model, config.max_num_seqs, config.blocks_per_sequence,
-                                       config.max_model_len, hf_config.hidden_size, config.torch_dtype, self.device)
+                                       config.max_model_len, config.hf_config.hidden_size, config.torch_dtype,
+                                       self.device)
 
     def exit(self) -> None:
         if self.workers is not None:
@@ -89,6 +116,7 @@ class ModelRunner:
         self.graphs = None
         self.cpu_decoder = None
         self.kv_cache = None
+        self.stowed = self.draft_stowed = None
         bind_kv_cache(self.model, None)
         if self.drafter is not None:
             self.drafter.exit()
@@ -109,19 +137,104 @@ class ModelRunner:
         """Replace weights in place on every rank (`nanovllm.models.reload.reload_weights`, each rank's loaders
         keeping their slices): a ValueError from its checks means nothing changed on any rank. With tensor
         parallelism rank 0 checks first, then the tensors reach the workers by broadcast, as the steps' do (on CUDA
-        from this rank's device)."""
+        from this rank's device). Refused while the weights sleep; after a level-2 sleep, what it writes is noted
+        (`wake_up`)."""
+        if "weights" in self.asleep:
+            raise RuntimeError(f"load_weights: the weights are asleep (sleep(level={self.sleep_level})); call "
+                               "wake_up(tags=['weights']) (or wake_up()) first")
         if self.workers is None:
+            weights = weight_pairs(weights) if self.unwritten is not None else weights
             self.reload_weights(weights)
-            return
-        weights = check_reload(self.model, weights, self.config.hf_config)
-        if self.device.type == "cuda":
-            weights = [(name, tensor.to(self.device)) for name, tensor in weights]
-        self.call("reload_weights", weights)
+        else:
+            weights = check_reload(self.model, weights, self.config.hf_config)
+            if self.device.type == "cuda":
+                weights = [(name, tensor.to(self.device)) for name, tensor in weights]
+            self.call("reload_weights", weights)
+        if self.unwritten is not None:
+            for name, shards in written_shards(self.model, weights, self.config.hf_config).items():
+                if name in self.unwritten:
+                    self.unwritten[name] = set() if None in shards else self.unwritten[name] - shards
 
     def reload_weights(self, weights: list[tuple[str, torch.Tensor]]) -> None:
         """This rank's part of `load_weights`."""
         dequantized = self.config.quantization if self.device.type == "cuda" or cpu_kernels() is None else None
         reload_weights(self.model, weights, self.config.hf_config, dequantized)
+
+    # -- sleep mode (`nanovllm.engine.llm_engine.LLMEngine.sleep`) --
+
+    def sleep(self, level: int) -> None:
+        """Every rank gives its memory back (`sleep_rank`). Rank 0; no request may be in flight."""
+        self.call("sleep_rank", level)
+
+    def sleep_rank(self, level: int) -> None:
+        """This rank's part of `sleep`. The KV cache's K/V are forgotten and its memory given back (on the CPU the
+        pages of its map, which stays; on CUDA the tensor). Level 1 keeps the weights: on the CPU where they are, on
+        CUDA copied to (pinned) host memory, their device memory freed. Level 2 drops the weights (their buffers, the
+        rotary tables, are kept, in host memory on CUDA). A draft model's weights are kept as at level 1 whatever the
+        level (`load_weights` never reaches them). The C++ decoder and the CUDA graphs, which hold the old
+        addresses, go; `wake_up_rank` builds them again."""
+        self.graphs = None
+        self.cpu_decoder = None
+        release_kv_cache(self.model, self.kv_cache)
+        on_gpu = self.device.type == "cuda"
+        if level == 2 or on_gpu:
+            self.stowed = StowedWeights(self.model, keep=level == 1)
+        if self.drafter is not None:
+            release_kv_cache(self.drafter.model, self.drafter.kv_cache)
+            if on_gpu:
+                self.draft_stowed = StowedWeights(self.drafter.model, keep=True)
+        self.asleep, self.sleep_level = set(SLEEP_TAGS), level
+        _give_back_freed_memory(self.device)
+
+    def wake_up(self, tags: set[str]) -> None:
+        """Every rank takes back the memory of `tags` (a subset of `asleep`; `wake_up_rank`). Rank 0.
+
+        After a level-2 sleep the weights come back zero-filled, for `load_weights` to write. When the last tag wakes
+        and no load_weights wrote any of them since the sleep, the checkpoint is read again from the model's path
+        (as at start: the same file, or `load_format="dummy"`'s seed), so the engine is the one that went to sleep;
+        when load_weights wrote only some, this is a RuntimeError, before anything changes, naming what is left."""
+        reload = False
+        if self.sleep_level == 2 and not self.asleep - tags:  # the last tags wake
+            unwritten = self.unwritten
+            if "weights" in tags or unwritten == unwritten_shards(self.model, {}):
+                reload = True
+            elif unwritten and any(unwritten.values()):
+                left = [f"{name} ({', '.join(sorted(map(str, shards)))})" if None not in shards else name
+                        for name, shards in unwritten.items() if shards]
+                shown = ", ".join(left[:5]) + (f" and {len(left) - 5} more" if len(left) > 5 else "")
+                raise RuntimeError(f"wake_up: after sleep(level=2), load_weights gave only some of the weights; these "
+                                   f"parameters (the model's own names, with the shards missing) were not written: "
+                                   f"{shown}. Give the rest with load_weights (or all of them, or none: then the "
+                                   "checkpoint is read again), then wake_up()")
+        self.call("wake_up_rank", sorted(tags), reload)
+        if self.sleep_level == 2 and "weights" in tags and not reload:
+            self.unwritten = unwritten_shards(self.model, {})  # zero-filled: load_weights is to write them
+        if not self.asleep:
+            self.unwritten, self.sleep_level = None, 0
+
+    def wake_up_rank(self, tags: list[str], reload: bool) -> None:
+        """This rank's part of `wake_up`: the weights back (copied back to the device, or re-allocated zero-filled),
+        the KV cache back (zeroed), and when `reload`, the checkpoint read into the weights; once nothing sleeps,
+        the C++ decoder and the CUDA graphs are built again (the graphs captured again: the memory is elsewhere)."""
+        if "weights" in tags and "weights" in self.asleep:
+            if self.stowed is not None:
+                self.stowed.wake(weights=not reload)
+                self.stowed = None
+            if self.draft_stowed is not None:
+                self.draft_stowed.wake()
+                self.draft_stowed = None
+            self.asleep.discard("weights")
+        if reload:
+            release_weights(self.model)  # any zero-filled ones: the memory is the checkpoint's next
+            adopt_weights(self.model, load_runner_model(self.config, self.device, self.backend, log=False))
+        if "kv_cache" in tags and "kv_cache" in self.asleep:
+            restore_kv_cache(self.model, self.config, self.kv_cache, self.device)
+            if self.drafter is not None:
+                restore_kv_cache(self.drafter.model, self.drafter.config, self.drafter.kv_cache, self.device)
+            self.asleep.discard("kv_cache")
+        if not self.asleep:
+            self.sleep_level = 0
+            self._build_fast_paths()
 
     def prepare(self, batch: ScheduledBatch) -> tuple[torch.Tensor, torch.Tensor, list[PromptRows]]:
         """Set the attention context for one varlen step (sequence i computes its tokens `starts[i]` to
@@ -208,6 +321,18 @@ class ModelRunner:
 
 
 _NO_TIMER = nullcontext()
+
+
+def _give_back_freed_memory(device: torch.device) -> None:
+    """Return what was just freed to the system: on CUDA torch's cached blocks; on the CPU glibc's free heap
+    (`malloc_trim`: freed blocks below the mmap threshold stay in the heap otherwise)."""
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
+        return
+    try:
+        ctypes.CDLL(None).malloc_trim(0)
+    except (OSError, AttributeError):  # not glibc
+        pass
 
 
 class PhaseTimer:

@@ -257,3 +257,119 @@ def _write_ggml(slot: WeightSlot, value: GGMLWeight | nn.ModuleList, group: list
     finally:
         for kept in parts[slot.attr] if isinstance(parts, dict) else [parts]:
             kept.clear()
+
+
+# -- sleep mode: weights given back and taken again (`LLM.sleep`, `LLM.wake_up`) --
+
+
+def model_tensors(model: nn.Module) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor]]:
+    """The model's weights (its parameters, oneDNN-packed ones included, and the blocks of its GGML weights) and its
+    other buffers (rotary tables, computed from the config), each by its name, each tensor once."""
+    weights = dict(model.named_parameters())
+    buffers = {}
+    for name, buffer in model.named_buffers():
+        module = model.get_submodule(name.rpartition(".")[0])
+        (weights if isinstance(module, GGMLWeight) else buffers)[name] = buffer
+    return weights, buffers
+
+
+def _empty(tensor: torch.Tensor) -> None:
+    """Give `tensor`'s memory back: its storage becomes an empty one (the object itself stays wherever the model
+    holds it, so ties and lists of parameters keep pointing at it)."""
+    empty = torch.empty(0, dtype=tensor.dtype, device=tensor.device)
+    tensor.data = empty.to_mkldnn() if tensor.is_mkldnn else empty
+
+
+def release_weights(model: nn.Module) -> None:
+    """Every weight of `model` emptied (its buffers kept)."""
+    for tensor in model_tensors(model)[0].values():
+        _empty(tensor)
+
+
+@dataclass
+class _Stowed:
+    """One tensor of the model while the engine sleeps: its values in host memory (`host`), or dropped (None)."""
+
+    tensor: torch.Tensor
+    shape: torch.Size
+    packed: bool
+    host: torch.Tensor | None
+
+
+class StowedWeights:
+    """A model's memory while the engine sleeps. Weights are kept in host memory (`keep`: sleep level 1 on CUDA) or
+    dropped (level 2); buffers are kept, in host memory when the model is on a GPU, as vLLM keeps them. Each tensor
+    is emptied where it is (`_empty`), so every reference the model holds stays valid; `wake` fills the same
+    objects again: kept values copied back to the device, dropped weights zero-filled in their layout (a
+    oneDNN-packed one packed), for `reload_weights` (`LLM.load_weights`) or `adopt_weights` to write."""
+
+    def __init__(self, model: nn.Module, keep: bool, offload: bool | None = None):
+        """`offload`: whether kept tensors move to host memory (default: those not on the CPU); those that do not move
+        stay as they are (oneDNN-packed weights never move: they exist only on the CPU)."""
+        weights, buffers = model_tensors(model)
+        stowed = [self._stow(t, keep, offload) for t in weights.values()]
+        stowed += [self._stow(t, True, offload) for t in buffers.values()]
+        self.stowed = [s for s in stowed if s is not None]
+
+    @staticmethod
+    def _stow(tensor: torch.Tensor, keep: bool, offload: bool | None) -> _Stowed | None:
+        if offload is None:
+            offload = tensor.device.type != "cpu"
+        if keep and (not offload or tensor.is_mkldnn):
+            return None  # stays where it is
+        host = None
+        if keep:
+            host = torch.empty_like(tensor, device="cpu", pin_memory=tensor.is_cuda)
+            host.copy_(tensor)
+        stowed = _Stowed(tensor, tensor.shape, tensor.is_mkldnn, host)
+        _empty(tensor)
+        return stowed
+
+    @torch.no_grad()
+    def wake(self, weights: bool = True) -> None:
+        """Every stowed tensor filled again (with `weights=False`, the buffers only: the weights stay empty, for
+        `adopt_weights`)."""
+        for stowed in self.stowed:
+            tensor, host = stowed.tensor, stowed.host
+            if host is not None:
+                tensor.data = torch.empty_like(host, device=tensor.device).copy_(host)
+            elif weights:
+                dense = torch.zeros(stowed.shape, dtype=tensor.dtype, device=tensor.device)
+                tensor.data = torch.ops.mkldnn._reorder_linear_weight(dense) if stowed.packed else dense
+        self.stowed = []
+
+
+def adopt_weights(model: nn.Module, fresh: nn.Module) -> None:
+    """`model`'s weights take the memory of `fresh`'s, a model built and loaded as `model` was (the checkpoint read
+    again after a level-2 sleep): each tensor object of `model` stays, its storage becomes `fresh`'s (no copy: a GGUF
+    file's blocks stay views of the file)."""
+    weights, fresh_weights = model_tensors(model)[0], model_tensors(fresh)[0]
+    if weights.keys() != fresh_weights.keys():
+        differ = sorted(weights.keys() ^ fresh_weights.keys())
+        raise RuntimeError(f"the reloaded model's weights are not the model's: {differ[:5]}")
+    for name, tensor in weights.items():
+        new = fresh_weights[name]
+        if new.dtype != tensor.dtype or new.is_mkldnn != tensor.is_mkldnn:
+            raise RuntimeError(f"the reloaded weight {name!r} is a {new.dtype} tensor, the model's a {tensor.dtype}")
+        tensor.data = new.data
+
+
+def written_shards(model: nn.Module, weights: list[tuple[str, torch.Tensor]],
+                   hf_config: PretrainedConfig) -> dict[str, set]:
+    """The parameters (the model's names) `reload_weights` writes for `weights`, and the shards of each it writes
+    (None: all of it)."""
+    shards: dict[str, set] = {}
+    for update in _plan(model, weights, hf_config):
+        shards.setdefault(update.slot, set()).add(update.shard)
+    return shards
+
+
+def unwritten_shards(model: nn.Module, written: dict[str, set]) -> dict[str, set]:
+    """Of every parameter a load fills, the shards `written` leaves out (only the parameters with some left)."""
+    record: LoadRecord = model.load_record
+    left = {}
+    for name, slot in record.slots.items():
+        shards = written.get(name, set())
+        if None not in shards and not slot.shards <= shards:
+            left[name] = slot.shards - shards
+    return left
