@@ -65,7 +65,8 @@ def in_flight_error(method: str, busy: int, why: str) -> RuntimeError:
                         "them finish or abort_request() them first")
 
 
-RELOAD_IN_FLIGHT = "weights can be replaced only when no request is in flight (its K/V and tokens come from the old weights)"
+RELOAD_IN_FLIGHT = ("weights can be replaced only when no request is in flight (its K/V and tokens come from the old "
+                    "weights)")
 SLEEP_IN_FLIGHT = "the engine sleeps only when no request is in flight (its K/V would be lost)"
 
 
