@@ -28,6 +28,8 @@ MODES = {  # mode -> its module; `mode` says which flags name which
     "host-overhead": "benchmarks.host",  # --host-overhead
     "structured": "benchmarks.structured",  # --structured
     "jump-forward": "benchmarks.structured_jump",  # --structured --jump-forward-compare
+    "beam-search": "benchmarks.beam",  # --beam-search
+    "weights-update": "benchmarks.weights_update",  # --weights-update
 }
 STANDALONE = ("benchmarks.step_profile", "benchmarks.ggml_kernels")  # `python -m ...`, flags of their own
 
@@ -42,6 +44,10 @@ def mode(args: argparse.Namespace) -> str:
         return "host-overhead"
     if args.structured:
         return "jump-forward" if args.jump_forward_compare else "structured"
+    if args.beam_search:
+        return "beam-search"
+    if args.weights_update:
+        return "weights-update"
     return "throughput"
 
 

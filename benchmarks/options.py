@@ -30,6 +30,8 @@ directory or a .gguf file (converted once, see `nanovllm convert`).
                                                  # self-speculation with a 4-bit copy (or a smaller draft's DIR/.gguf)
     python bench.py --model SmolLM2.Q4_1.gguf --baseline llamacpp --llamacpp-bin /tmp/llamacpp-bin/bin --threads 2
     python bench.py --structured --jump-forward-compare   # what jump-forward saves on the JSON-schema workload
+    python bench.py --beam-search --baseline vllm --dtype float32   # LLM.beam_search, 32 chat prompts, width 4
+    python bench.py --weights-update             # load_weights against reading and copying the state dict
 
 `--workload grounded` asks the model (through its chat template) to repeat, rewrite or annotate given passages and
 code, greedy, each request ending at EOS or its max_tokens; `--speculative` runs every row again with speculative
@@ -138,6 +140,14 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                    help="with --structured, instead of its figures: the constrained requests with jump-forward off "
                         "and on, in two engines, runs interleaved (forward passes per completion token, tok/s, "
                         "identical outputs)")
+    p.add_argument("--beam-search", action="store_true",
+                   help="instead of the workload, LLM.beam_search on 32 chat prompts (--num-seqs) with the default "
+                        "model (or --model), --max-output-len tokens (default 32); with --baseline vllm, vLLM's "
+                        "beam_search on the same requests")
+    p.add_argument("--weights-update", action="store_true",
+                   help="instead of the workload, an RL loop's policy update: 32 rollouts (--num-seqs), then "
+                        "LLM.load_weights of a changed float32 state dict, timed against reading and copying it")
+    p.add_argument("--beam-width", type=int, default=4, help="beams per prompt of --beam-search (default 4)")
     p.add_argument("--json", help="also write the results as JSON to this path")
     args = p.parse_args(argv)
     from nanovllm.kernels.attention import ATTENTION_BACKENDS  # imports torch: not needed for --help
@@ -148,7 +158,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         p.error(f"--attention-backend: unknown {', '.join(unknown)}; choose from {', '.join(ATTENTION_BACKENDS)}, all")
     for name in ("num_seqs", "min_input_len", "max_input_len", "min_output_len", "max_output_len",
                  "hf_batch_size", "threads", "data_parallel_size", "repeat", "kvcache_block_size",
-                 "max_num_batched_tokens", "micro_batch", "host_batch", "micro_max_context", "num_speculative_tokens"):
+                 "max_num_batched_tokens", "micro_batch", "host_batch", "micro_max_context", "num_speculative_tokens",
+                 "beam_width"):
         value = getattr(args, name)
         if value is not None and value < 1:
             p.error(f"--{name.replace('_', '-')} must be a positive integer, got {value}")

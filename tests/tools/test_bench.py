@@ -4,6 +4,7 @@ import ast
 import importlib.util
 import json
 import re
+import shutil
 from pathlib import Path
 
 import pytest
@@ -195,7 +196,9 @@ def test_step_profile_splits_a_decode_step_into_the_engines_phases(tied_model, c
 @pytest.mark.parametrize("flags, name", [([], "throughput"), (["--baseline", "hf"], "throughput"),
                                          (["--attention-micro"], "attention-micro"),
                                          (["--host-overhead"], "host-overhead"), (["--structured"], "structured"),
-                                         (["--structured", "--jump-forward-compare"], "jump-forward")])
+                                         (["--structured", "--jump-forward-compare"], "jump-forward"),
+                                         (["--beam-search"], "beam-search"),
+                                         (["--weights-update"], "weights-update")])
 def test_the_flags_name_one_mode_each(flags, name):
     assert bench.mode(bench.parse_args(flags)) == name and name in bench.MODES
 
@@ -365,3 +368,36 @@ def test_llamacpp_baseline_without_its_tools_says_how_to_build_them(tmp_path, mo
         bench.main(["--model", str(tmp_path / "x.gguf"), "--baseline", "llamacpp", "--llamacpp-bin", str(tmp_path)])
     with pytest.raises(SystemExit):
         bench.main(["--config", "x.json", "--baseline", "llamacpp"])
+
+
+@pytest.fixture
+def chat_model(tied_model, tmp_path) -> str:
+    """The tied model with a chat template, for the modes that send chat prompts."""
+    from transformers import AutoTokenizer
+
+    model = shutil.copytree(tied_model, tmp_path / "chat")
+    tokenizer = AutoTokenizer.from_pretrained(model)
+    tokenizer.chat_template = "{% for m in messages %}{{ m['content'] }}{% endfor %}"
+    tokenizer.save_pretrained(model)
+    return str(model)
+
+
+def test_beam_search_mode_times_one_call_over_every_prompt(chat_model, capsys):
+    result = bench.main(["--beam-search", "--model", chat_model, "--device", "cpu", "--num-seqs", "3",
+                         "--max-output-len", "5", "--beam-width", "2", "--repeat", "2"])
+    figures = result["engines"]["nanovllm"]
+    assert (result["num_prompts"], result["beam_width"], result["max_tokens"]) == (3, 2, 5)
+    assert len(figures["rounds"]) == 2 and figures["seconds"] == pytest.approx(sorted(figures["rounds"])[0] / 2
+                                                                                + sorted(figures["rounds"])[1] / 2)
+    assert 0 < figures["beam_tokens_per_s"] * figures["seconds"] <= 3 * 2 * 5
+    assert figures["best_beam_as_nanovllm"] == 3
+    assert "| nanovllm |" in capsys.readouterr().out
+
+
+def test_weights_update_mode_times_load_weights_beside_a_read_and_a_copy(chat_model, capsys):
+    result = bench.main(["--weights-update", "--model", chat_model, "--device", "cpu", "--dtype", "float32",
+                         "--num-seqs", "2", "--max-output-len", "3", "--repeat", "2"])
+    assert all(len(rounds) == 3 for rounds in result["rounds"].values())
+    assert set(result["seconds"]) == {"rollouts", "read", "copy", "update"}
+    assert result["update_per_read"] == pytest.approx(result["seconds"]["update"] / result["seconds"]["read"])
+    assert result["state_dict_bytes"] > 0 and "update / copy" in capsys.readouterr().out
