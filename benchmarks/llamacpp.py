@@ -7,6 +7,11 @@ hits) and 128 greedy output tokens each (`ignore_eos`), all submitted at once; p
 to the last request's first token, decode tok/s the other B x 127 tokens over the rest. Rounds alternate the two
 engines (`--repeat`), and each rate's median is shown. nanovllm runs through the public API only (`LLM`, its
 `config`, `SamplingParams`, `add_request`/`step`).
+
+Batch-1 decode reads every weight once per token, so its limit is the machine's memory read bandwidth: the report
+measures it (`benchmarks.machine.read_bandwidth`, same threads) and gives each engine's batch-1 decode as a share of
+it: the bytes a token reads (the file's tensors, the token embedding only where it is also the LM head, plus the
+K/V of the average context, 2-byte as llama.cpp's default cache and nanovllm's in a 16-bit dtype) times tokens/s.
 """
 import argparse
 import json
@@ -20,6 +25,7 @@ from statistics import median
 
 import torch
 
+from benchmarks.machine import read_bandwidth
 from benchmarks.report import markdown_table
 
 SETUP = "../shared/peers/setup-llamacpp.sh"
@@ -108,6 +114,9 @@ def run(args: argparse.Namespace) -> dict:
             print("nanovllm ...", file=sys.stderr)
             ours.append(nanovllm_rates(llm, vocab_size, rng))
         dtype = str(llm.config.torch_dtype).removeprefix("torch.")
+        weights, kv = token_bytes(args.model, llm.config.hf_config, PROMPT_TOKENS + OUTPUT_TOKENS // 2)
+        kv_itemsize = {"nanovllm": llm.config.torch_dtype.itemsize, "llamacpp": 2}
+    bandwidth = read_bandwidth()
     rows = []
     for kind, batch in [(kind, batch) for kind in ("prompt", "decode") for batch in BATCHES]:
         us, them = median(r[kind, batch] for r in ours), median(r[kind, batch] for r in theirs)
@@ -117,8 +126,30 @@ def run(args: argparse.Namespace) -> dict:
     print(markdown_table(["tok/s", "batch", "nanovllm", "llama.cpp", "nanovllm / llama.cpp"],
                          [[r["rate"], str(r["batch"]), f"{r['nanovllm']:.1f}", f"{r['llamacpp']:.1f}",
                            f"{r['ratio']:.2f}x"] for r in rows]))
-    return {"llamacpp": rows, "threads": threads, "rounds": {"nanovllm": [_plain(r) for r in ours],
+    shares = {}
+    for engine, itemsize in kv_itemsize.items():
+        rate = next(r[engine] for r in rows if (r["rate"], r["batch"]) == ("decode", 1))
+        shares[engine] = (weights + kv * itemsize) * rate / bandwidth
+    print(f"batch-1 decode reads {weights / 1e6:.1f} MB of weights per token and {kv * 2 / 1e6:.1f} MB of K/V at 2 "
+          f"bytes ({PROMPT_TOKENS + OUTPUT_TOKENS // 2} tokens of context); the machine reads {bandwidth / 1e9:.1f} "
+          f"GB/s ({threads} threads, a 1 GiB sum): nanovllm decodes at {shares['nanovllm']:.0%} of it, llama.cpp at "
+          f"{shares['llamacpp']:.0%}")
+    return {"llamacpp": rows, "threads": threads, "read_bandwidth": bandwidth, "weight_bytes_per_token": weights,
+            "bandwidth_share_batch1": shares, "rounds": {"nanovllm": [_plain(r) for r in ours],
                                                              "llamacpp": [_plain(r) for r in theirs]}}
+
+
+def token_bytes(model: str, hf_config, context: int) -> tuple[int, int]:
+    """What a batch-1 decode step reads: the GGUF file's weights (the token embedding only where the LM head is tied to
+    it: else one row), and the number of K and V elements over `context` tokens (times the cache's item size)."""
+    from gguf import GGUFReader
+
+    tensors = {t.name: int(t.n_bytes) for t in GGUFReader(model).tensors}
+    if "output.weight" in tensors:
+        tensors.pop("token_embd.weight", None)
+    heads = getattr(hf_config, "num_key_value_heads", None) or hf_config.num_attention_heads
+    head_dim = getattr(hf_config, "head_dim", None) or hf_config.hidden_size // hf_config.num_attention_heads
+    return sum(tensors.values()), 2 * hf_config.num_hidden_layers * heads * head_dim * context
 
 
 def _plain(rates: Rates) -> dict[str, float]:

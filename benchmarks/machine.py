@@ -1,5 +1,6 @@
 """What the machine does while a benchmark runs: the device a benchmark plans for, device synchronization, the matmul
-rate it reaches (MFU's peak) and the peak memory an engine takes."""
+rate it reaches (MFU's peak), the memory read bandwidth (batch-1 decode's limit) and the peak memory an engine
+takes."""
 import multiprocessing
 import os
 import sys
@@ -38,6 +39,19 @@ def matmul_peak(device: str, dtype: torch.dtype, seconds: float = 1.0) -> float:
         torch.mm(a, b)
         synchronize(device)
         best = max(best, 2 * n ** 3 / (time.perf_counter() - start))
+    return best
+
+
+def read_bandwidth(gib: float = 1.0, seconds: float = 1.0) -> float:
+    """Best rate (bytes/s) at which torch's threads (the benchmark's `--threads`) read a float32 buffer of `gib` GiB,
+    far beyond the caches, by summing it: a STREAM-like read, for at least `seconds` after a warm-up."""
+    buffer = torch.ones(int(gib * 2 ** 30) // 4)
+    buffer.sum()
+    best, deadline = 0.0, time.perf_counter() + seconds
+    while time.perf_counter() < deadline:
+        start = time.perf_counter()
+        buffer.sum()
+        best = max(best, buffer.numel() * 4 / (time.perf_counter() - start))
     return best
 
 

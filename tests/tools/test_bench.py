@@ -356,7 +356,20 @@ def test_llamacpp_baseline_runs_its_tools_on_the_same_file_and_threads(tmp_path,
                       ("decode", 8): 200.0, ("decode", 32): 230.0}
     for row in result["llamacpp"]:
         assert row["nanovllm"] > 0 and row["ratio"] == pytest.approx(row["nanovllm"] / row["llamacpp"])
-    assert "| decode | 32    |" in capsys.readouterr().out
+    printed = capsys.readouterr().out
+    assert "| decode | 32    |" in printed
+
+    from gguf import GGUFReader
+    from transformers import AutoConfig
+
+    stored = {t.name: int(t.n_bytes) for t in GGUFReader(model).tensors}
+    weights = sum(stored.values()) - (stored["token_embd.weight"] if "output.weight" in stored else 0)
+    assert result["weight_bytes_per_token"] == weights
+    config = AutoConfig.from_pretrained(source)
+    kv = 2 * config.num_hidden_layers * config.num_key_value_heads * config.head_dim * (128 + 64)
+    assert result["bandwidth_share_batch1"]["llamacpp"] == pytest.approx((weights + 2 * kv) * 100.0
+                                                                         / result["read_bandwidth"])
+    assert f"llama.cpp at {result['bandwidth_share_batch1']['llamacpp']:.0%}" in printed
 
 
 def test_llamacpp_baseline_without_its_tools_says_how_to_build_them(tmp_path, monkeypatch):
