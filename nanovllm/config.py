@@ -3,7 +3,7 @@ model and the machine."""
 import importlib.util
 from dataclasses import dataclass, field
 from types import SimpleNamespace
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Literal, get_args
 
 if TYPE_CHECKING:
     import torch
@@ -14,7 +14,8 @@ QUANTIZATIONS = {"int8": "Q8_0", "int4": "Q4_1"}  # quantization= at load: the G
 # What logprobs and prompt logprobs hold (vLLM's `logprobs_mode`): log-probabilities or logits, of the model's logits
 # ("raw", after a structured output's mask) or of those a token is drawn from ("processed": then penalties, min_tokens,
 # allowed tokens, bad words, temperature, min-p, top-k and top-p); prompt tokens are not sampled: always raw
-LOGPROBS_MODES = ("raw_logprobs", "processed_logprobs", "raw_logits", "processed_logits")
+LogprobsMode = Literal["raw_logits", "raw_logprobs", "processed_logits", "processed_logprobs"]  # vLLM's type
+LOGPROBS_MODES = get_args(LogprobsMode)
 STRUCTURED_OUTPUT_BACKENDS = {"guidance": "llguidance", "xgrammar": "xgrammar"}  # grammar backend: its package
 SPECULATIVE_METHODS = ("ngram", "draft_model")
 SPECULATIVE_KEYS = ("method", "model", "num_speculative_tokens", "prompt_lookup_max", "prompt_lookup_min",

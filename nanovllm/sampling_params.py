@@ -4,32 +4,33 @@ from dataclasses import InitVar, dataclass, field, replace
 from typing import Any, Callable
 
 from nanovllm.beam_search import BeamSearchParams  # noqa: F401 (vLLM's import path: vllm.sampling_params)
+from nanovllm.exceptions import VLLMValidationError
 
 MIN_TEMPERATURE = 0.01
 
 
 def _number(name: str, value, valid: str, ok: Callable[[float], bool]) -> float:
     if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) or not ok(value):
-        raise ValueError(f"{name} must be a number {valid}, got {value!r}")
+        raise VLLMValidationError(f"{name} must be a number {valid}, got {value!r}")
     return float(value)
 
 
 def _integer(name: str, value, valid: str, ok: Callable[[int], bool]) -> int:
     if isinstance(value, bool) or not isinstance(value, int) or not ok(value):
-        raise ValueError(f"{name} must be an integer {valid}, got {value!r}")
+        raise VLLMValidationError(f"{name} must be an integer {valid}, got {value!r}")
     return value
 
 
 def _flag(name: str, value, none: bool = False) -> bool | None:
     if not (isinstance(value, bool) or none and value is None):
-        raise ValueError(f"{name} must be True{', False or None' if none else ' or False'}, got {value!r}")
+        raise VLLMValidationError(f"{name} must be True{', False or None' if none else ' or False'}, got {value!r}")
     return value
 
 
 def _stop_strings(stop) -> list[str]:
     stops = [stop] if isinstance(stop, str) else [] if stop is None else stop
     if not isinstance(stops, (list, tuple)) or not all(isinstance(s, str) and s for s in stops):
-        raise ValueError(f"stop must be a non-empty string or a list of non-empty strings, got {stop!r}")
+        raise VLLMValidationError(f"stop must be a non-empty string or a list of non-empty strings, got {stop!r}")
     return list(stops)
 
 
@@ -37,7 +38,7 @@ def _token_ids(name: str, ids) -> list[int]:
     ids = [] if ids is None else ids
     if not isinstance(ids, (list, tuple)) or not all(isinstance(t, int) and not isinstance(t, bool) and t >= 0
                                                      for t in ids):
-        raise ValueError(f"{name} must be a list of token ids (integers >= 0), got {ids!r}")
+        raise VLLMValidationError(f"{name} must be a list of token ids (integers >= 0), got {ids!r}")
     return list(ids)
 
 
@@ -72,21 +73,24 @@ class StructuredOutputsParams:
     def __post_init__(self) -> None:
         count = sum(getattr(self, kind) is not None for kind in CONSTRAINT_KINDS)
         if count > 1:
-            raise ValueError("You can only use one kind of structured outputs constraint but multiple are "
-                             f"specified: {self.__dict__}")
+            raise VLLMValidationError("You can only use one kind of structured outputs constraint but multiple are "
+                                      f"specified: {self.__dict__}")
         if count < 1:
-            raise ValueError("You must use one kind of structured outputs constraint but none are specified: "
-                             f"{self.__dict__}")
+            raise VLLMValidationError("You must use one kind of structured outputs constraint but none are specified: "
+                                      f"{self.__dict__}")
         for name in ("regex", "grammar", "structural_tag", "whitespace_pattern"):
             if getattr(self, name) is not None and not isinstance(getattr(self, name), str):
-                raise ValueError(f"structured_outputs.{name} must be a string, got {getattr(self, name)!r}")
+                raise VLLMValidationError(f"structured_outputs.{name} must be a string, got {getattr(self, name)!r}")
         if self.json is not None and not isinstance(self.json, (str, dict)):
-            raise ValueError(f"structured_outputs.json must be a JSON schema as a dict or a string, got {self.json!r}")
+            raise VLLMValidationError("structured_outputs.json must be a JSON schema as a dict or a string, got "
+                                      f"{self.json!r}")
         if self.choice is not None and not (isinstance(self.choice, (list, tuple)) and self.choice
                                             and all(isinstance(c, str) for c in self.choice)):
-            raise ValueError(f"structured_outputs.choice must be a non-empty list of strings, got {self.choice!r}")
+            raise VLLMValidationError("structured_outputs.choice must be a non-empty list of strings, got "
+                                      f"{self.choice!r}")
         if self.json_object is not None and self.json_object is not True:
-            raise ValueError(f"structured_outputs.json_object must be True (or left None), got {self.json_object!r}")
+            raise VLLMValidationError("structured_outputs.json_object must be True (or left None), got "
+                                      f"{self.json_object!r}")
         _flag("structured_outputs.disable_any_whitespace", self.disable_any_whitespace)
         _flag("structured_outputs.disable_additional_properties", self.disable_additional_properties, none=True)
 
@@ -153,10 +157,11 @@ class SamplingParams:
 
     def __post_init__(self, logits_processors: Any = None) -> None:
         if logits_processors:
-            raise ValueError("vLLM V1 does not support per request user provided logits processors. Pass logits "
-                             "processor classes to the engine, LLM(logits_processors=[...]), with per-request "
-                             "arguments in SamplingParams(extra_args={...}); a per-request callable runs through "
-                             "nanovllm.v1.sample.logits_processor.AdapterLogitsProcessor")
+            raise VLLMValidationError("vLLM V1 does not support per request user provided logits processors. Pass "
+                                      "logits processor classes to the engine, LLM(logits_processors=[...]), with "
+                                      "per-request arguments in SamplingParams(extra_args={...}); a per-request "
+                                      "callable runs through "
+                                      "nanovllm.v1.sample.logits_processor.AdapterLogitsProcessor")
         self.n = _integer("n", self.n, ">= 1", lambda v: v >= 1)
         self.temperature = _number("temperature", self.temperature, ">= 0 (0 is greedy)", lambda v: v >= 0)
         if 0 < self.temperature < MIN_TEMPERATURE:
@@ -177,8 +182,8 @@ class SamplingParams:
                                        lambda v: v >= 1)
         self.min_tokens = _integer("min_tokens", self.min_tokens, ">= 0", lambda v: v >= 0)
         if self.max_tokens is not None and self.min_tokens > self.max_tokens:
-            raise ValueError(f"min_tokens must be at most max_tokens, got min_tokens={self.min_tokens} and "
-                             f"max_tokens={self.max_tokens}")
+            raise VLLMValidationError(f"min_tokens must be at most max_tokens, got min_tokens={self.min_tokens} and "
+                                      f"max_tokens={self.max_tokens}")
         self.ignore_eos = _flag("ignore_eos", self.ignore_eos)
         self.repetition_penalty = _number("repetition_penalty", self.repetition_penalty, "> 0 (1 is off)",
                                           lambda v: v > 0)
@@ -193,25 +198,25 @@ class SamplingParams:
         self.skip_special_tokens = _flag("skip_special_tokens", self.skip_special_tokens)
         self.detokenize = _flag("detokenize", self.detokenize)
         if self.stop and not self.detokenize:
-            raise ValueError("stop strings need the text: they cannot be used with detokenize=False "
-                             "(use stop_token_ids)")
+            raise VLLMValidationError("stop strings need the text: they cannot be used with detokenize=False "
+                                      "(use stop_token_ids)")
         if self.allowed_token_ids is not None:
             self.allowed_token_ids = _token_ids("allowed_token_ids", self.allowed_token_ids)
             if not self.allowed_token_ids:
-                raise ValueError("allowed_token_ids must not be empty (None allows every token)")
+                raise VLLMValidationError("allowed_token_ids must not be empty (None allows every token)")
         if self.bad_words is not None and not (isinstance(self.bad_words, (list, tuple)) and all(
                 isinstance(w, str) and w for w in self.bad_words)):
-            raise ValueError(f"bad_words must be a list of non-empty strings, got {self.bad_words!r}")
+            raise VLLMValidationError(f"bad_words must be a list of non-empty strings, got {self.bad_words!r}")
         if self.structured_outputs is not None and not isinstance(self.structured_outputs, StructuredOutputsParams):
-            raise ValueError("structured_outputs must be a StructuredOutputsParams (from nanovllm import "
-                             f"StructuredOutputsParams), got {type(self.structured_outputs).__name__}")
+            raise VLLMValidationError("structured_outputs must be a StructuredOutputsParams (from nanovllm import "
+                                      f"StructuredOutputsParams), got {type(self.structured_outputs).__name__}")
         if self.best_of is not None:
             self.best_of = _integer("best_of", self.best_of, ">= 1, or None", lambda v: v >= 1)
             if self.best_of < self.n:
-                raise ValueError(f"best_of must be greater than or equal to n, got n={self.n} and "
-                                 f"best_of={self.best_of}.")
+                raise VLLMValidationError(f"best_of must be greater than or equal to n, got n={self.n} and "
+                                          f"best_of={self.best_of}.")
         if self.extra_args is not None and not isinstance(self.extra_args, dict):
-            raise ValueError(f"extra_args must be a dict or None, got {type(self.extra_args).__name__}")
+            raise VLLMValidationError(f"extra_args must be a dict or None, got {type(self.extra_args).__name__}")
 
     @property
     def uses_penalties(self) -> bool:
@@ -222,13 +227,13 @@ class SamplingParams:
         ids outside the model's vocabulary, and logprobs counts beyond it or the engine's `max_logprobs` (-1: no cap).
         Each message starts with vLLM's own words where vLLM has the check."""
         if self.best_of is not None and self.best_of > 1:
-            raise ValueError(f"vLLM V1 does not yet support best_of, and neither does nanovllm (got best_of="
-                             f"{self.best_of}): ask for n={self.best_of} with logprobs=0 and keep the completions with "
-                             "the highest cumulative_logprob")
+            raise VLLMValidationError("vLLM V1 does not yet support best_of, and neither does nanovllm (got "
+                                      f"best_of={self.best_of}): ask for n={self.best_of} with logprobs=0 and keep the "
+                                      "completions with the highest cumulative_logprob")
         for name in ("stop_token_ids", "allowed_token_ids"):
             bad = [t for t in getattr(self, name) or () if t >= vocab_size]
             if bad:
-                raise ValueError(f"{name} has token id {bad[0]} outside the vocabulary [0, {vocab_size})")
+                raise VLLMValidationError(f"{name} has token id {bad[0]} outside the vocabulary [0, {vocab_size})")
         for name in ("logprobs", "prompt_logprobs"):
             value = getattr(self, name)
             if value is None:
@@ -240,10 +245,11 @@ class SamplingParams:
             vllm = f"Requested {'sample' if name == 'logprobs' else 'prompt'} logprobs of {count}, which is greater " \
                    f"than max allowed: {allowed}"
             if count > vocab_size:
-                raise ValueError(f"{vllm} ({name} must be at most the vocabulary size {vocab_size}, got {value})")
-            raise ValueError(f"{vllm} ({name}={value} asks for {count} log-probabilities per token, more than the "
-                             f"engine's max_logprobs={max_logprobs}; create the LLM with a larger max_logprobs, -1 "
-                             "for no limit)")
+                raise VLLMValidationError(f"{vllm} ({name} must be at most the vocabulary size {vocab_size}, got "
+                                          f"{value})")
+            raise VLLMValidationError(f"{vllm} ({name}={value} asks for {count} log-probabilities per token, more than "
+                                      f"the engine's max_logprobs={max_logprobs}; create the LLM with a larger "
+                                      "max_logprobs, -1 for no limit)")
 
     def for_sample(self, index: int) -> "SamplingParams":
         """The parameters of the `index`-th of the `n` samples of one prompt: n=1, and with a seed, seed + index (as

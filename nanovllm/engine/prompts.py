@@ -5,6 +5,7 @@ from dataclasses import dataclass, replace
 from transformers import PreTrainedTokenizerBase
 
 from nanovllm.config import Config
+from nanovllm.exceptions import VLLMValidationError
 from nanovllm.logits_processor import validate_logits_processors_parameters
 from nanovllm.sampling_params import SamplingParams
 from nanovllm.structured_output.backends import check_constraint
@@ -30,7 +31,8 @@ class CheckedPrompt:
 
 class PromptChecker:
     """Turns what users pass (`generate`'s prompts, `chat`'s conversations, sampling params, priorities) into
-    `CheckedPrompt`s for `config`'s model and `tokenizer`, or a ValueError naming the problem."""
+    `CheckedPrompt`s for `config`'s model and `tokenizer`, or a `VLLMValidationError` (a ValueError, as vLLM's)
+    naming the problem."""
 
     def __init__(self, config: Config, tokenizer: PreTrainedTokenizerBase | None):
         self.config = config
@@ -45,8 +47,9 @@ class PromptChecker:
         if isinstance(prompts, (str, dict)):
             prompts = [prompts]
         if not isinstance(prompts, (list, tuple)):
-            raise ValueError(f"prompts must be a prompt or a list of prompts (strings, {{'prompt': ...}} or "
-                             f"{{'prompt_token_ids': ...}} dicts, or token-id lists), got {type(prompts).__name__}")
+            raise VLLMValidationError("prompts must be a prompt or a list of prompts (strings, {'prompt': ...} or "
+                                      "{'prompt_token_ids': ...} dicts, or token-id lists), got "
+                                      f"{type(prompts).__name__}")
         sampling_params = self._per_prompt("sampling params", sampling_params, len(prompts))
         priority = self._per_prompt("priorities", 0 if priority is None else priority, len(prompts))
         return [self.check_prompt(p, sp, pr, i, add_special_tokens)
@@ -63,11 +66,11 @@ class PromptChecker:
 
     def chat_text(self, conversation: Conversation, add_generation_prompt: bool) -> str:
         if self.tokenizer is None:
-            raise ValueError(f"{self.config.model!r} has no tokenizer, hence no chat template; pass token ids to "
-                             "generate() instead")
+            raise VLLMValidationError(f"{self.config.model!r} has no tokenizer, hence no chat template; pass token ids "
+                                      "to generate() instead")
         if not self.tokenizer.chat_template:
-            raise ValueError(f"{self.config.model!r} has no chat template (a base model?); use generate() with the "
-                             "prompt text instead")
+            raise VLLMValidationError(f"{self.config.model!r} has no chat template (a base model?); use generate() "
+                                      "with the prompt text instead")
         if not (isinstance(conversation, (list, tuple)) and conversation and all(
                 isinstance(m, dict) and {"role", "content"} <= m.keys() for m in conversation)):
             raise _not_a_conversation(conversation)
@@ -79,18 +82,18 @@ class PromptChecker:
         text, token_ids = self._to_token_ids(prompt, index, add_special_tokens)
         params = SamplingParams() if params is None else params
         if not isinstance(params, SamplingParams):
-            raise ValueError(f"sampling_params must be a SamplingParams or a list of them (one per prompt), got "
-                             f"{type(params).__name__}")
+            raise VLLMValidationError("sampling_params must be a SamplingParams or a list of them (one per prompt), "
+                                      f"got {type(params).__name__}")
         params.check_vocab(self.config.hf_config.vocab_size, self.config.max_logprobs)
         validate_logits_processors_parameters(self.config.logits_processors, params)
         if isinstance(priority, bool) or not isinstance(priority, int):
-            raise ValueError(f"priority must be an int (lower runs first), got {priority!r}")
+            raise VLLMValidationError(f"priority must be an int (lower runs first), got {priority!r}")
         if params.bad_words and self.tokenizer is None:
-            raise ValueError(f"bad_words need a tokenizer and {self.config.model!r} has none")
+            raise VLLMValidationError(f"bad_words need a tokenizer and {self.config.model!r} has none")
         grammar = None
         if params.structured_outputs is not None:
             if self.tokenizer is None:
-                raise ValueError(f"structured outputs need a tokenizer and {self.config.model!r} has none")
+                raise VLLMValidationError(f"structured outputs need a tokenizer and {self.config.model!r} has none")
             grammar = check_constraint(params.structured_outputs, self.config.structured_outputs_backend)
         params = replace(params, max_tokens=params.max_tokens or max(self.max_model_len - len(token_ids), 1))
         return CheckedPrompt(text, token_ids, params, priority, grammar)
@@ -102,13 +105,15 @@ class PromptChecker:
         if isinstance(prompt, dict):
             unknown = sorted(set(prompt) - {"prompt", "prompt_token_ids"})
             if unknown or not prompt:
-                raise ValueError(f"prompt {index}: nanovllm takes {{'prompt': text}} or {{'prompt_token_ids': ids}}, "
-                                 f"got keys {sorted(prompt)} (multimodal data and other inputs are not supported)")
+                raise VLLMValidationError(f"prompt {index}: nanovllm takes {{'prompt': text}} or {{'prompt_token_ids': "
+                                          f"ids}}, got keys {sorted(prompt)} (multimodal data and other inputs are not "
+                                          "supported)")
             text = prompt.get("prompt")
             prompt = prompt["prompt_token_ids"] if "prompt_token_ids" in prompt else text
         if isinstance(prompt, str):
             if self.tokenizer is None:
-                raise ValueError(f"prompt {index} is text but {self.config.model!r} has no tokenizer; pass token ids")
+                raise VLLMValidationError(f"prompt {index} is text but {self.config.model!r} has no tokenizer; pass "
+                                          "token ids")
             text, token_ids = prompt, self.tokenizer.encode(prompt, add_special_tokens=add_special_tokens)
         elif isinstance(prompt, (list, tuple)) and all(isinstance(t, int) and not isinstance(t, bool) for t in prompt):
             token_ids = list(prompt)
@@ -117,18 +122,18 @@ class PromptChecker:
             if isinstance(prompt, (list, tuple)):
                 item = next(t for t in prompt if isinstance(t, bool) or not isinstance(t, int))
                 got = f"a {got} holding {type(item).__name__} {item!r}"
-            raise ValueError(f"prompt {index} must be a string, {{'prompt': text}}, {{'prompt_token_ids': ids}} or a "
-                             f"list of token ids (ints), got {got}")
+            raise VLLMValidationError(f"prompt {index} must be a string, {{'prompt': text}}, {{'prompt_token_ids': "
+                                      f"ids}} or a list of token ids (ints), got {got}")
         if not token_ids:
-            raise ValueError(f"prompt {index} is empty: the decoder prompt cannot be empty (every prompt needs at "
-                             "least one token)")
+            raise VLLMValidationError(f"prompt {index} is empty: the decoder prompt cannot be empty (every prompt "
+                                      "needs at least one token)")
         if len(token_ids) > self.max_model_len:
-            raise ValueError(f"prompt {index} (length {len(token_ids)}) is longer than the maximum model length of "
-                             f"{self.max_model_len} (max_model_len); {self._too_long_hint()}")
+            raise VLLMValidationError(f"prompt {index} (length {len(token_ids)}) is longer than the maximum model "
+                                      f"length of {self.max_model_len} (max_model_len); {self._too_long_hint()}")
         vocab_size = self.config.hf_config.vocab_size
         bad = [t for t in token_ids if not 0 <= t < vocab_size]
         if bad:
-            raise ValueError(f"prompt {index}: token id {bad[0]} is out of vocabulary [0, {vocab_size})")
+            raise VLLMValidationError(f"prompt {index}: token id {bad[0]} is out of vocabulary [0, {vocab_size})")
         return text, token_ids
 
     def _too_long_hint(self) -> str:
@@ -143,11 +148,12 @@ class PromptChecker:
         if not isinstance(value, (list, tuple)):
             return [value] * num_prompts
         if len(value) != num_prompts:
-            raise ValueError(f"got {num_prompts} prompts but {len(value)} {name}; pass one value or one per prompt")
+            raise VLLMValidationError(f"got {num_prompts} prompts but {len(value)} {name}; pass one value or one per "
+                                      "prompt")
         return list(value)
 
 
-def _not_a_conversation(messages) -> ValueError:
+def _not_a_conversation(messages) -> VLLMValidationError:
     hint = "; to send text as it is, use generate()" if isinstance(messages, str) else ""
-    return ValueError("messages must be a conversation (a non-empty list of {'role': ..., 'content': ...} dicts) or a "
-                      f"list of conversations, got {messages!r}{hint}")
+    return VLLMValidationError("messages must be a conversation (a non-empty list of {'role': ..., 'content': ...} "
+                               f"dicts) or a list of conversations, got {messages!r}{hint}")

@@ -1,0 +1,1 @@
+"""vLLM's `vllm.entrypoints`: its `llm` module (`LLM`)."""
