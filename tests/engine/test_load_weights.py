@@ -106,6 +106,24 @@ def test_bfloat16_weights_of_a_trainer_load_as_float32_would_round_them(tied_mod
         assert tokens(llm) == fresh(path)
 
 
+def test_float32_weights_into_a_bfloat16_engine_are_the_weights_a_fresh_one_loads(tied_model, tied_b):
+    """float32 tensors written into a bfloat16 engine (packed for oneDNN where the CPU has native bfloat16) are rounded
+    as the loaders round them at load: every parameter bitwise a fresh engine's, and the same greedy tokens."""
+    def parameters(llm: LLM) -> dict[str, torch.Tensor]:
+        model = llm.engine.model_runner.model
+        return {name: (p.to_dense() if p.is_mkldnn else p).clone() for name, p in model.named_parameters()}
+
+    with LLM(tied_b, **{**SETTINGS, "dtype": "bfloat16"}) as llm:
+        expected, expected_tokens = parameters(llm), tokens(llm)
+    with LLM(tied_model, **{**SETTINGS, "dtype": "bfloat16"}) as llm:
+        llm.load_weights(hf_state_dict(tied_b).items())
+        got = parameters(llm)
+        assert got.keys() == expected.keys()
+        assert all(torch.equal(got[name], expected[name]) for name in got), [
+            name for name in got if not torch.equal(got[name], expected[name])]
+        assert tokens(llm) == expected_tokens
+
+
 @pytest.mark.parametrize("family, settings", [("qwen3_moe", dict(num_experts=4, num_experts_per_tok=2,
                                                                  moe_intermediate_size=32, decoder_sparse_step=1))])
 @pytest.mark.parametrize("quantization", [None, "int8"])
