@@ -1,13 +1,14 @@
 """`LLM`, the public entry point, as vLLM's: `LLM(model, **engine_settings).generate(prompts, sampling_params)`."""
 from collections.abc import Iterable, Iterator
 from contextlib import AbstractContextManager
+from types import SimpleNamespace
 from typing import TYPE_CHECKING, Protocol
 
 from tqdm.auto import tqdm
 from transformers import PreTrainedTokenizerBase
 
 from nanovllm.beam_search import BeamSearchOutput, BeamSearchParams
-from nanovllm.config import Config
+from nanovllm.config import Config, VllmConfig
 from nanovllm.engine.beam_search import EngineBeamSearch, PromptSearch, search_by_requests, token_decoder
 from nanovllm.engine.data_parallel import DataParallelLLM
 from nanovllm.engine.llm_engine import LLMEngine
@@ -40,6 +41,8 @@ class Engine(Protocol):
 
     config: Config
     tokenizer: PreTrainedTokenizerBase | None
+    vllm_config: VllmConfig
+    model_config: SimpleNamespace  # vllm_config.model_config
 
     def submit(self, checked: list[CheckedPrompt]) -> list[Handle]: ...
 
@@ -104,23 +107,37 @@ class LLM:
         """The longest sequence (prompt and output) the engine runs."""
         return self.config.max_model_len
 
+    @property
+    def llm_engine(self) -> Engine:
+        """The engine, under vLLM's name: what clients read off vLLM's `LLM.llm_engine` is there, `model_config`
+        (`max_model_len`, `hf_config`, ...), `vllm_config` (`nanovllm.config.VllmConfig`) and `tokenizer`."""
+        return self.engine
+
+    @property
+    def model_config(self) -> SimpleNamespace:
+        """vLLM's `LLM.model_config`: `llm_engine.model_config` (`nanovllm.config.VllmConfig` says what it holds)."""
+        return self.engine.model_config
+
     def get_tokenizer(self) -> PreTrainedTokenizerBase | None:
         """The model's tokenizer (None for a model directory without tokenizer files)."""
         return self.tokenizer
 
     def generate(self, prompts: Prompt | list[Prompt], sampling_params: Params = None, use_tqdm: bool = True,
-                 priority: int | list[int] | None = None) -> list[RequestOutput]:
+                 priority: int | list[int] | None = None, lora_request: None = None) -> list[RequestOutput]:
         """Complete every prompt; one `RequestOutput` per prompt, in prompt order. A prompt is text, vLLM's
         `{"prompt": text}` / `{"prompt_token_ids": ids}`, or a list of token ids; one prompt alone needs no list.
         `sampling_params` (default `SamplingParams()`) and `priority` are one value for all prompts or one per
-        prompt."""
+        prompt. `lora_request` (vLLM's) must be None, or a list of Nones."""
+        _check_no_lora(lora_request)
         return self._run(self.prompts.check_prompts(prompts, sampling_params, priority), use_tqdm)
 
     def chat(self, messages: Conversation | list[Conversation], sampling_params: Params = None,
              use_tqdm: bool = True, priority: int | list[int] | None = None,
-             add_generation_prompt: bool = True) -> list[RequestOutput]:
+             add_generation_prompt: bool = True, lora_request: None = None) -> list[RequestOutput]:
         """Reply to one conversation (a list of `{"role", "content"}` messages) or to a list of them, through the
-        model's chat template, as vLLM's `LLM.chat`; one `RequestOutput` per conversation."""
+        model's chat template, as vLLM's `LLM.chat`; one `RequestOutput` per conversation. `lora_request` must be
+        None, or a list of Nones."""
+        _check_no_lora(lora_request)
         return self._run(self.prompts.check_conversations(messages, sampling_params, priority, add_generation_prompt),
                          use_tqdm)
 
@@ -140,8 +157,7 @@ class LLM:
         if not isinstance(params, BeamSearchParams):
             raise ValueError(f"params must be a BeamSearchParams (from nanovllm import BeamSearchParams), got "
                              f"{type(params).__name__}")
-        if lora_request is not None:
-            raise ValueError("nanovllm has no LoRA adapters: lora_request must be None")
+        _check_no_lora(lora_request)
         if self.is_sleeping():
             raise RuntimeError("the engine is sleeping (sleep() was called); call wake_up() first")
         if concurrency_limit is not None and (isinstance(concurrency_limit, bool)
@@ -278,6 +294,13 @@ class LLM:
             raise
         _raise_if_failed(handles)
         return [handle.output() for handle in handles]
+
+
+def _check_no_lora(lora_request: object) -> None:
+    """vLLM's `lora_request` argument, which nanovllm takes as None only (one for all prompts, or one per prompt)."""
+    if lora_request is None or isinstance(lora_request, (list, tuple)) and all(r is None for r in lora_request):
+        return
+    raise ValueError("nanovllm has no LoRA adapters: lora_request must be None")
 
 
 def _raise_if_failed(handles: list[Handle]) -> None:

@@ -1,7 +1,8 @@
+import copy
 import math
 import warnings
-from dataclasses import InitVar, dataclass, field, replace
-from typing import Any, Callable
+from dataclasses import InitVar, dataclass, field, fields, replace
+from typing import Any, Callable, ClassVar
 
 from nanovllm.beam_search import BeamSearchParams  # noqa: F401 (vLLM's import path: vllm.sampling_params)
 from nanovllm.exceptions import VLLMValidationError
@@ -117,7 +118,9 @@ class SamplingParams:
     `max_tokens=None` generates until `max_model_len`. `allowed_token_ids` restricts sampling to
     those ids; `bad_words` are never generated (a word's last token is banned wherever the
     completion so far ends with the word's other tokens, with or without a leading space).
-    `detokenize=False` returns token ids only (no text, so no stop strings).
+    `detokenize=False` returns token ids only (no text, so no stop strings). `spaces_between_special_tokens=False`
+    (with `skip_special_tokens=False`) writes a special token that follows another one as its bare text, as vLLM's
+    detokenizer does, where a tokenizer's decoder would put a space between them.
     `structured_outputs` constrains the completion to a JSON schema, regex, choice or grammar (see
     `StructuredOutputsParams`); a completion whose constraint is complete ends there with `finish_reason="stop"`.
     `best_of` is vLLM's field, checked as vLLM checks it (None, or an integer >= `n`), and as in vLLM V1 a request
@@ -125,7 +128,13 @@ class SamplingParams:
     `extra_args` (a dict, vLLM's) holds per-request arguments for the engine's custom logits processors
     (`LLM(logits_processors=[...])`), which may refuse them at submission. Per-request `logits_processors` are
     refused, a ValueError in vLLM V1's words: V1 takes logits processor classes for the engine instead.
+
+    As vLLM's (a msgspec struct), the class lists its constructor's fields in `__struct_fields__`, so that
+    `SamplingParams(**{f: getattr(p, f) for f in p.__struct_fields__})` rebuilds `p`; `clone()` is a deep copy.
     """
+
+    __struct_fields__: ClassVar[tuple[str, ...]]
+    """The constructor's fields, in order, under msgspec's name for them (set below the class)."""
 
     n: int = 1
     temperature: float = 1.0
@@ -145,6 +154,7 @@ class SamplingParams:
     logprobs: int | None = None
     prompt_logprobs: int | None = None
     skip_special_tokens: bool = True
+    spaces_between_special_tokens: bool = True
     detokenize: bool = True
     allowed_token_ids: list[int] | None = None
     bad_words: list[str] | None = None
@@ -196,6 +206,8 @@ class SamplingParams:
                 setattr(self, name, _integer(name, getattr(self, name), ">= 0, -1 for the whole vocabulary, or None",
                                              lambda v: v >= -1))
         self.skip_special_tokens = _flag("skip_special_tokens", self.skip_special_tokens)
+        self.spaces_between_special_tokens = _flag("spaces_between_special_tokens",
+                                                   self.spaces_between_special_tokens)
         self.detokenize = _flag("detokenize", self.detokenize)
         if self.stop and not self.detokenize:
             raise VLLMValidationError("stop strings need the text: they cannot be used with detokenize=False "
@@ -251,7 +263,14 @@ class SamplingParams:
                                       f"the engine's max_logprobs={max_logprobs}; create the LLM with a larger "
                                       "max_logprobs, -1 for no limit)")
 
+    def clone(self) -> "SamplingParams":
+        """A deep copy, as vLLM's `SamplingParams.clone`."""
+        return copy.deepcopy(self)
+
     def for_sample(self, index: int) -> "SamplingParams":
         """The parameters of the `index`-th of the `n` samples of one prompt: n=1, and with a seed, seed + index (as
         vLLM), so that seeded samples differ from each other yet each is reproducible."""
         return replace(self, n=1, seed=None if self.seed is None else self.seed + index)
+
+
+SamplingParams.__struct_fields__ = tuple(f.name for f in fields(SamplingParams) if f.init)

@@ -32,7 +32,7 @@ from dataclasses import dataclass, field, replace
 from multiprocessing.connection import Connection, wait
 from typing import TYPE_CHECKING
 
-from nanovllm.config import Config
+from nanovllm.config import Config, VllmConfig
 from nanovllm.distributed.supervisor import Child, spawn, stop
 from nanovllm.engine.llm_engine import (
     RELOAD_IN_FLIGHT,
@@ -158,6 +158,8 @@ class DataParallelLLM:
         except BaseException:
             self.exit()
             raise
+        self.vllm_config = VllmConfig(config)  # the settings under vLLM's names, as clients read them off llm_engine
+        self.model_config = self.vllm_config.model_config
 
     def _wait_ready(self, replica: Replica) -> int:
         child = replica.child

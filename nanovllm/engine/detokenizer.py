@@ -60,20 +60,43 @@ class PythonStream:
 
 class NativeStream:
     """The tokenizers library's `DecodeStream` (Rust, as vLLM V1 uses it), which returns None for ids it does not
-    know, skipped special tokens and incomplete characters; those ids are kept to release at the end."""
+    know, skipped special tokens and incomplete characters; those ids are kept to release at the end.
 
-    def __init__(self, backend: Tokenizer, context: list[int], skip_special_tokens: bool):
+    With `spaces_between_special_tokens=False` (and special tokens kept), an added token that follows another one is
+    its bare text, whatever space the decoder would put before it, as vLLM's fast detokenizer writes it."""
+
+    def __init__(self, backend: Tokenizer, context: list[int], skip_special_tokens: bool,
+                 spaces_between_special_tokens: bool = True):
         self.backend = backend
         self.skip_special_tokens = skip_special_tokens
         if backend.decode(context, skip_special_tokens=skip_special_tokens).endswith(INCOMPLETE):
             context = []
         self.stream = DecodeStream(ids=context, skip_special_tokens=skip_special_tokens)
         self.held: list[int] = []
+        self.added: dict[int, str] = {}  # added token id -> its text, where spaces between them are dropped
+        if not (skip_special_tokens or spaces_between_special_tokens):
+            self.added = {i: token.content for i, token in backend.get_added_tokens_decoder().items()}
+        self.last_added = False
 
     def step(self, token_ids: list[int]) -> str | None:
+        if self.added:
+            texts = [self._step_one(i) for i in token_ids]
+            return None if all(text is None for text in texts) else "".join(text or "" for text in texts)
         text = self.stream.step(self.backend, token_ids)
         if text is None:
             self.held += token_ids
+        elif self.held:
+            self.held = []
+        return text
+
+    def _step_one(self, token_id: int) -> str | None:
+        text = self.stream.step(self.backend, token_id)
+        added = self.added.get(token_id)
+        if added is not None and self.last_added:
+            text = added
+        self.last_added = added is not None
+        if text is None:
+            self.held.append(token_id)
         elif self.held:
             self.held = []
         return text
@@ -97,7 +120,8 @@ class IncrementalDetokenizer:
     def __init__(self, tokenizer: PreTrainedTokenizerBase, prompt_token_ids: list[int], params: SamplingParams):
         context = prompt_token_ids[-PROMPT_CONTEXT:]
         backend = getattr(tokenizer, "backend_tokenizer", None)
-        self.stream = (NativeStream(backend, context, params.skip_special_tokens) if isinstance(backend, Tokenizer)
+        self.stream = (NativeStream(backend, context, params.skip_special_tokens,
+                                    params.spaces_between_special_tokens) if isinstance(backend, Tokenizer)
                        else PythonStream(tokenizer, context, params.skip_special_tokens))
         self.stops = params.stop
         self.include_stop = params.include_stop_str_in_output

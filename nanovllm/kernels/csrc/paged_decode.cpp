@@ -1,14 +1,16 @@
 // Paged decode attention on the CPU: every single-query row of a step in one call, reading K/V in place
-// through the block tables. One work item per (row, KV head): the group's query heads against every cached key of
-// the row (with a sliding window, only the last `window` keys; the blocks before them are never read), scores in
-// float32, capped by softcap * tanh(score / softcap) where softcap > 0, a max-subtracted softmax, then the weighted
-// sum of V. A row's result depends only on its own query, its own cached K/V and this binary's fixed operation order:
-// not on its batch, nor on threads.
+// through the block tables. One work item per (row, KV head, chunk of CHUNK keys): the group's query heads against
+// the chunk's cached keys (with a sliding window, only the last `window` keys count; the blocks before them are never
+// read), scores in float32, capped by softcap * tanh(score / softcap) where softcap > 0, a max-subtracted softmax and
+// the weighted sum of V; then each head's chunks are merged as flash-decoding merges them. A row's result depends only
+// on its own query, its own cached K/V and this binary's fixed operation order: not on its batch, nor on threads.
 // Common head sizes are compiled with head_dim as a constant, which the compiler unrolls (about 2x faster).
 #include <ATen/Dispatch.h>
 #include <ATen/Parallel.h>
 #include <ATen/core/Tensor.h>
 
+#include <algorithm>
+#include <cmath>
 #include <limits>
 #include <vector>
 
@@ -79,6 +81,70 @@ static void tiled_scores(const float* query, const T* k_cache, const int32_t* ta
 }
 #endif
 
+// Keys per work item: a row's keys are split at fixed points, every CHUNK keys from the first it sees, whatever its
+// batch or the threads, so that a long context at batch 1 keeps both cores busy and a chunk's values stay in the
+// cache while each head of the group reads them.
+constexpr int64_t CHUNK = 256;
+
+// One work item: the group's query heads of one row against the keys [from, to) of one KV head. Per head it leaves
+// the unnormalized weighted sum of V (head_dim floats), then the scores' maximum and the sum of their exponentials.
+template <typename T, int64_t HEAD_DIM>
+static void decode_chunk(const T* q, const T* k_cache, const T* v_cache, const int32_t* table, int64_t row,
+                         int64_t g, int64_t from, int64_t to, int64_t heads, int64_t group, int64_t head_dim,
+                         int64_t block_size, int64_t block_stride, int64_t token_stride, float scale, float softcap,
+                         std::vector<float>& query, std::vector<float>& scores, std::vector<float>& key,
+                         float* partial) {
+  const int64_t length = to - from;
+  for (int64_t h = 0; h < group; ++h)
+    for (int64_t d = 0; d < head_dim; ++d)
+      query[h * head_dim + d] = to_float(q[(row * heads + g * group + h) * head_dim + d]) * scale;
+#ifdef NANOVLLM_TILED_SCORES
+  if constexpr (HEAD_DIM % 16 == 0 && HEAD_DIM > 0) {
+    tiled_scores<T, HEAD_DIM>(query.data(), k_cache, table, from, length, group, block_size, block_stride,
+                              token_stride, g * head_dim, scores.data());
+  } else
+#endif
+  for (int64_t t0 = from - from % block_size; t0 < to; t0 += block_size) {
+    const T* block = k_cache + table[t0 / block_size] * block_stride + g * head_dim;
+    for (int64_t t = std::max(t0, from); t < std::min(t0 + block_size, to); ++t) {
+      const T* k = block + (t - t0) * token_stride;
+#pragma omp simd
+      for (int64_t d = 0; d < head_dim; ++d) key[d] = to_float(k[d]);
+      for (int64_t h = 0; h < group; ++h) {
+        const float* qh = query.data() + h * head_dim;
+        float dot = 0.f;
+#pragma omp simd reduction(+ : dot)
+        for (int64_t d = 0; d < head_dim; ++d) dot += qh[d] * key[d];
+        scores[h * length + t - from] = dot;
+      }
+    }
+  }
+  if (softcap > 0.f)
+    for (int64_t i = 0; i < group * length; ++i) scores[i] = softcap * std::tanh(scores[i] / softcap);
+  for (int64_t h = 0; h < group; ++h) {
+    float* p = scores.data() + h * length;
+    float top = -std::numeric_limits<float>::infinity();
+    for (int64_t t = 0; t < length; ++t) top = std::max(top, p[t]);
+#pragma omp simd
+    for (int64_t t = 0; t < length; ++t) p[t] = exp_clamped(p[t] - top);
+    float total = 0.f;
+    for (int64_t t = 0; t < length; ++t) total += p[t];
+    float acc[HEAD_DIM ? HEAD_DIM : MAX_HEAD_DIM] = {};  // in registers when HEAD_DIM is a constant
+    for (int64_t t0 = from - from % block_size; t0 < to; t0 += block_size) {
+      const T* block = v_cache + table[t0 / block_size] * block_stride + g * head_dim;
+      for (int64_t t = std::max(t0, from); t < std::min(t0 + block_size, to); ++t) {
+        const T* v = block + (t - t0) * token_stride;
+#pragma omp simd
+        for (int64_t d = 0; d < head_dim; ++d) acc[d] += p[t - from] * to_float(v[d]);
+      }
+    }
+    float* out = partial + h * (head_dim + 2);
+    for (int64_t d = 0; d < head_dim; ++d) out[d] = acc[d];
+    out[head_dim] = top;
+    out[head_dim + 1] = total;
+  }
+}
+
 template <typename T, int64_t HEAD_DIM>
 static void decode_rows(const T* q, const T* k_cache, const T* v_cache, const int32_t* block_tables,
                         const int32_t* context_lens, T* out, int64_t rows, int64_t heads, int64_t kv_heads,
@@ -88,58 +154,45 @@ static void decode_rows(const T* q, const T* k_cache, const T* v_cache, const in
   const int64_t group = heads / kv_heads;
   const int64_t token_stride = kv_heads * head_dim;   // next token in a block
   const int64_t block_stride = block_size * token_stride;
-  at::parallel_for(0, rows * kv_heads, 1, [&](int64_t begin, int64_t end) {
-    std::vector<float> query(group * head_dim), scores, key(head_dim);
+  const int64_t stride = group * (head_dim + 2);      // one work item's partial results
+  // Work items in order: row, then KV head, then chunk; item_start[row] is the row's first.
+  std::vector<int64_t> first(rows), chunks(rows), item_start(rows + 1, 0);
+  for (int64_t row = 0; row < rows; ++row) {
+    const int64_t context = std::max<int64_t>(0, context_lens[row]);
+    first[row] = window > 0 ? std::max<int64_t>(0, context - window) : 0;  // first key the query sees
+    chunks[row] = (context - first[row] + CHUNK - 1) / CHUNK;
+    item_start[row + 1] = item_start[row] + kv_heads * chunks[row];
+  }
+  std::vector<float> partials(item_start[rows] * stride);
+  at::parallel_for(0, item_start[rows], 1, [&](int64_t begin, int64_t end) {
+    std::vector<float> query(group * head_dim), scores(group * CHUNK), key(head_dim);
     for (int64_t item = begin; item < end; ++item) {
-      const int64_t row = item / kv_heads, g = item % kv_heads;
-      const int64_t context = context_lens[row];
-      if (context <= 0) continue;
-      const int64_t first = window > 0 ? std::max<int64_t>(0, context - window) : 0;  // first key the query sees
-      const int64_t length = context - first;
-      const int32_t* table = block_tables + row * table_width;
-      for (int64_t h = 0; h < group; ++h)
-        for (int64_t d = 0; d < head_dim; ++d)
-          query[h * head_dim + d] = to_float(q[(row * heads + g * group + h) * head_dim + d]) * scale;
-      scores.resize(group * length);
-#ifdef NANOVLLM_TILED_SCORES
-      if constexpr (HEAD_DIM % 16 == 0 && HEAD_DIM > 0) {
-        tiled_scores<T, HEAD_DIM>(query.data(), k_cache, table, first, length, group, block_size, block_stride,
-                                  token_stride, g * head_dim, scores.data());
-      } else
-#endif
-      for (int64_t t0 = first - first % block_size; t0 < context; t0 += block_size) {
-        const T* block = k_cache + table[t0 / block_size] * block_stride + g * head_dim;
-        for (int64_t t = std::max(t0, first); t < std::min(t0 + block_size, context); ++t) {
-          const T* k = block + (t - t0) * token_stride;
-#pragma omp simd
-          for (int64_t d = 0; d < head_dim; ++d) key[d] = to_float(k[d]);
-          for (int64_t h = 0; h < group; ++h) {
-            const float* qh = query.data() + h * head_dim;
-            float dot = 0.f;
-#pragma omp simd reduction(+ : dot)
-            for (int64_t d = 0; d < head_dim; ++d) dot += qh[d] * key[d];
-            scores[h * length + t - first] = dot;
-          }
-        }
-      }
-      if (softcap > 0.f)
-        for (int64_t i = 0; i < group * length; ++i) scores[i] = softcap * std::tanh(scores[i] / softcap);
+      const int64_t row = std::upper_bound(item_start.begin(), item_start.end(), item) - item_start.begin() - 1;
+      const int64_t g = (item - item_start[row]) / chunks[row], c = (item - item_start[row]) % chunks[row];
+      const int64_t from = first[row] + c * CHUNK, to = std::min<int64_t>(from + CHUNK, context_lens[row]);
+      decode_chunk<T, HEAD_DIM>(q, k_cache, v_cache, block_tables + row * table_width, row, g, from, to, heads,
+                                group, head_dim, block_size, block_stride, token_stride, scale, softcap, query,
+                                scores, key, partials.data() + item * stride);
+    }
+  });
+  // Each head's chunks merged in order, each rescaled to the row's maximum score (a single chunk is left as it is:
+  // exp(0) is 1), then normalized.
+  at::parallel_for(0, rows * kv_heads, 1, [&](int64_t begin, int64_t end) {
+    for (int64_t pair = begin; pair < end; ++pair) {
+      const int64_t row = pair / kv_heads, g = pair % kv_heads;
+      if (chunks[row] == 0) continue;
+      const float* part = partials.data() + (item_start[row] + g * chunks[row]) * stride;
       for (int64_t h = 0; h < group; ++h) {
-        float* p = scores.data() + h * length;
         float top = -std::numeric_limits<float>::infinity();
-        for (int64_t t = 0; t < length; ++t) top = std::max(top, p[t]);
-#pragma omp simd
-        for (int64_t t = 0; t < length; ++t) p[t] = exp_clamped(p[t] - top);
+        for (int64_t c = 0; c < chunks[row]; ++c) top = std::max(top, part[c * stride + h * (head_dim + 2) + head_dim]);
+        float acc[HEAD_DIM ? HEAD_DIM : MAX_HEAD_DIM] = {};
         float total = 0.f;
-        for (int64_t t = 0; t < length; ++t) total += p[t];
-        float acc[HEAD_DIM ? HEAD_DIM : MAX_HEAD_DIM] = {};  // in registers when HEAD_DIM is a constant
-        for (int64_t t0 = first - first % block_size; t0 < context; t0 += block_size) {
-          const T* block = v_cache + table[t0 / block_size] * block_stride + g * head_dim;
-          for (int64_t t = std::max(t0, first); t < std::min(t0 + block_size, context); ++t) {
-            const T* v = block + (t - t0) * token_stride;
+        for (int64_t c = 0; c < chunks[row]; ++c) {
+          const float* p = part + c * stride + h * (head_dim + 2);
+          const float weight = std::exp(p[head_dim] - top);
+          total += weight * p[head_dim + 1];
 #pragma omp simd
-            for (int64_t d = 0; d < head_dim; ++d) acc[d] += p[t - first] * to_float(v[d]);
-          }
+          for (int64_t d = 0; d < head_dim; ++d) acc[d] += weight * p[d];
         }
         T* o = out + (row * heads + g * group + h) * head_dim;
         for (int64_t d = 0; d < head_dim; ++d) o[d] = static_cast<T>(acc[d] / total);
