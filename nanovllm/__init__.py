@@ -9,10 +9,19 @@ from importlib import import_module
 from nanovllm.beam_search import BeamSearchOutput, BeamSearchParams, BeamSearchSequence
 from nanovllm.inputs import PromptType, TextPrompt, TokensPrompt
 from nanovllm.outputs import CompletionOutput, Logprob, RequestOutput
+from nanovllm.pooling_outputs import (
+    ClassificationRequestOutput,
+    EmbeddingRequestOutput,
+    PoolingRequestOutput,
+    ScoringRequestOutput,
+)
+from nanovllm.pooling_params import PoolingParams
 from nanovllm.sampling_params import SamplingParams, StructuredOutputsParams
 from nanovllm.vllm_alias import as_vllm
 
 __all__ = ["LLM", "SamplingParams", "StructuredOutputsParams", "RequestOutput", "CompletionOutput", "Logprob",
+           "PoolingParams", "PoolingRequestOutput", "EmbeddingRequestOutput", "ClassificationRequestOutput",
+           "ScoringRequestOutput",
            "BeamSearchParams", "BeamSearchOutput", "BeamSearchSequence", "PromptType", "TextPrompt", "TokensPrompt",
            "as_vllm", "default_model"]
 

@@ -20,6 +20,8 @@ STRUCTURED_OUTPUT_BACKENDS = {"guidance": "llguidance", "xgrammar": "xgrammar"} 
 SPECULATIVE_METHODS = ("ngram", "draft_model")
 SPECULATIVE_KEYS = ("method", "model", "num_speculative_tokens", "prompt_lookup_max", "prompt_lookup_min",
         "disable_by_batch_size", "quantization")
+RUNNERS = ("auto", "generate", "pooling")
+POOLING_TYPES = ("LAST", "MEAN", "CLS")
 DEFAULT_PROMPT_LOOKUP = 5  # vLLM's n-gram length when neither bound is given
 # The step cost model of the adaptive draft count, in units of one more row (token) in the forward: a step of B
 # sequences and D drafts costs about fixed + (1 + per_sequence) * B + D: the fixed part reads the weights, each
@@ -105,6 +107,24 @@ def parse_speculative_config(spec: dict | None) -> SpeculativeConfig | None:
     return SpeculativeConfig(method, k, high, low, disable_by_batch_size=disable)
 
 
+@dataclass(frozen=True)
+class PoolerConfig:
+    """How a pooling model turns a prompt's hidden states into its output, read from the model's files
+    (`nanovllm.models.sentence_transformers`): `pooling_type` one of `POOLING_TYPES` (the last token's, the mean over
+    the prompt, the first token's); the embeddings' Dense layers (sentence-transformers' folders, in order) and
+    whether they are normalized by default; a classifier's `num_labels` (0: an embedding model) and its activation
+    ("softmax", "sigmoid" or "identity"); Matryoshka support (`is_matryoshka`; `matryoshka_dimensions`, when the
+    config names them, the only `dimensions` allowed)."""
+
+    pooling_type: str = "LAST"
+    normalize: bool = True
+    dense_dirs: tuple[str, ...] = ()
+    num_labels: int = 0
+    activation: str = "softmax"
+    is_matryoshka: bool = False
+    matryoshka_dimensions: tuple[int, ...] | None = None
+
+
 def default_block_size(device: str) -> int:
     """Tokens per KV block unless set: 256 on CUDA (flash-attn 2's paged KV needs a multiple of 256), 16 on CPU, where
     the attention kernels take any size and small blocks let prompts share more of a cached prefix (extraction
@@ -136,6 +156,9 @@ class Config:
     `disable_log_stats=False` (vLLM's; True by default, as vLLM's `LLM`) logs vLLM's periodic throughput line
     (`nanovllm.engine.stats_logger`); request metrics are filled either way.
     `enable_sleep_mode` (vLLM's) allows `LLM.sleep` and `LLM.wake_up` (`nanovllm.engine.llm_engine.LLMEngine.sleep`).
+    `runner` (vLLM's): "generate" runs the model's LM head; "pooling" its hidden states, pooled, through `LLM.embed`,
+    `classify`, `score`, `reward` and `encode` (`pooler` says how); "auto" picks "pooling" for classifiers
+    (`*ForSequenceClassification`), base models (`*Model`) and sentence-transformers directories (`modules.json`).
     `speculative_config` is vLLM's dictionary (see `parse_speculative_config`), parsed into `speculative`; with a
     draft model, `draft` is its own resolved `Config`.
     `structured_outputs_config={"backend": ...}` picks the grammar backend of structured outputs, as vLLM's engine
@@ -175,6 +198,7 @@ class Config:
     quantization: str | None = None
     disable_log_stats: bool = True
     enable_sleep_mode: bool = False
+    runner: str = "auto"
     speculative_config: dict | None = None
     speculative: SpeculativeConfig | None = field(init=False)
     draft: "Config | None" = field(init=False, default=None, repr=False)
@@ -182,6 +206,7 @@ class Config:
     logits_processors: list | None = None
     hf_config: "PretrainedConfig" = field(init=False, repr=False)
     architecture: str = field(init=False, default="")  # the model family that runs hf_config
+    pooler: PoolerConfig | None = field(init=False, default=None)  # runner "pooling": how outputs are pooled
     sliding_window: int = field(init=False, default=0)  # no layer reads K/V outside it (0: some layer reads all)
     gguf_metadata: str | None = field(init=False, default=None)
     torch_dtype: "torch.dtype" = field(init=False)
@@ -216,6 +241,8 @@ class Config:
             raise ValueError(f"enable_sleep_mode must be a bool, got {self.enable_sleep_mode!r}")
         if self.load_format not in ("auto", "dummy"):
             raise ValueError(f"load_format must be 'auto' or 'dummy', got {self.load_format!r}")
+        if self.runner not in RUNNERS:
+            raise ValueError(f"runner must be one of {list(RUNNERS)}, got {self.runner!r}")
         if self.scheduling_policy not in ("fcfs", "priority"):
             raise ValueError(f"scheduling_policy must be 'fcfs' or 'priority', got {self.scheduling_policy!r}")
         if self.device not in ("auto", "cpu", "cuda"):

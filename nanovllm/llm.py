@@ -12,8 +12,10 @@ from nanovllm.config import Config, VllmConfig
 from nanovllm.engine.beam_search import EngineBeamSearch, PromptSearch, search_by_requests, token_decoder
 from nanovllm.engine.data_parallel import DataParallelLLM
 from nanovllm.engine.llm_engine import LLMEngine
+from nanovllm.engine.pooling_prompts import PoolingPromptChecker
 from nanovllm.engine.prompts import CheckedPrompt, Conversation, Params, Prompt, PromptChecker
 from nanovllm.engine.setup import resolve_config
+from nanovllm.llm_pooling import PoolingMethods
 from nanovllm.metrics import Metric, metrics_from_stats
 from nanovllm.outputs import RequestOutput
 from nanovllm.sampling_params import SamplingParams
@@ -73,7 +75,7 @@ class Engine(Protocol):
     def exit(self) -> None: ...
 
 
-class LLM:
+class LLM(PoolingMethods):
     """An offline inference engine for `model` (a Hugging Face model directory or a .gguf file), with vLLM's API.
 
     The settings are resolved once (`nanovllm.engine.setup.resolve_config`): every "auto" replaced by what was
@@ -81,16 +83,20 @@ class LLM:
     `LLMEngine` in this process, or with `data_parallel_size=N` (N > 1) a `DataParallelLLM` of N engine replicas in
     worker processes; every method below works the same on both. One `LLM` serves many callers: `generate`, `chat`
     and `stream` from several threads, or interleaved streams, share the engine's batches, and each request's tokens
-    reach the caller that asked.
+    reach the caller that asked. With `runner="pooling"` it embeds, classifies and scores instead
+    (`nanovllm.llm_pooling`).
     """
 
     def __init__(self, model: str | None = None, data_parallel_size: int = 1, **settings):
         if isinstance(data_parallel_size, bool) or not isinstance(data_parallel_size, int) or data_parallel_size < 1:
             raise ValueError(f"data_parallel_size must be a positive integer, got {data_parallel_size!r}")
         config = resolve_config(model, settings)
+        if config.runner == "pooling" and data_parallel_size > 1:
+            raise ValueError("runner='pooling' runs with data_parallel_size=1 (tensor_parallel_size may be larger)")
         self.engine: Engine = LLMEngine(config) if data_parallel_size == 1 else DataParallelLLM(config,
                                                                                             data_parallel_size)
-        self.prompts = PromptChecker(config, self.engine.tokenizer)
+        checker = PoolingPromptChecker if config.runner == "pooling" else PromptChecker
+        self.prompts = checker(config, self.engine.tokenizer)
 
     @property
     def config(self) -> Config:

@@ -300,6 +300,15 @@ class Scheduler:
         registers accepted tokens only) and free the blocks that only rejected drafts used."""
         self.block_manager.settle(seq)
 
+    def finish_prompts(self, batch: ScheduledBatch) -> list[Sequence]:
+        """After a pooling step (pooling requests never sample): each sequence whose prompt the step completed ends
+        ("stop"), its blocks freed at once; returns them, in batch order."""
+        self.in_flight = ScheduledBatch()
+        done = [seq for seq, samples in zip(batch.seqs, batch.samples) if samples]
+        for seq in done:
+            self.finish(seq, "stop")
+        return done
+
     def finish(self, seq: Sequence, reason: str, stop_reason: int | str | None = None) -> None:
         """End `seq` wherever it is (running, waiting or preempted) and free its blocks."""
         if seq.status == SequenceStatus.RUNNING:

@@ -24,6 +24,7 @@ class Sequence:
     `search`: for a beam of a beam search (`nanovllm.engine.beam_search`), the search, which takes each token the
     beam samples instead of the engine appending it; `held` while the beam has sampled and waits for its search to
     choose the next beams (the scheduler neither runs nor admits it). `fork` makes a copy to share its KV blocks.
+    `pooling`: for a pooling request, its `PoolingParams`: the sequence is its prompt only, pooled once computed.
     """
 
     def __init__(self, seq_id: int, token_ids: list[int], block_size: int, params: SamplingParams,
@@ -45,6 +46,7 @@ class Sequence:
         self.grammar = None  # structured outputs: the engine's GrammarState; not scheduled until `grammar.ready`
         self.search = None
         self.held = False
+        self.pooling = None
 
     def __len__(self) -> int:
         return len(self.token_ids)

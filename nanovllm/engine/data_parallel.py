@@ -130,7 +130,7 @@ class DataParallelLLM:
     def __init__(self, config: Config, data_parallel_size: int):
         """`config` as `nanovllm.engine.setup.resolve_config` made it; each replica runs an engine of it."""
         self.config = config
-        self.tokenizer = load_tokenizer(config.tokenizer or config.model)
+        self.tokenizer = None if config.skip_tokenizer_init else load_tokenizer(config.tokenizer or config.model)
         self._lock = threading.RLock()
         self._requests: dict[str, Routed] = {}
         self._next_id = 0
@@ -229,6 +229,10 @@ class DataParallelLLM:
 
     def is_finished(self) -> bool:
         return not self._requests
+
+    def get_num_unfinished_requests(self) -> int:
+        """Requests submitted and not finished, on every replica (vLLM's `LLMEngine.get_num_unfinished_requests`)."""
+        return len(self._requests)
 
     # -- receiving --
 

@@ -10,6 +10,8 @@ from nanovllm.config import Config, VllmConfig
 from nanovllm.core.scheduler import ScheduledBatch, Scheduler, SchedulerConfig
 from nanovllm.core.sequence import Sequence
 from nanovllm.core.stopping import token_finish
+from nanovllm.engine.pooling_prompts import CheckedPoolingPrompt
+from nanovllm.engine.pooling_request import PoolingRequest
 from nanovllm.engine.prompts import CheckedPrompt
 from nanovllm.engine.request import Completion, Request
 from nanovllm.engine.stats_logger import StatsLogger
@@ -24,6 +26,8 @@ from nanovllm.structured_output.manager import StructuredOutputs
 
 if TYPE_CHECKING:
     import torch
+
+    from nanovllm.execution.pooling import PooledOutput
 
 logger = logging.getLogger("nanovllm")
 
@@ -90,7 +94,7 @@ class LLMEngine:
             max_num_seqs=config.max_num_seqs, max_num_batched_tokens=config.max_num_batched_tokens,
             enable_chunked_prefill=config.enable_chunked_prefill, scheduling_policy=config.scheduling_policy,
             sliding_window=config.sliding_window,
-            enable_prefix_caching=not self.model_runner.model.rope_needs_lengths))
+            enable_prefix_caching=not self.model_runner.model.rope_needs_lengths and config.runner == "generate"))
         self.proposer = None
         if config.draft is not None:
             self.proposer = DraftModelProposer(config.speculative, config.max_model_len,
@@ -104,6 +108,7 @@ class LLMEngine:
         self._seq_ids, self._request_ids = count(), count()
         self._requests: dict[str, Request] = {}
         self._completions: dict[int, tuple[Request, Completion]] = {}
+        self._pooled: dict[int, PoolingRequest] = {}  # a pooling request's sequence id -> the request
         self._unscheduled: dict[int, Request] = {}  # sequences never scheduled yet, for `RequestMetrics.scheduled_ts`
         # sequences that got their first token, their prompt tokens, of those the cached ones; tokens generated
         self.num_prompt_sequences = self.num_prompt_tokens = self.num_prompt_cached_tokens = 0
@@ -222,10 +227,15 @@ class LLMEngine:
             raise RuntimeError("this engine has been shut down (exit() was called); create a new LLM")
         return self.model_runner
 
-    def _new_request(self, checked: CheckedPrompt) -> Request:
-        """A request for a checked prompt (nothing is queued yet): `params.n` sequences of the prompt."""
+    def _new_request(self, checked: CheckedPrompt) -> Request | PoolingRequest:
+        """A request for a checked prompt (nothing is queued yet): `params.n` sequences of the prompt, or for a
+        pooling prompt its one sequence."""
         if self._runner().asleep:
             raise sleeping_error(self.model_runner.sleep_level)
+        if isinstance(checked, CheckedPoolingPrompt):
+            seq = Sequence(self.next_seq_id(), checked.token_ids, self.config.kvcache_block_size, checked.params)
+            seq.pooling = checked.pooling
+            return PoolingRequest(str(next(self._request_ids)), seq)
         params = checked.params
         samples = Request.sample_params(params)
         if params.bad_words:
@@ -261,10 +271,14 @@ class LLMEngine:
             try:
                 for request in requests:
                     request.metrics.queued_ts = queued
-                    for completion in request.completions:
-                        self.scheduler.add(completion.seq)
-                        self._completions[completion.seq.seq_id] = request, completion
-                        self._unscheduled[completion.seq.seq_id] = request
+                    for seq in request.seqs:
+                        self.scheduler.add(seq)
+                        self._unscheduled[seq.seq_id] = request
+                    if isinstance(request, PoolingRequest):
+                        self._pooled[request.seq.seq_id] = request
+                    else:
+                        for completion in request.completions:
+                            self._completions[completion.seq.seq_id] = request, completion
                     self._requests[request.request_id] = request
                     added.append(request)
             except BaseException:
@@ -276,9 +290,10 @@ class LLMEngine:
     def _forget(self, request: Request) -> None:
         request.metrics.finished_time = time.time()
         self._requests.pop(request.request_id, None)
-        for completion in request.completions:
-            self._completions.pop(completion.seq.seq_id, None)
-            self._unscheduled.pop(completion.seq.seq_id, None)
+        for seq in request.seqs:
+            self._completions.pop(seq.seq_id, None)
+            self._unscheduled.pop(seq.seq_id, None)
+            self._pooled.pop(seq.seq_id, None)
 
     def abort_request(self, request_id: str | Iterable[str]) -> None:
         """Stop requests wherever their sequences are (waiting, running or preempted) and free their blocks at
@@ -288,9 +303,9 @@ class LLMEngine:
             for request in [self._requests[i] for i in ids if i in self._requests]:
                 self._abort(request)
 
-    def _abort(self, request: Request) -> None:
-        for completion in request.completions:
-            self.scheduler.abort(completion.seq.seq_id)
+    def _abort(self, request: Request | PoolingRequest) -> None:
+        for seq in request.seqs:
+            self.scheduler.abort(seq.seq_id)
         self._forget(request)
 
     def _step(self) -> tuple[ScheduledBatch, list[Request]]:
@@ -314,6 +329,11 @@ class LLMEngine:
         allowed = self.structured.bitmask([(seq, drafts) for seq, drafts, samples
                                            in zip(batch.seqs, batch.drafts, batch.samples) if samples])
         output = self.model_runner.run(batch, allowed)
+        if self.config.runner == "pooling":
+            done = self._pooling_done(batch, output)
+            if self.stat_logger is not None:
+                self.stat_logger.step_ended(self.stats, self.scheduler.is_finished())
+            return batch, done
         for seq_id, (first, logprobs) in (output.prompt_logprobs or {}).items():
             self._completions[seq_id][0].add_prompt_logprobs(first, logprobs)
         sampled = self.scheduler.new_tokens(batch, output.token_ids, output.num_accepted)
@@ -360,6 +380,19 @@ class LLMEngine:
         if self.stat_logger is not None:
             self.stat_logger.step_ended(self.stats, self.scheduler.is_finished())
         return batch, list(updated.values())
+
+    def _pooling_done(self, batch: ScheduledBatch, output: "PooledOutput") -> list[PoolingRequest]:
+        """After a pooling step: the requests whose prompt it completed take their pooled output and end, their KV
+        blocks freed at once (`Scheduler.finish_prompts`); returns them."""
+        done = []
+        for seq in self.scheduler.finish_prompts(batch):
+            request = self._pooled[seq.seq_id]
+            request.data = output.data[seq.seq_id]
+            self.num_prompt_sequences += 1
+            self.num_prompt_tokens += len(seq)
+            self._forget(request)
+            done.append(request)
+        return done
 
     def _stamp_scheduled(self, seqs: list[Sequence]) -> None:
         """`RequestMetrics.scheduled_ts` of the requests of `seqs` that had none of their sequences scheduled yet."""

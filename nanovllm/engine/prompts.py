@@ -56,15 +56,19 @@ class PromptChecker:
                 for i, (p, sp, pr) in enumerate(zip(prompts, sampling_params, priority))]
 
     def check_conversations(self, messages: Conversation | list[Conversation], sampling_params: Params,
-                            priority: int | list[int] | None, add_generation_prompt: bool) -> list[CheckedPrompt]:
-        """One conversation (a list of `{"role", "content"}` messages) or a list of them, through the chat template."""
+                            priority: int | list[int] | None, add_generation_prompt: bool,
+                            chat_template_kwargs: dict | None = None) -> list[CheckedPrompt]:
+        """One conversation (a list of `{"role", "content"}` messages) or a list of them, through the chat template
+        (given `chat_template_kwargs` besides the messages)."""
         if not isinstance(messages, (list, tuple)):
             raise _not_a_conversation(messages)
         single = bool(messages) and isinstance(messages[0], dict)
-        prompts = [self.chat_text(c, add_generation_prompt) for c in ([messages] if single else messages)]
+        prompts = [self.chat_text(c, add_generation_prompt, chat_template_kwargs)
+                   for c in ([messages] if single else messages)]
         return self.check_prompts(prompts, sampling_params, priority, add_special_tokens=False)
 
-    def chat_text(self, conversation: Conversation, add_generation_prompt: bool) -> str:
+    def chat_text(self, conversation: Conversation, add_generation_prompt: bool,
+                  chat_template_kwargs: dict | None = None) -> str:
         if self.tokenizer is None:
             raise VLLMValidationError(f"{self.config.model!r} has no tokenizer, hence no chat template; pass token ids "
                                       "to generate() instead")
@@ -74,8 +78,11 @@ class PromptChecker:
         if not (isinstance(conversation, (list, tuple)) and conversation and all(
                 isinstance(m, dict) and {"role", "content"} <= m.keys() for m in conversation)):
             raise _not_a_conversation(conversation)
+        if chat_template_kwargs is not None and not isinstance(chat_template_kwargs, dict):
+            raise VLLMValidationError(f"chat_template_kwargs must be a dict or None, got {chat_template_kwargs!r}")
         return self.tokenizer.apply_chat_template(list(conversation), tokenize=False,
-                                                  add_generation_prompt=add_generation_prompt)
+                                                  add_generation_prompt=add_generation_prompt,
+                                                  **(chat_template_kwargs or {}))
 
     def check_prompt(self, prompt: Prompt, params: SamplingParams | None, priority: int, index: int = 0,
                       add_special_tokens: bool = True) -> CheckedPrompt:
@@ -112,8 +119,9 @@ class PromptChecker:
             prompt = prompt["prompt_token_ids"] if "prompt_token_ids" in prompt else text
         if isinstance(prompt, str):
             if self.tokenizer is None:
-                raise VLLMValidationError(f"prompt {index} is text but {self.config.model!r} has no tokenizer; pass "
-                                          "token ids")
+                why = ("you cannot pass text prompts when `skip_tokenizer_init=True`" if self.config.skip_tokenizer_init
+                       else f"{self.config.model!r} has no tokenizer")
+                raise VLLMValidationError(f"prompt {index} is text but {why}; pass token ids")
             text, token_ids = prompt, self.tokenizer.encode(prompt, add_special_tokens=add_special_tokens)
         elif isinstance(prompt, (list, tuple)) and all(isinstance(t, int) and not isinstance(t, bool) for t in prompt):
             token_ids = list(prompt)
@@ -129,7 +137,9 @@ class PromptChecker:
                                       "needs at least one token)")
         if len(token_ids) > self.max_model_len:
             raise VLLMValidationError(f"prompt {index} (length {len(token_ids)}) is longer than the maximum model "
-                                      f"length of {self.max_model_len} (max_model_len); {self._too_long_hint()}")
+                                      f"length of {self.max_model_len} (max_model_len); {self._too_long_hint()}. "
+                                      f"This model's maximum context length is {self.max_model_len} tokens, which the "
+                                      "prompt exceeds even without any output tokens")
         vocab_size = self.config.hf_config.vocab_size
         bad = [t for t in token_ids if not 0 <= t < vocab_size]
         if bad:

@@ -112,6 +112,10 @@ class Request:
         return [params.for_sample(i) for i in range(params.n)] if params.n > 1 else [params]
 
     @property
+    def seqs(self) -> list[Sequence]:
+        return [c.seq for c in self.completions]
+
+    @property
     def finished(self) -> bool:
         return all(c.seq.is_finished for c in self.completions)
 

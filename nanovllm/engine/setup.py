@@ -12,11 +12,12 @@ from nanovllm.engine.tokenizer import check_same_vocabulary
 from nanovllm.kernels.attention import ATTENTION_BACKENDS, choose_backend
 from nanovllm.kernels.ggml import BLOCK, TYPE_IDS
 from nanovllm.layers.prepack import native_bfloat16
-from nanovllm.models import kv_sliding_window, model_class
+from nanovllm.models import has_lm_head, kv_sliding_window, model_class
 from nanovllm.models.gguf.metadata import cached_metadata, find_gguf
 from nanovllm.models.gguf.weights import check_table, read_table
 from nanovllm.models.hf_config import head_dim
 from nanovllm.models.loader import find_weight_files
+from nanovllm.models.sentence_transformers import is_sentence_transformers, read_pooler_config
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 # vLLM engine arguments that clients pass as they are (lm-eval passes every one) and that ask nanovllm for nothing in
@@ -55,6 +56,7 @@ def resolve_config(model: str | None, settings: dict) -> Config:
     else:
         config.hf_config = load_hf_config(config.model)
     _resolve_family(config)
+    _resolve_runner(config)
     if not gguf and config.load_format == "auto":
         find_weight_files(config.model)
     cfg = config.hf_config
@@ -91,6 +93,24 @@ def _without_inert_settings(settings: dict) -> dict:
         else:
             kept[name] = value
     return kept
+
+
+def _resolve_runner(config: Config) -> None:
+    """runner "auto" as vLLM picks it: "pooling" for an architecture without an LM head (a classifier, a base model)
+    and for a sentence-transformers directory, else "generate"; the pooling runner's `PoolerConfig`. A ValueError
+    for a model without an LM head asked to generate, or speculative decoding beside pooling."""
+    architectures = getattr(config.hf_config, "architectures", None) or []
+    no_lm_head = not has_lm_head(config.hf_config)
+    if config.runner == "auto":
+        config.runner = "pooling" if no_lm_head or is_sentence_transformers(config.model) else "generate"
+    if config.runner == "generate" and no_lm_head:
+        raise ValueError(f"{config.model!r} is a {architectures[0]}, which has no LM head and cannot generate: start "
+                         "it with runner='pooling' (or leave runner unset) and use LLM.embed, classify, score, reward "
+                         "or encode")
+    if config.runner == "pooling":
+        if config.speculative is not None:
+            raise ValueError("speculative_config is for generation; the runner='pooling' engine takes none")
+        config.pooler = read_pooler_config(config.model, config.hf_config)
 
 
 def _resolve_speculative(config: Config) -> None:

@@ -15,6 +15,7 @@ from nanovllm.layers.prepack import can_prepack, prepack_linear_weights
 from nanovllm.models import build_model
 from nanovllm.models.gguf.weights import read_table
 from nanovllm.models.loader import init_dummy_weights, load_model
+from nanovllm.models.pooling import pooling_model
 
 logger = logging.getLogger("nanovllm")
 
@@ -34,7 +35,8 @@ def load_runner_model(config: Config, device: torch.device, backend: Backend, lo
     where the CPU kernels run them), prepacked for the CPU where that pays, its attention layers on `backend`."""
     on_gpu = device.type == "cuda"
     with default_dtype(config.torch_dtype), device:
-        model = build_model(config.architecture, config.hf_config)
+        model = pooling_model(config.architecture, config.hf_config, config.pooler) if config.runner == "pooling" \
+            else build_model(config.architecture, config.hf_config)
     keep_ggml = not on_gpu and cpu_kernels() is not None
     if (config.gguf_metadata or config.quantization) and not keep_ggml and log:
         why = "on CUDA" if on_gpu else "the compiled CPU kernels are unavailable"

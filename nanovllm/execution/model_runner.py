@@ -15,6 +15,7 @@ from nanovllm.execution.draft_model import DraftModel
 from nanovllm.execution.kv_cache import bind_kv_cache, create_kv_cache, release_kv_cache, restore_kv_cache
 from nanovllm.execution.logits_processors import build_logits_processors
 from nanovllm.execution.model_loading import load_runner_model
+from nanovllm.execution.pooling import PooledOutput, StepPooler
 from nanovllm.execution.sampler import PromptRows, Sampler, SamplerOutput
 from nanovllm.execution.step_inputs import Chunk, set_step_context
 from nanovllm.execution.stopwatch import Stopwatch
@@ -78,6 +79,7 @@ class ModelRunner:
         self.kv_cache = create_kv_cache(self.model, self.sampler, config, self.device)
         if rank == 0:  # custom logits processors run where the sampler samples, built after the warm-up's sampling
             self.sampler.logits_processors = build_logits_processors(config, self.device)
+        self.pooler = StepPooler(self.model, config.pooler) if rank == 0 and config.runner == "pooling" else None
         if self.drafter is not None:
             self.drafter.bind(self.kv_cache.num_blocks)
         self.governor = None  # tensor-parallel ranks keep their threads: a rank on one thread would hold up the rest
@@ -103,7 +105,7 @@ class ModelRunner:
         if not on_gpu and cpu_kernels() is not None and not config.enforce_eager:
             self.cpu_decoder = cpu_decoder(self.model)
         self.graphs = None
-        if on_gpu and not config.enforce_eager and self.backend.capturable:
+        if on_gpu and not config.enforce_eager and self.backend.capturable and config.runner == "generate":
             self.graphs = DecodeGraphs(self.model, config.max_num_seqs, config.blocks_per_sequence,
                                        config.max_model_len, config.hf_config.hidden_size, config.torch_dtype,
                                        self.device)
@@ -264,8 +266,9 @@ class ModelRunner:
 
     @torch.inference_mode()
     def run_model(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor | None:
-        """Logits at the context's `logits_indices` (None if there are none, and on ranks other than 0).
-        Decode replays a captured CUDA graph when one fits; the LM head always runs eagerly."""
+        """Logits at the context's `logits_indices` (None if there are none, and on ranks other than 0); for the
+        pooling runner, rank 0 gets every row's hidden states. Decode replays a captured CUDA graph when one fits; the
+        LM head always runs eagerly."""
         ctx = get_context()
         with self._timed("model"):
             replay = self.graphs is not None and ctx.is_decode and ctx.rope_lengths is None
@@ -275,17 +278,22 @@ class ModelRunner:
                 hidden_states = self.cpu_decoder(input_ids, positions)
             else:
                 hidden_states = self.model(input_ids, positions)
+        if self.config.runner == "pooling":  # rank 0 pools the hidden states
+            return hidden_states if self.rank == 0 else None
         if not ctx.logits_indices.numel():
             return None
         with self._timed("lm_head"):
             return self.model.compute_logits(hidden_states[ctx.logits_indices])
 
-    def run(self, batch: ScheduledBatch, allowed: TokenBitmask | None = None) -> SamplerOutput | None:
+    def run(self, batch: ScheduledBatch, allowed: TokenBitmask | None = None) -> SamplerOutput | PooledOutput | None:
         """Run one scheduled step; rank 0 returns a sampled token for each sequence that samples, in batch order
         (with drafts to verify: its accepted drafts and the token after them, see `nanovllm.execution.verifier`),
-        within `allowed` (structured outputs) at the sampling rows it names."""
+        within `allowed` (structured outputs) at the sampling rows it names. The pooling runner's rank 0 returns the
+        pooled outputs of the sequences whose prompt the step completed."""
         if self.rank == 0:
             self.sampler.release(batch.finished_seq_ids)
+        if self.pooler is not None:
+            self.pooler.release(batch.finished_seq_ids)
         draft_probs = None
         if self.drafter is not None:
             with self._timed("draft"):
@@ -300,6 +308,8 @@ class ModelRunner:
         reset_context()
         if self.rank != 0:
             return None
+        if self.pooler is not None:
+            return self.pooler(logits, batch)
         with self._timed("sampler"):
             sampling = [(seq, drafts) for seq, drafts, samples in zip(batch.seqs, batch.drafts, batch.samples)
                         if samples]

@@ -22,16 +22,41 @@ MODEL_REGISTRY: dict[str, type[DecoderForCausalLM]] = {cls.__name__: cls for cls
     StableLmForCausalLM, MixtralForCausalLM, Qwen2MoeForCausalLM, Qwen3MoeForCausalLM)}
 
 
+POOLING_SUFFIXES = ("ForSequenceClassification", "Model")
+"""Architectures without an LM head, run by the pooling runner: a family's classifier, and its base model (what
+sentence-transformers saves; e5-mistral's `MistralModel`)."""
+
+
+def causal_name(architecture: str) -> str:
+    """The family's `*ForCausalLM` name for one of its pooling architectures (`Qwen2ForSequenceClassification`,
+    `Qwen3Model`); other names as they are."""
+    for suffix in POOLING_SUFFIXES:
+        if architecture.endswith(suffix):
+            return architecture.removesuffix(suffix) + "ForCausalLM"
+    return architecture
+
+
+def is_classifier(config: PretrainedConfig) -> bool:
+    """Whether the config's architecture is a family's `*ForSequenceClassification` (a `score` head)."""
+    return any(name.endswith("ForSequenceClassification") for name in getattr(config, "architectures", None) or [])
+
+
+def has_lm_head(config: PretrainedConfig) -> bool:
+    """Whether the config's architecture is a family's `*ForCausalLM` (what the generate runner needs)."""
+    return any(name in MODEL_REGISTRY for name in getattr(config, "architectures", None) or [])
+
+
 def model_class(config: PretrainedConfig) -> type[DecoderForCausalLM]:
     """The family that runs `config` (the engine's setup asks once and keeps its name in `Config.architecture`); a
     ValueError naming the supported ones when none does, or when the family cannot run this particular config
     (activation, rope scaling, sliding window). Gives `config` the attributes the engine reads under Llama's names
     (`normalize_config`)."""
     names = getattr(config, "architectures", None) or []
-    cls = next((MODEL_REGISTRY[name] for name in names if name in MODEL_REGISTRY), None)
+    cls = next((MODEL_REGISTRY[causal_name(name)] for name in names if causal_name(name) in MODEL_REGISTRY), None)
     if cls is None:
         found = f"architectures {names}" if names else "no 'architectures' entry"
-        raise ValueError(f"unsupported model: config.json has {found}; nanovllm supports {sorted(MODEL_REGISTRY)}")
+        raise ValueError(f"unsupported model: config.json has {found}; nanovllm supports {sorted(MODEL_REGISTRY)}, "
+                         "and for pooling each family's *ForSequenceClassification and *Model")
     cls.normalize_config(config)
     for kind in set(layer_types(config)):
         rope_scaling(config, kind)

@@ -236,6 +236,9 @@ class DecoderForCausalLM(nn.Module):
         """Give `config` the attributes the engine reads under Llama's names (`num_key_value_heads`, ...) where the
         family's config names them differently. Llama's names: nothing to do."""
 
+    with_lm_head = True
+    """False for the pooling runner's models (`nanovllm.models.pooling`), which read hidden states only."""
+
     rope_needs_lengths: bool
     """Whether rope reads `Context.rope_lengths` (LongRoPE): the model runner then sets them."""
 
@@ -243,10 +246,11 @@ class DecoderForCausalLM(nn.Module):
         super().__init__()
         self.decoder_options = options = self.options(config)
         self.model = DecoderModel(config, options)
-        self.lm_head = ParallelLMHead(config.vocab_size, config.hidden_size)
+        if self.with_lm_head:
+            self.lm_head = ParallelLMHead(config.vocab_size, config.hidden_size)
+            if config.tie_word_embeddings:
+                self.lm_head.weight = self.model.embed_tokens.weight
         self.rope_needs_lengths = any(m.long_after for m in self.modules() if isinstance(m, RotaryEmbedding))
-        if config.tie_word_embeddings:
-            self.lm_head.weight = self.model.embed_tokens.weight
 
     def checkpoint_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> Iterator[tuple[str, torch.Tensor]]:
         """The checkpoint's tensors under Llama's names and layout (what `load_weights` maps onto this model)."""

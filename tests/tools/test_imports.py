@@ -11,7 +11,8 @@ PACKAGE = Path(__file__).resolve().parents[2] / "nanovllm"
 # data and settings, below every folder, except the entry points, above them all.
 FOLDERS = ["core", "spec_decode", "distributed", "kernels", "layers", "models", "structured_output", "execution",
            "engine", "v1", "lora", "renderers"]
-ENTRY_POINTS = ["nanovllm", "nanovllm.__main__", "nanovllm.llm", "nanovllm.cli", "nanovllm.program", "nanovllm.ray"]
+ENTRY_POINTS = ["nanovllm", "nanovllm.__main__", "nanovllm.llm", "nanovllm.llm_pooling", "nanovllm.cli",
+                "nanovllm.program", "nanovllm.ray"]
 
 
 def module_name(path: Path) -> str:

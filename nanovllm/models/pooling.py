@@ -1,0 +1,58 @@
+"""The pooling runner's models: a family's decoder without its LM head, with the pooler its `PoolerConfig` describes
+(sentence-transformers' Dense layers) and, for a `*ForSequenceClassification` checkpoint, transformers' `score` head
+(a linear layer without bias, `num_labels` outputs, read at the last token)."""
+from collections.abc import Iterable, Iterator
+
+import torch
+from torch import nn
+from transformers import AutoModelForCausalLM, PretrainedConfig
+
+from nanovllm.config import PoolerConfig
+from nanovllm.layers.pooler import DenseLayer, Pooler
+from nanovllm.models import MODEL_REGISTRY
+from nanovllm.models.decoder import DecoderForCausalLM
+from nanovllm.models.sentence_transformers import dense_config, dense_weights
+
+
+class DecoderForPooling(DecoderForCausalLM):
+    """Mixed in before a family (`pooling_model`): the family's decoder and checkpoint names, no LM head. Checkpoint
+    names without the family's prefix (what sentence-transformers saves: `layers.0...`, `embed_tokens.weight`) get
+    it; the Dense layers' tensors come from their folders."""
+
+    with_lm_head = False
+
+    def add_pooler(self, config: PretrainedConfig, pooler_config: PoolerConfig) -> None:
+        dense = []
+        for folder in pooler_config.dense_dirs:
+            in_features, out_features, bias, activation = dense_config(folder)
+            expected = dense[-1].linear.out_features if dense else config.hidden_size
+            if in_features != expected:
+                raise ValueError(f"the Dense module {folder!r} takes {in_features} features, but {expected} come "
+                                 "into it")
+            dense.append(DenseLayer(in_features, out_features, bias, activation))
+        self.pooler = Pooler(pooler_config.pooling_type, dense)
+        self.dense_dirs = pooler_config.dense_dirs
+        self.score = nn.Linear(config.hidden_size, pooler_config.num_labels, bias=False) \
+            if pooler_config.num_labels else None
+        self.base_prefix = AutoModelForCausalLM._model_mapping[type(config)].base_model_prefix + "."
+
+    def checkpoint_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> Iterator[tuple[str, torch.Tensor]]:
+        named = ((name if name.startswith((self.base_prefix, "score.")) else self.base_prefix + name, tensor)
+                 for name, tensor in weights)
+        yield from super().checkpoint_weights(named)
+        for i, folder in enumerate(self.dense_dirs):
+            for name, tensor in dense_weights(folder):
+                yield f"pooler.dense.{i}.{name}", tensor
+
+    def compute_logits(self, hidden_states: torch.Tensor) -> None:
+        """No LM head: nothing to sample (the CUDA memory warm-up asks)."""
+        return None
+
+
+def pooling_model(architecture: str, config: PretrainedConfig, pooler_config: PoolerConfig) -> DecoderForPooling:
+    """The pooling model of family `architecture` (as `model_class` named it) for `config`, weights not loaded."""
+    family = MODEL_REGISTRY[architecture]
+    cls = type(architecture.removesuffix("ForCausalLM") + "ForPooling", (DecoderForPooling, family), {})
+    model = cls(config)
+    model.add_pooler(config, pooler_config)
+    return model

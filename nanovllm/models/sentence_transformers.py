@@ -1,0 +1,109 @@
+"""A pooling model's `PoolerConfig`, read as vLLM reads it: from a sentence-transformers directory's files
+(`modules.json`, the Pooling module's `config.json`, Dense modules' `config.json` and weights, a Normalize module),
+else the architecture's defaults (decoder embedders: the last token, normalized; classifiers: the last token through
+`score`, with transformers' activation for the config's `problem_type`)."""
+import json
+import os
+from collections.abc import Iterator
+
+import torch
+from safetensors.torch import load_file
+from transformers import PretrainedConfig
+
+from nanovllm.config import PoolerConfig
+from nanovllm.models import is_classifier
+
+MODULES_FILE = "modules.json"
+# sentence-transformers' pooling modes: the new `pooling_mode` values and the older `pooling_mode_*` flags
+_POOLING_MODES = {"lasttoken": "LAST", "mean": "MEAN", "cls": "CLS"}
+_POOLING_FLAGS = {"pooling_mode_lasttoken": "LAST", "pooling_mode_mean_tokens": "MEAN", "pooling_mode_cls_token": "CLS"}
+
+
+def is_sentence_transformers(path: str) -> bool:
+    """Whether `path` is a sentence-transformers model directory (it has `modules.json`)."""
+    return os.path.isfile(os.path.join(path, MODULES_FILE))
+
+
+def _read_json(path: str) -> dict | list:
+    try:
+        with open(path) as f:
+            return json.load(f)
+    except (OSError, ValueError) as e:
+        raise ValueError(f"{path} is not a readable sentence-transformers file: {e}") from None
+
+
+def _pooling_type(path: str) -> str:
+    config = _read_json(os.path.join(path, "config.json"))
+    if config.get("include_prompt") is False:
+        raise ValueError(f"{path}: pooling without the prompt (include_prompt=false) is not supported")
+    if "pooling_mode" in config:
+        modes = [config["pooling_mode"]] if isinstance(config["pooling_mode"], str) else list(config["pooling_mode"])
+        types = [_POOLING_MODES.get(mode) for mode in modes]
+    else:
+        modes = [key for key, value in config.items() if key.startswith("pooling_mode_") and value]
+        types = [_POOLING_FLAGS.get(mode) for mode in modes]
+    if len(types) != 1 or types[0] is None:
+        raise ValueError(f"{path}: pooling mode {modes} is not supported; nanovllm pools by one of "
+                         f"{sorted(_POOLING_MODES)}")
+    return types[0]
+
+
+def _classifier_activation(hf_config: PretrainedConfig) -> str:
+    """transformers' loss for the config, as vLLM picks a classifier's activation from it."""
+    problem = getattr(hf_config, "problem_type", None)
+    if problem == "regression":
+        return "identity"
+    if problem == "multi_label_classification":
+        return "sigmoid"
+    if problem == "single_label_classification":
+        return "softmax"
+    return "sigmoid" if hf_config.num_labels == 1 else "softmax"
+
+
+def read_pooler_config(path: str, hf_config: PretrainedConfig) -> PoolerConfig:
+    """How the model at `path` pools (see the module's docstring); a ValueError naming a module or mode nanovllm does
+    not run."""
+    dims = getattr(hf_config, "matryoshka_dimensions", None)
+    matryoshka = dict(is_matryoshka=bool(getattr(hf_config, "is_matryoshka", False) or dims),
+                      matryoshka_dimensions=tuple(dims) if dims else None)
+    if is_classifier(hf_config):
+        return PoolerConfig(normalize=False, num_labels=hf_config.num_labels,
+                            activation=_classifier_activation(hf_config), **matryoshka)
+    if not is_sentence_transformers(path):
+        return PoolerConfig(**matryoshka)
+    pooling_type, normalize, dense = "LAST", False, []
+    for module in _read_json(os.path.join(path, MODULES_FILE)):
+        kind, folder = module.get("type", "").rsplit(".", 1)[-1], os.path.join(path, module.get("path", ""))
+        if kind == "Transformer":
+            if os.path.normpath(folder) != os.path.normpath(path):
+                raise ValueError(f"{path}: the Transformer module is in {module['path']!r}; nanovllm reads the model "
+                                 "from the directory itself")
+        elif kind == "Pooling":
+            pooling_type = _pooling_type(folder)
+        elif kind == "Dense":
+            dense.append(folder)
+        elif kind == "Normalize":
+            normalize = True
+        else:
+            raise ValueError(f"{path}: sentence-transformers module {module.get('type')!r} is not supported; nanovllm "
+                             "runs Transformer, Pooling, Dense and Normalize modules")
+    return PoolerConfig(pooling_type, normalize, tuple(dense), **matryoshka)
+
+
+def dense_config(folder: str) -> tuple[int, int, bool, str]:
+    """A Dense module's input and output sizes, whether it has a bias, and its activation's torch.nn class name."""
+    config = _read_json(os.path.join(folder, "config.json"))
+    activation = config.get("activation_function", "torch.nn.modules.linear.Identity").rsplit(".", 1)[-1]
+    return config["in_features"], config["out_features"], config.get("bias", True), activation
+
+
+def dense_weights(folder: str) -> Iterator[tuple[str, torch.Tensor]]:
+    """A Dense module's tensors (`linear.weight`, `linear.bias`), from safetensors or a PyTorch file."""
+    file = os.path.join(folder, "model.safetensors")
+    if os.path.isfile(file):
+        yield from load_file(file).items()
+        return
+    file = os.path.join(folder, "pytorch_model.bin")
+    if not os.path.isfile(file):
+        raise FileNotFoundError(f"no model.safetensors or pytorch_model.bin in the Dense module {folder!r}")
+    yield from torch.load(file, map_location="cpu", weights_only=True).items()
