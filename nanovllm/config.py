@@ -140,14 +140,16 @@ class Config:
     `model` is a Hugging Face style directory (config.json, *.safetensors, tokenizer files), or a GGUF file (or a
     directory holding one), whose weights run as they are stored (config, tokenizer and tensor table come from its
     metadata, cached in the directory `gguf_metadata`). With `load_format="dummy"` the weights are random and only
-    config.json is required. `tokenizer`, as vLLM's, is a directory to take the tokenizer from instead of the model's.
+    config.json is required. `tokenizer`, as vLLM's, is a directory to take the tokenizer from instead of the model's;
+    `skip_tokenizer_init=True` (vLLM's) loads none: prompts are token ids and outputs have no text.
     `quantization` ("int8" or "int4") quantizes the linear weights of an unquantized checkpoint at load, to GGML's
     Q8_0 or Q4_1 blocks of 32 (round to nearest).
     `attention_backend` names the attention kernels ("auto", "flash-attn", "flash-attn-4", "triton", "torch"; see
     `nanovllm.kernels.attention.select_backend`); like `device` and `dtype`, "auto" is replaced by what was chosen.
     On CPU the KV cache is sized from `cpu_kvcache_gib` (GiB of host memory); on CUDA from `gpu_memory_utilization`
-    of the device memory. A positive `num_kvcache_blocks` overrides both. `kvcache_block_size` (tokens per KV block,
-    the prefix cache's unit) defaults to `default_block_size(device)`. `max_model_len` defaults to the model's
+    of the device memory. A positive `num_kvcache_blocks` (or vLLM's name for it, `num_gpu_blocks_override`) overrides
+    both. `kvcache_block_size` (tokens per KV block, the prefix cache's unit) defaults to `default_block_size(device)`;
+    `enable_prefix_caching=False` (vLLM's) serves no prompt from cached blocks. `max_model_len` defaults to the model's
     `max_position_embeddings` (without chunked prefill, at most `max_num_batched_tokens`), lowered when the KV cache
     is allocated to what it holds; a value given explicitly is never lowered.
     Worker processes (tensor-parallel ranks, data-parallel replicas) have `worker_start_timeout_s` to start and set
@@ -182,6 +184,7 @@ class Config:
     enforce_eager: bool = False
     kvcache_block_size: int | None = None
     num_kvcache_blocks: int = -1
+    num_gpu_blocks_override: int | None = None
     device: str = "auto"
     dtype: str = "auto"
     load_format: str = "auto"
@@ -192,9 +195,11 @@ class Config:
     max_logprobs: int = 20
     logprobs_mode: str = "raw_logprobs"
     enable_chunked_prefill: bool = True
+    enable_prefix_caching: bool = True
     scheduling_policy: str = "fcfs"
     attention_backend: str = "auto"
     tokenizer: str | None = None
+    skip_tokenizer_init: bool = False
     quantization: str | None = None
     disable_log_stats: bool = True
     enable_sleep_mode: bool = False
@@ -226,6 +231,16 @@ class Config:
         if not (self.num_kvcache_blocks == -1 or self.num_kvcache_blocks >= 1):
             raise ValueError(f"num_kvcache_blocks must be -1 (auto) or a positive integer, "
                              f"got {self.num_kvcache_blocks}")
+        if self.num_gpu_blocks_override is not None:
+            blocks = self.num_gpu_blocks_override
+            if isinstance(blocks, bool) or not isinstance(blocks, int) or blocks < 1:
+                raise ValueError(f"num_gpu_blocks_override must be a positive integer or None, got {blocks!r}")
+            if self.num_kvcache_blocks not in (-1, blocks):
+                raise ValueError(f"num_gpu_blocks_override={blocks} and num_kvcache_blocks={self.num_kvcache_blocks} "
+                                 "both set the KV cache's size: give one")
+            self.num_kvcache_blocks = blocks
+        if not isinstance(self.skip_tokenizer_init, bool):
+            raise ValueError(f"skip_tokenizer_init must be a bool, got {self.skip_tokenizer_init!r}")
         for name in ("cpu_kvcache_gib", "worker_start_timeout_s", "distributed_timeout_s"):
             if not getattr(self, name) > 0:
                 raise ValueError(f"{name} must be positive, got {getattr(self, name)}")
@@ -235,6 +250,8 @@ class Config:
             raise ValueError(f"logprobs_mode must be one of {list(LOGPROBS_MODES)}, got {self.logprobs_mode!r}")
         if not isinstance(self.enable_chunked_prefill, bool):
             raise ValueError(f"enable_chunked_prefill must be a bool, got {self.enable_chunked_prefill!r}")
+        if not isinstance(self.enable_prefix_caching, bool):
+            raise ValueError(f"enable_prefix_caching must be a bool, got {self.enable_prefix_caching!r}")
         if not isinstance(self.disable_log_stats, bool):
             raise ValueError(f"disable_log_stats must be a bool, got {self.disable_log_stats!r}")
         if not isinstance(self.enable_sleep_mode, bool):
@@ -327,6 +344,7 @@ class VllmConfig:
                                             max_logprobs=config.max_logprobs, logprobs_mode=config.logprobs_mode,
                                             logits_processors=config.logits_processors,
                                             get_vocab_size=lambda: hf_config.vocab_size)
-        self.cache_config = SimpleNamespace(block_size=config.kvcache_block_size)
+        self.cache_config = SimpleNamespace(block_size=config.kvcache_block_size,
+                                            enable_prefix_caching=config.enable_prefix_caching)
         self.parallel_config = SimpleNamespace(tensor_parallel_size=config.tensor_parallel_size)
         self.speculative_config = None

@@ -58,6 +58,8 @@ class Engine(Protocol):
 
     def is_finished(self) -> bool: ...
 
+    def get_num_unfinished_requests(self) -> int: ...
+
     def stats(self) -> dict: ...
 
     def engine_stats(self) -> list[tuple[int, dict]]: ...
@@ -139,13 +141,15 @@ class LLM(PoolingMethods):
 
     def chat(self, messages: Conversation | list[Conversation], sampling_params: Params = None,
              use_tqdm: bool = True, priority: int | list[int] | None = None,
-             add_generation_prompt: bool = True, lora_request: None = None) -> list[RequestOutput]:
+             add_generation_prompt: bool = True, lora_request: None = None,
+             chat_template_kwargs: dict | None = None) -> list[RequestOutput]:
         """Reply to one conversation (a list of `{"role", "content"}` messages) or to a list of them, through the
         model's chat template, as vLLM's `LLM.chat`; one `RequestOutput` per conversation. `lora_request` must be
-        None, or a list of Nones."""
+        None, or a list of Nones. `chat_template_kwargs` (vLLM's) are passed to the template (Qwen3's
+        `enable_thinking`, say)."""
         _check_no_lora(lora_request)
-        return self._run(self.prompts.check_conversations(messages, sampling_params, priority, add_generation_prompt),
-                         use_tqdm)
+        return self._run(self.prompts.check_conversations(messages, sampling_params, priority, add_generation_prompt,
+                                                          chat_template_kwargs), use_tqdm)
 
     def chat_prompt(self, conversation: Conversation, add_generation_prompt: bool = True) -> list[int]:
         """The token ids `chat` sends for `conversation`, e.g. to `stream` a reply."""

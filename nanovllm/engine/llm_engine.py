@@ -86,7 +86,7 @@ class LLMEngine:
     def __init__(self, config: Config):
         """`config` as `nanovllm.engine.setup.resolve_config` made it."""
         self.config = config
-        self.tokenizer = load_tokenizer(config.tokenizer or config.model)
+        self.tokenizer = None if config.skip_tokenizer_init else load_tokenizer(config.tokenizer or config.model)
         self.eos_token_ids = self._eos_token_ids()
         self.model_runner = ModelRunner(config, eos_token_ids=self.eos_token_ids)
         self.scheduler = Scheduler(SchedulerConfig(
@@ -94,7 +94,8 @@ class LLMEngine:
             max_num_seqs=config.max_num_seqs, max_num_batched_tokens=config.max_num_batched_tokens,
             enable_chunked_prefill=config.enable_chunked_prefill, scheduling_policy=config.scheduling_policy,
             sliding_window=config.sliding_window,
-            enable_prefix_caching=not self.model_runner.model.rope_needs_lengths and config.runner == "generate"))
+            enable_prefix_caching=config.enable_prefix_caching and not self.model_runner.model.rope_needs_lengths
+            and config.runner == "generate"))
         self.proposer = None
         if config.draft is not None:
             self.proposer = DraftModelProposer(config.speculative, config.max_model_len,
@@ -450,6 +451,10 @@ class LLMEngine:
 
     def is_finished(self) -> bool:
         return self.scheduler.is_finished()
+
+    def get_num_unfinished_requests(self) -> int:
+        """Requests submitted and not finished (vLLM's `LLMEngine.get_num_unfinished_requests`)."""
+        return len(self._requests)
 
     def stats(self) -> dict[str, int | float]:
         """Counters since the engine started: prompt tokens served from the prefix cache, steps (with a
