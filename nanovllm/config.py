@@ -10,6 +10,7 @@ if TYPE_CHECKING:
     from transformers import PretrainedConfig
 
 DTYPES = ("auto", "float32", "bfloat16", "float16")
+DTYPE_ALIASES = {"half": "float16", "float": "float32"}  # vLLM's other names, read as these
 QUANTIZATIONS = {"int8": "Q8_0", "int4": "Q4_1"}  # quantization= at load: the GGML block type each makes
 # What logprobs and prompt logprobs hold (vLLM's `logprobs_mode`): log-probabilities or logits, of the model's logits
 # ("raw", after a structured output's mask) or of those a token is drawn from ("processed": then penalties, min_tokens,
@@ -266,8 +267,10 @@ class Config:
             raise ValueError(f"device must be 'auto', 'cpu' or 'cuda', got {self.device!r}")
         if self.quantization is not None and self.quantization not in QUANTIZATIONS:
             raise ValueError(f"quantization must be one of {[None, *QUANTIZATIONS]}, got {self.quantization!r}")
+        self.dtype = DTYPE_ALIASES.get(self.dtype, self.dtype)
         if self.dtype not in DTYPES:
-            raise ValueError(f"dtype must be one of {list(DTYPES)}, got {self.dtype!r}")
+            raise ValueError(f"dtype must be one of {list(DTYPES)} (or vLLM's {list(DTYPE_ALIASES)}), got "
+                             f"{self.dtype!r}")
         self.speculative = parse_speculative_config(self.speculative_config)
         self._check_structured_outputs_config()
         self._check_logits_processors()

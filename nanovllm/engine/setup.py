@@ -24,11 +24,11 @@ _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torc
 # the values here: hub revisions (nanovllm loads local directories and files), the Hugging Face tokenizer ("auto" and
 # "hf" are the same here; vLLM's other modes are tokenizers nanovllm does not have), remote code (no code from the
 # model directory runs either way: nanovllm runs only the families it implements), LoRA off (and `max_lora_rank`, any
-# positive size, beside it). Any other value is a ValueError; None for `max_num_seqs` or `max_num_batched_tokens` is
-# the default, as in vLLM.
+# positive size, beside it), scheduling without vLLM's asynchronous overlap (None, vLLM's default, or False: nanovllm
+# schedules each step after the last, and the outputs are the same either way). Any other value is a ValueError; None
+# for `max_num_seqs` or `max_num_batched_tokens` is the default, as in vLLM.
 VLLM_INERT_SETTINGS = {"revision": (None,), "tokenizer_revision": (None,), "tokenizer_mode": ("auto", "hf"),
-                       "trust_remote_code": (False, True), "enable_lora": (False,)}
-
+                       "trust_remote_code": (False, True), "enable_lora": (False,), "async_scheduling": (None, False)}
 
 
 def resolve_config(model: str | None, settings: dict) -> Config:
