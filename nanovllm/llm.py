@@ -240,7 +240,7 @@ class LLM(PoolingMethods):
         """`stats()` as vLLM v1's metric objects (`nanovllm.metrics`), one set per engine (label `engine`: the
         data-parallel replica, "0" without data parallelism)."""
         return [metric for index, stats in self.engine.engine_stats()
-                for metric in metrics_from_stats(stats, self.config.model, index)]
+                for metric in metrics_from_stats(stats, self.config.model, self.config.max_model_len, index)]
 
     def load_weights(self, weights: Iterable[tuple[str, "torch.Tensor"]]) -> None:
         """Replace some or all of the model's weights in place, then reset the prefix cache (as RL trainers update

@@ -1,6 +1,7 @@
 import logging
 import threading
 import time
+from bisect import bisect_left
 from collections.abc import Iterable, Iterator
 from contextlib import contextmanager
 from itertools import count
@@ -17,6 +18,7 @@ from nanovllm.engine.request import Completion, Request
 from nanovllm.engine.stats_logger import StatsLogger
 from nanovllm.engine.tokenizer import load_tokenizer
 from nanovllm.execution.model_runner import SLEEP_TAGS, ModelRunner
+from nanovllm.metrics import one_two_five_buckets
 from nanovllm.outputs import RequestOutput, TokenLogprobs
 from nanovllm.sampling_params import SamplingParams
 from nanovllm.spec_decode.grammar_drafts import GrammarDrafts
@@ -114,6 +116,10 @@ class LLMEngine:
         # sequences that got their first token, their prompt tokens, of those the cached ones; tokens generated
         self.num_prompt_sequences = self.num_prompt_tokens = self.num_prompt_cached_tokens = 0
         self.num_generation_tokens = 0
+        # each finished sequence's generated tokens, counted in vLLM's buckets (`vllm:request_generation_tokens`)
+        self.generation_token_limits = one_two_five_buckets(config.max_model_len)
+        self.num_finished_per_generation_tokens_bucket = [0] * (len(self.generation_token_limits) + 1)
+        self.num_finished_generation_tokens = 0
         self.stat_logger = None if config.disable_log_stats else StatsLogger()
         self._lock = threading.RLock()
         self._waiting: set[int] = set()  # threads blocked on the lock
@@ -288,6 +294,12 @@ class LLMEngine:
                 raise
         return requests
 
+    def _count_finished(self, seq: Sequence) -> None:
+        """A finished sequence's generated tokens, into the histogram `stats()` reports."""
+        tokens = len(seq.token_ids) - seq.num_prompt_tokens
+        self.num_finished_generation_tokens += tokens
+        self.num_finished_per_generation_tokens_bucket[bisect_left(self.generation_token_limits, tokens)] += 1
+
     def _forget(self, request: Request) -> None:
         request.metrics.finished_time = time.time()
         self._requests.pop(request.request_id, None)
@@ -372,6 +384,7 @@ class LLMEngine:
                 self.num_prompt_cached_tokens += max(seq.num_cached_tokens, 0)
             if seq.is_finished:
                 ended.append(request)
+                self._count_finished(seq)
         self.num_generation_tokens += generated
         for request in updated.values():
             request.record_token(now)
@@ -477,6 +490,8 @@ class LLMEngine:
                  "num_prompt_tokens": self.num_prompt_tokens,
                  "num_prompt_cached_tokens": self.num_prompt_cached_tokens,
                  "num_generation_tokens": self.num_generation_tokens,
+                 "num_finished_generation_tokens": self.num_finished_generation_tokens,
+                 "num_finished_per_generation_tokens_bucket": list(self.num_finished_per_generation_tokens_bucket),
                  "num_requests_running": len(s.running),
                  "num_requests_waiting": len(s.waiting)}
         if self.proposer is not None or self.config.jump_forward:

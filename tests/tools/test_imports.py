@@ -12,7 +12,7 @@ PACKAGE = Path(__file__).resolve().parents[2] / "nanovllm"
 FOLDERS = ["core", "spec_decode", "distributed", "kernels", "layers", "models", "structured_output", "execution",
            "engine", "v1", "lora", "renderers"]
 ENTRY_POINTS = ["nanovllm", "nanovllm.__main__", "nanovllm.llm", "nanovllm.llm_pooling", "nanovllm.cli",
-                "nanovllm.program", "nanovllm.ray"]
+                "nanovllm.program", "nanovllm.ray", "nanovllm.entrypoints", "nanovllm.entrypoints.llm"]
 
 
 def module_name(path: Path) -> str:
