@@ -1,11 +1,12 @@
 """A user's request as the user sees it: the `n` sequences sampling one prompt, their text and log-probabilities."""
+import os
 import time
 from copy import copy
 
 from transformers import PreTrainedTokenizerBase
 
 from nanovllm.core.sequence import Sequence
-from nanovllm.engine.detokenizer import IncrementalDetokenizer
+from nanovllm.engine.detokenizer import INCOMPLETE, IncrementalDetokenizer
 from nanovllm.outputs import CompletionOutput, Logprob, RequestMetrics, RequestOutput, TokenLogprobs
 from nanovllm.sampling_params import SamplingParams
 
@@ -38,7 +39,7 @@ class Completion:
         seq, token_id = self.seq, self.seq.token_ids[-1]
         if logprobs is not None:
             self.cumulative_logprob += logprobs.logprob
-            self.logprobs.append(ranked_logprobs(token_id, logprobs, self.tokenizer))
+            self.logprobs.append(ranked_logprobs(token_id, logprobs, self.tokenizer, seq.token_ids[-1 - CONTEXT:-1]))
         if self.detokenizer is None:
             return None
         if token_is_text or not (ending is not None and ending[0] == "stop"
@@ -80,13 +81,40 @@ class Completion:
                                 logprobs, seq.finish_reason, seq.stop_reason)
 
 
-def ranked_logprobs(token_id: int, logprobs: TokenLogprobs,
-                    tokenizer: PreTrainedTokenizerBase | None) -> dict[int, Logprob]:
-    """vLLM's order: the chosen token first, then the most likely ones by rank."""
+CONTEXT = 4
+"""How many tokens before a logprob's position `decoded_token` may read to complete a character (vLLM's 4)."""
+
+
+def ranked_logprobs(token_id: int, logprobs: TokenLogprobs, tokenizer: PreTrainedTokenizerBase | None,
+                    context: list[int]) -> dict[int, Logprob]:
+    """vLLM's order: the chosen token first, then the most likely ones by rank; each token's text as
+    `decoded_token` gives it after `context`, the tokens before the position."""
     ranked = {token_id: (logprobs.logprob, logprobs.rank)}
     for rank, (top_id, top_logprob) in enumerate(zip(logprobs.top_ids, logprobs.top_logprobs), start=1):
         ranked.setdefault(top_id, (top_logprob, rank))
-    return {t: Logprob(lp, rank, tokenizer.decode([t]) if tokenizer else None) for t, (lp, rank) in ranked.items()}
+    return {t: Logprob(lp, rank, decoded_token(tokenizer, t, context) if tokenizer else None)
+            for t, (lp, rank) in ranked.items()}
+
+
+def decoded_token(tokenizer: PreTrainedTokenizerBase, token_id: int, context: list[int]) -> str:
+    """A token's text, as vLLM's logprobs give it: a token that decodes to an incomplete UTF-8 character (byte
+    fallback splits characters over tokens) is decoded after the fewest of the `context` tokens before it (the last
+    `CONTEXT`) that complete it, and its text is what it adds to theirs, the bytes it completes included; "" when no
+    such context completes it."""
+    text = tokenizer.decode([token_id])
+    if not text.endswith(INCOMPLETE):
+        return text
+    for n in range(1, min(len(context), CONTEXT) + 1):
+        before = context[-n:]
+        full = tokenizer.decode(before + [token_id])
+        if full.endswith(INCOMPLETE):
+            continue
+        clean = len(before)  # the context tokens that are whole characters; the bytes after them are this token's
+        while clean and tokenizer.decode([before[clean - 1]]).endswith(INCOMPLETE):
+            clean -= 1
+        prefix = tokenizer.decode(before[:clean]) if clean else ""
+        return full[len(os.path.commonprefix([prefix, full])):]
+    return ""
 
 
 class Request:
@@ -128,7 +156,9 @@ class Request:
         recomputed chunk, after preemption or from another sample, changes nothing)."""
         for position, lp in enumerate(logprobs, start=first + 1):
             if position not in self._prompt_scores:
-                self._prompt_scores[position] = ranked_logprobs(self.prompt_token_ids[position], lp, self.tokenizer)
+                before = self.prompt_token_ids[max(position - CONTEXT, 0):position]
+                self._prompt_scores[position] = ranked_logprobs(self.prompt_token_ids[position], lp, self.tokenizer,
+                                                                before)
         if self.prompt_logprobs is None and len(self._prompt_scores) == len(self.prompt_token_ids) - 1:
             self.prompt_logprobs = [None] + [self._prompt_scores[p] for p in range(1, len(self.prompt_token_ids))]
 

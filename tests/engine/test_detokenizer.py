@@ -160,3 +160,16 @@ def test_text_that_may_begin_a_stop_string_waits(tokenizer):
     deltas, _, _ = stream(tokenizer, token_ids[:6], SamplingParams(stop="fox ju", include_stop_str_in_output=True),
                           finish=False)
     assert "".join(deltas) == "The quick brown fox"
+
+
+@pytest.mark.parametrize("text", ["Emoji: 😀 🎉 done", "Chinese: 你好", "Em dash — and “quotes”"])
+def test_logprobs_decoded_tokens_complete_split_characters(tokenizer, text):
+    """A logprob's `decoded_token` (vLLM's rule): a token ending inside a character split over byte tokens gets the
+    character once the tokens before it complete it ("" until then), so the tokens' texts add up to the text."""
+    from nanovllm.engine.request import decoded_token
+
+    ids = tokenizer.encode(text)
+    pieces = [decoded_token(tokenizer, t, ids[max(i - 4, 0):i]) for i, t in enumerate(ids)]
+    assert any(tokenizer.decode([t]).endswith("\ufffd") for t in ids)  # the text does split characters
+    assert not any(piece.endswith("\ufffd") for piece in pieces)
+    assert "".join(pieces) == text

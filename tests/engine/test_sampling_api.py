@@ -84,7 +84,8 @@ def test_logprobs_equal_log_softmax_of_transformers_logits(llm, tied_model, prom
         assert ranked[token].rank == 1 and token == top.indices[0]
         for token_id, lp in ranked.items():
             assert lp.logprob == pytest.approx(reference[step, token_id].item(), abs=1e-4)
-            assert lp.decoded_token == llm.tokenizer.decode([token_id])
+            text = llm.tokenizer.decode([token_id])  # a split character's bytes: completed by the tokens before
+            assert lp.decoded_token == text if not text.endswith("\ufffd") else not lp.decoded_token.endswith("\ufffd")
     assert out.cumulative_logprob == pytest.approx(sum(d[t].logprob for t, d in zip(out.token_ids, out.logprobs)))
 
 
