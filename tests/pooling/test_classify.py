@@ -31,7 +31,7 @@ def cross_encoder(tmp_path_factory) -> str:
 
 
 def test_score_matches_cross_encoder(cross_encoder):
-    from sentence_transformers import CrossEncoder
+    CrossEncoder = pytest.importorskip("sentence_transformers").CrossEncoder
 
     query, documents = TEXTS[0], TEXTS[1:]
     want = CrossEncoder(cross_encoder, device="cpu").predict([(query, d) for d in documents])

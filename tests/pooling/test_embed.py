@@ -6,6 +6,8 @@ from pooling_checkpoints import TEXTS, make_st_embedder, st_embeddings
 
 from nanovllm import LLM, EmbeddingRequestOutput, PoolingParams
 
+pytest.importorskip("sentence_transformers")
+
 CPU = dict(device="cpu", dtype="float32")
 
 

@@ -5,6 +5,8 @@ from pooling_checkpoints import TEXTS, make_classifier, make_st_embedder
 
 from nanovllm import LLM, PoolingParams
 
+pytest.importorskip("sentence_transformers")
+
 CPU = dict(device="cpu", dtype="float32")
 
 

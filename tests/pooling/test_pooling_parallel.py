@@ -2,10 +2,13 @@
 across ranks included, and every KV block free after."""
 import multiprocessing
 
+import pytest
 import torch
 from pooling_checkpoints import TEXTS, make_st_embedder, st_embeddings
 
 from nanovllm import LLM
+
+pytest.importorskip("sentence_transformers")
 
 
 def test_tp2_embedder_matches_sentence_transformers(tmp_path):

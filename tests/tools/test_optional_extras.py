@@ -1,11 +1,13 @@
 """Without an optional package (an extra's: gguf, accelerate, triton, ray, xgrammar, jsonschema, flash-attn, outlines,
-lm-eval), the tests that need it are skipped and the rest still run: collection never stops at a missing import."""
+lm-eval, sentence-transformers), the tests that need it are skipped and the rest still run: collection never stops at
+a missing import."""
 import os
 import subprocess
 import sys
 
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-OPTIONAL = ("gguf", "accelerate", "triton", "ray", "xgrammar", "jsonschema", "flash_attn", "outlines", "lm_eval")
+OPTIONAL = ("gguf", "accelerate", "triton", "ray", "xgrammar", "jsonschema", "flash_attn", "outlines", "lm_eval",
+            "sentence_transformers")
 
 COLLECT = f"""
 import sys
@@ -26,3 +28,5 @@ def test_collection_goes_on_without_the_optional_packages():
     assert not any(line.startswith(("tests/clients/test_outlines.py::", "tests/clients/test_lm_eval.py::"))
                    for line in collected), "tests of outlines or lm-eval were collected without them"
     assert any(line.startswith("tests/clients/test_vllm_alias.py::") for line in collected)
+    assert not any(line.startswith("tests/pooling/test_embed.py::") for line in collected), \
+        "tests that need sentence-transformers were collected without it"
