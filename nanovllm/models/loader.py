@@ -13,12 +13,13 @@ from dataclasses import dataclass
 import torch
 from safetensors import SafetensorError, safe_open
 from torch import nn
-from transformers import AutoModelForCausalLM, PretrainedConfig
+from transformers import AutoModelForCausalLM, AutoModelForSequenceClassification, PretrainedConfig
 
 from nanovllm.config import QUANTIZATIONS
 from nanovllm.kernels.ggml import TYPE_IDS
 from nanovllm.layers.ggml_weight import GGMLTensor, GGMLWeight, quantize
 from nanovllm.layers.moe import FusedMoE
+from nanovllm.models import is_classifier
 from nanovllm.models.gguf.weights import drop_resident_pages, gguf_weights, map_file
 from nanovllm.models.hf_config import head_dim
 
@@ -199,9 +200,11 @@ def as_loaded(weights: Iterable[tuple[str, torch.Tensor | GGMLTensor]], quantiza
 
 
 def _reference_model(hf_config: PretrainedConfig) -> nn.Module:
-    """transformers' own model for this config on the meta device: the checkpoint's names and full shapes."""
+    """transformers' own model for this config on the meta device: the checkpoint's names and full shapes (a
+    classifier's: its `score` head instead of the LM head)."""
+    auto = AutoModelForSequenceClassification if is_classifier(hf_config) else AutoModelForCausalLM
     with torch.device("meta"):
-        return AutoModelForCausalLM.from_config(hf_config)
+        return auto.from_config(hf_config)
 
 
 def _shape_sources(hf_config: PretrainedConfig, config_json: dict) -> list[tuple[int, str]]:

@@ -53,3 +53,11 @@ def test_reward_gives_every_token_the_classifier_outputs(cross_encoder):
     for reward, classified in zip(rewards, last):
         assert reward.outputs.data.shape == (len(reward.prompt_token_ids), 1)
         assert reward.outputs.data[-1].tolist() == pytest.approx(classified.outputs.probs, abs=1e-6)
+
+
+def test_dummy_weights(tmp_path):
+    """load_format="dummy" draws the classifier's `score` head too (transformers' classifier names the tensors)."""
+    path = make_classifier(str(tmp_path / "cls"), num_labels=2)
+    with LLM(path, **CPU, load_format="dummy") as llm:
+        probs = llm.classify(TEXTS[:2], use_tqdm=False)[0].outputs.probs
+    assert len(probs) == 2 and sum(probs) == pytest.approx(1.0)
