@@ -114,7 +114,8 @@ class SamplingParams:
     `presence_penalty` and `frequency_penalty` are subtracted (once, or once per occurrence) for
     tokens in the completion. `logprobs=k` returns, with each sampled token, its log-probability and
     rank and the k most likely tokens' (log-softmax of the model's raw logits; -1: the whole
-    vocabulary); `prompt_logprobs=k` the same for every prompt token after the first.
+    vocabulary); `prompt_logprobs=k` the same for every prompt token after the first; `flat_logprobs=True`
+    returns both as vLLM's `nanovllm.logprobs.FlatLogprobs` instead of lists of dicts.
     `max_tokens=None` generates until `max_model_len`. `allowed_token_ids` restricts sampling to
     those ids; `bad_words` are never generated (a word's last token is banned wherever the
     completion so far ends with the word's other tokens, with or without a leading space).
@@ -153,6 +154,7 @@ class SamplingParams:
     frequency_penalty: float = 0.0
     logprobs: int | None = None
     prompt_logprobs: int | None = None
+    flat_logprobs: bool = False
     skip_special_tokens: bool = True
     spaces_between_special_tokens: bool = True
     detokenize: bool = True
@@ -205,6 +207,7 @@ class SamplingParams:
             if getattr(self, name) is not None:
                 setattr(self, name, _integer(name, getattr(self, name), ">= 0, -1 for the whole vocabulary, or None",
                                              lambda v: v >= -1))
+        self.flat_logprobs = _flag("flat_logprobs", self.flat_logprobs)
         self.skip_special_tokens = _flag("skip_special_tokens", self.skip_special_tokens)
         self.spaces_between_special_tokens = _flag("spaces_between_special_tokens",
                                                    self.spaces_between_special_tokens)

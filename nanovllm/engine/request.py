@@ -7,6 +7,7 @@ from transformers import PreTrainedTokenizerBase
 
 from nanovllm.core.sequence import Sequence
 from nanovllm.engine.detokenizer import INCOMPLETE, IncrementalDetokenizer
+from nanovllm.logprobs import FlatLogprobs
 from nanovllm.outputs import CompletionOutput, Logprob, RequestMetrics, RequestOutput, TokenLogprobs
 from nanovllm.sampling_params import SamplingParams
 
@@ -77,6 +78,8 @@ class Completion:
             logprobs = None if logprobs is None else logprobs[self.reported_tokens:]
             self.reported_tokens, self.reported_text = seq.num_completion_tokens, len(self.text)
             self.reported_finish = seq.is_finished
+        if logprobs is not None and seq.params.flat_logprobs:
+            logprobs = FlatLogprobs.of(logprobs)
         return CompletionOutput(self.index, text, tokens, None if logprobs is None else self.cumulative_logprob,
                                 logprobs, seq.finish_reason, seq.stop_reason)
 
@@ -187,6 +190,9 @@ class Request:
         if delta:
             completions = [c for c in completions if c.has_news]
         metrics = self.current_metrics()
+        prompt_logprobs = self.prompt_logprobs
+        if prompt_logprobs is not None and self.completions[0].seq.params.flat_logprobs:
+            prompt_logprobs = FlatLogprobs.of(prompt_logprobs)
         return RequestOutput(self.request_id, self.prompt, self.prompt_token_ids,
-                             [c.output(delta) for c in completions], self.finished, self.prompt_logprobs,
+                             [c.output(delta) for c in completions], self.finished, prompt_logprobs,
                              metrics.num_cached_tokens, metrics)

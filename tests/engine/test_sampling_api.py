@@ -204,3 +204,18 @@ def test_params_the_model_cannot_serve_are_rejected_before_any_work(llm, prompts
         llm.generate([prompts[0], prompts[1]], [good, SamplingParams(**params)], use_tqdm=False)
     assert llm.is_finished() and llm.stats()["num_free_blocks"] == llm.stats()["num_blocks"]
     assert llm.generate([prompts[0]], good, use_tqdm=False)[0]["token_ids"] == greedy[0]
+
+
+def test_flat_logprobs_read_as_the_lists(llm, prompts):
+    """`flat_logprobs=True` (vLLM's): the same logprobs and prompt logprobs, as `FlatLogprobs` that read position by
+    position as the lists of dicts (the prompt's first position, None there, an empty dict here)."""
+    from nanovllm.logprobs import FlatLogprobs
+
+    params = dict(temperature=0, max_tokens=6, logprobs=3, prompt_logprobs=2)
+    listed = llm.generate([prompts[0]], SamplingParams(**params), use_tqdm=False)[0]
+    flat = llm.generate([prompts[0]], SamplingParams(**params, flat_logprobs=True), use_tqdm=False)[0]
+    assert isinstance(flat.outputs[0].logprobs, FlatLogprobs) and isinstance(flat.prompt_logprobs, FlatLogprobs)
+    assert list(flat.outputs[0].logprobs) == listed.outputs[0].logprobs
+    assert flat.prompt_logprobs[0] == {} and list(flat.prompt_logprobs[1:]) == listed.prompt_logprobs[1:]
+    assert len(flat.prompt_logprobs) == len(listed.prompt_logprobs) and flat.outputs[0].token_ids == \
+        listed.outputs[0].token_ids

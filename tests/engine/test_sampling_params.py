@@ -12,7 +12,7 @@ VLLM_DEFAULTS = {"n": 1, "temperature": 1.0, "top_p": 1.0, "top_k": -1, "min_p":
                  "stop_token_ids": [], "include_stop_str_in_output": False, "max_tokens": 16, "min_tokens": 0,
                  "ignore_eos": False, "repetition_penalty": 1.0, "presence_penalty": 0.0, "frequency_penalty": 0.0,
                  "logprobs": None, "skip_special_tokens": True, "spaces_between_special_tokens": True,
-                 "prompt_logprobs": None, "detokenize": True,
+                 "prompt_logprobs": None, "flat_logprobs": False, "detokenize": True,
                  "allowed_token_ids": None, "bad_words": None, "structured_outputs": None, "best_of": None,
                  "extra_args": None}
 
