@@ -29,10 +29,10 @@ sentence-transformers saves; e5-mistral's `MistralModel`)."""
 
 def causal_name(architecture: str) -> str:
     """The family's `*ForCausalLM` name for one of its pooling architectures (`Qwen2ForSequenceClassification`,
-    `Qwen3Model`); other names as they are."""
+    `Qwen3Model`, Gemma 3's `Gemma3TextModel`); other names as they are."""
     for suffix in POOLING_SUFFIXES:
         if architecture.endswith(suffix):
-            return architecture.removesuffix(suffix) + "ForCausalLM"
+            return architecture.removesuffix(suffix).removesuffix("Text") + "ForCausalLM"
     return architecture
 
 
