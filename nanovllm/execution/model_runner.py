@@ -309,7 +309,7 @@ class ModelRunner:
         if self.rank != 0:
             return None
         if self.pooler is not None:
-            return self.pooler(logits, batch)
+            return self.pooler(logits, batch)  # the pooling runner's run_model gives hidden states
         with self._timed("sampler"):
             sampling = [(seq, drafts) for seq, drafts, samples in zip(batch.seqs, batch.drafts, batch.samples)
                         if samples]

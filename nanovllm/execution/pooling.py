@@ -47,7 +47,12 @@ class StepPooler:
                 pooled.append((seq, Pooler.finish(kind, rows, partial, len(seq))))
             elif partial is not None:
                 self.partial[seq.seq_id] = partial
-        return PooledOutput({seq.seq_id: output.float().cpu() for seq, output in self._heads(pooled)})
+        results = self._heads(pooled)
+        if not results:
+            return PooledOutput({})
+        on_host = torch.cat([result.float().flatten() for _, result in results]).cpu()  # one transfer
+        parts = on_host.split([result.numel() for _, result in results])
+        return PooledOutput({seq.seq_id: part.view(result.shape) for (seq, result), part in zip(results, parts)})
 
     def _heads(self, pooled: list[tuple[Sequence, torch.Tensor]]) -> list[tuple[Sequence, torch.Tensor]]:
         """Each pooled prompt through its task's head: embeddings through the Dense layers, cut to `dimensions` and
