@@ -33,6 +33,8 @@ STEP_COST = {"cpu": (8, 8), "cuda": (256, 1)}
 # vLLM V1's refusal of custom logits processors beside speculative decoding, in its words
 SPEC_DECODE_REJECTS_LOGITS_PROCESSORS = "Custom logits processors are not supported when speculative decoding is " \
     "enabled."
+# vLLM's refusal of custom logits processors beside a pooling model, in its words
+POOLING_REJECTS_LOGITS_PROCESSORS = "Pooling models do not support custom logits processors."
 
 
 @dataclass(frozen=True)
@@ -73,6 +75,9 @@ def parse_speculative_config(spec: dict | None) -> SpeculativeConfig | None:
     if unknown:
         raise ValueError(f"unknown speculative_config key(s) {unknown}; valid keys: {list(SPECULATIVE_KEYS)}")
     model = spec.get("model")
+    if model in ("ngram", "[ngram]") and spec.get("method", "ngram") == "ngram":  # vLLM's older way to name the method
+        model = None
+        spec = {key: value for key, value in spec.items() if key != "model"} | {"method": "ngram"}
     method = spec.get("method", "draft_model" if model is not None else None)
     if method not in SPECULATIVE_METHODS:
         raise ValueError(f"speculative_config['method'] must be one of {list(SPECULATIVE_METHODS)} (or give 'model' "

@@ -7,7 +7,7 @@ from dataclasses import fields, replace
 import torch
 from transformers import AutoConfig, PretrainedConfig
 
-from nanovllm.config import QUANTIZATIONS, STEP_COST, Config, default_block_size
+from nanovllm.config import POOLING_REJECTS_LOGITS_PROCESSORS, QUANTIZATIONS, STEP_COST, Config, default_block_size
 from nanovllm.engine.tokenizer import check_same_vocabulary
 from nanovllm.kernels.attention import ATTENTION_BACKENDS, choose_backend
 from nanovllm.kernels.ggml import BLOCK, TYPE_IDS
@@ -98,7 +98,8 @@ def _without_inert_settings(settings: dict) -> dict:
 def _resolve_runner(config: Config) -> None:
     """runner "auto" as vLLM picks it: "pooling" for an architecture without an LM head (a classifier, a base model)
     and for a sentence-transformers directory, else "generate"; the pooling runner's `PoolerConfig`. A ValueError
-    for a model without an LM head asked to generate, or speculative decoding beside pooling."""
+    for a model without an LM head asked to generate, or speculative decoding or custom logits processors beside
+    pooling."""
     architectures = getattr(config.hf_config, "architectures", None) or []
     no_lm_head = not has_lm_head(config.hf_config)
     if config.runner == "auto":
@@ -110,6 +111,9 @@ def _resolve_runner(config: Config) -> None:
     if config.runner == "pooling":
         if config.speculative is not None:
             raise ValueError("speculative_config is for generation; the runner='pooling' engine takes none")
+        if config.logits_processors:
+            raise ValueError(f"{POOLING_REJECTS_LOGITS_PROCESSORS} (logits_processors="
+                             f"{list(config.logits_processors)!r} with a pooling model: they act on generated tokens)")
         config.pooler = read_pooler_config(config.model, config.hf_config)
 
 

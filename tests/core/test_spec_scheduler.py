@@ -127,3 +127,10 @@ def test_adaptive_rule_keeps_drafts_that_pay_for_their_rows():
     assert sorted(set(kept.values())) == [0, 5] and sum(kept.values()) == 32 * 5
     # where a row costs as much as the step's fixed part, only drafts likelier than a token per cost are kept
     assert set(keep_drafts({good: [7] * 5}, num_seqs=64, num_rows=64, step_cost=(0, 0)).values()) == {0}
+
+
+def test_vllm_older_ngram_model_name_is_the_ngram_method():
+    """vLLM's `{"model": "ngram"}` (and "[ngram]") names prompt lookup, as `{"method": "ngram"}` does."""
+    ngram = parse_speculative_config({"method": "ngram", "num_speculative_tokens": 3})
+    for name in ("ngram", "[ngram]"):
+        assert parse_speculative_config({"model": name, "num_speculative_tokens": 3}) == ngram

@@ -23,6 +23,7 @@ from nanovllm.execution.logits_processors import ProcessorBatch
 from nanovllm.execution.sampler import SamplingRow
 from nanovllm.logger import init_logger
 from nanovllm.v1.sample.logits_processor import (
+    STR_POOLING_REJECTS_LOGITSPROCS,
     STR_SPEC_DEC_REJECTS_LOGITSPROCS,
     AdapterLogitsProcessor,
     BatchUpdate,
@@ -366,9 +367,11 @@ def test_what_vllm_v1_refuses(tied_model):
     with pytest.raises(ValueError, match="extra_args must be a dict or None, got list"):
         SamplingParams(extra_args=[1])
     assert SamplingParams(extra_args={"a": 1}, seed=2, n=2).for_sample(1).extra_args == {"a": 1}
-    spec = {"method": "ngram", "num_speculative_tokens": 2}
-    with pytest.raises(ValueError, match=re.escape(STR_SPEC_DEC_REJECTS_LOGITSPROCS)):
-        LLM(tied_model, device="cpu", speculative_config=spec, logits_processors=[TargetToken])
+    for spec in ({"method": "ngram", "num_speculative_tokens": 2}, {"model": "ngram", "num_speculative_tokens": 1}):
+        with pytest.raises(ValueError, match=re.escape(STR_SPEC_DEC_REJECTS_LOGITSPROCS)):
+            LLM(tied_model, device="cpu", speculative_config=spec, logits_processors=[TargetToken])
+    with pytest.raises(ValueError, match=re.escape(STR_POOLING_REJECTS_LOGITSPROCS)):
+        LLM(tied_model, device="cpu", runner="pooling", logits_processors=[TargetToken])
     for bad, message in [(["no_colon"], "must be a list of LogitsProcessor subclasses or their 'module:Class'"),
                          (TargetToken, "must be a list"),
                          (["nanovllm_no_such:X"], r"logits_processors\[0\] 'nanovllm_no_such:X' cannot be loaded"),
