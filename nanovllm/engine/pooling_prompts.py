@@ -69,6 +69,10 @@ class PoolingPromptChecker(PromptChecker):
                              f"{type(text_2).__name__}")
         if not text_1 or not text_2:
             raise ValueError(f"pair {index}: an empty text cannot be scored")
+        if getattr(self.config.hf_config, "type_vocab_size", 1) > 1:
+            raise ValueError(f"{self.config.model!r} reads a text pair's second text with token type 1, which nanovllm "
+                             "does not pass to the model yet; RoBERTa and XLM-RoBERTa cross-encoders (one token type) "
+                             "and decoders score pairs")
         token_ids = self._truncated(self.tokenizer(text_1, text_2)["input_ids"], pooling.truncate_prompt_tokens)
         _, token_ids = self._to_token_ids(token_ids, index)
         return CheckedPoolingPrompt(None, token_ids, POOLED_SAMPLING, 0, pooling=pooling)

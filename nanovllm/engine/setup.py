@@ -15,7 +15,7 @@ from nanovllm.layers.prepack import native_bfloat16
 from nanovllm.models import has_lm_head, kv_sliding_window, model_class
 from nanovllm.models.gguf.metadata import cached_metadata, find_gguf
 from nanovllm.models.gguf.weights import check_table, read_table
-from nanovllm.models.hf_config import head_dim
+from nanovllm.models.hf_config import head_dim, is_encoder, max_positions
 from nanovllm.models.loader import find_weight_files
 from nanovllm.models.sentence_transformers import is_sentence_transformers, read_pooler_config
 
@@ -115,6 +115,19 @@ def _resolve_runner(config: Config) -> None:
             raise ValueError(f"{POOLING_REJECTS_LOGITS_PROCESSORS} (logits_processors="
                              f"{list(config.logits_processors)!r} with a pooling model: they act on generated tokens)")
         config.pooler = read_pooler_config(config.model, config.hf_config)
+    if is_encoder(config.hf_config):
+        _resolve_encoder(config)
+
+
+def _resolve_encoder(config: Config) -> None:
+    """An encoder attends to its whole prompt in both directions, so a prompt is computed in one step: chunked
+    prefill is turned off (as vLLM does); it runs unsharded and unquantized."""
+    for name, value, default in (("tensor_parallel_size", config.tensor_parallel_size, 1),
+                                 ("quantization", config.quantization, None)):
+        if value != default:
+            raise ValueError(f"{config.model!r} is an encoder ({config.architecture}), which runs with {name}="
+                             f"{default!r} only; got {value!r}")
+    config.enable_chunked_prefill = False
 
 
 def _resolve_speculative(config: Config) -> None:
@@ -177,7 +190,7 @@ def _check_quantization(config: Config) -> None:
 
 
 def _resolve_max_model_len(config: Config) -> None:
-    limit = config.hf_config.max_position_embeddings
+    limit = max_positions(config.hf_config)
     if config.max_model_len_given:
         config.max_model_len = min(config.max_model_len, limit)
     else:

@@ -1,6 +1,7 @@
 """Model families, looked up by the `architectures` entry of config.json."""
 from transformers import PretrainedConfig
 
+from nanovllm.models.bert import ENCODER_ARCHITECTURES, BertForPooling
 from nanovllm.models.decoder import DecoderForCausalLM
 from nanovllm.models.gemma import Gemma2ForCausalLM, Gemma3ForCausalLM, GemmaForCausalLM
 from nanovllm.models.gpt_neox import GPTNeoXForCausalLM, StableLmForCausalLM
@@ -36,27 +37,26 @@ def causal_name(architecture: str) -> str:
     return architecture
 
 
-def is_classifier(config: PretrainedConfig) -> bool:
-    """Whether the config's architecture is a family's `*ForSequenceClassification` (a `score` head)."""
-    return any(name.endswith("ForSequenceClassification") for name in getattr(config, "architectures", None) or [])
-
-
 def has_lm_head(config: PretrainedConfig) -> bool:
     """Whether the config's architecture is a family's `*ForCausalLM` (what the generate runner needs)."""
     return any(name in MODEL_REGISTRY for name in getattr(config, "architectures", None) or [])
 
 
-def model_class(config: PretrainedConfig) -> type[DecoderForCausalLM]:
+def model_class(config: PretrainedConfig) -> type[DecoderForCausalLM] | type[BertForPooling]:
     """The family that runs `config` (the engine's setup asks once and keeps its name in `Config.architecture`); a
     ValueError naming the supported ones when none does, or when the family cannot run this particular config
     (activation, rope scaling, sliding window). Gives `config` the attributes the engine reads under Llama's names
     (`normalize_config`)."""
     names = getattr(config, "architectures", None) or []
+    if any(name in ENCODER_ARCHITECTURES for name in names):
+        BertForPooling.normalize_config(config)
+        return BertForPooling
     cls = next((MODEL_REGISTRY[causal_name(name)] for name in names if causal_name(name) in MODEL_REGISTRY), None)
     if cls is None:
         found = f"architectures {names}" if names else "no 'architectures' entry"
         raise ValueError(f"unsupported model: config.json has {found}; nanovllm supports {sorted(MODEL_REGISTRY)}, "
-                         "and for pooling each family's *ForSequenceClassification and *Model")
+                         f"and for pooling each family's *ForSequenceClassification and *Model, and "
+                         f"{list(ENCODER_ARCHITECTURES)}")
     cls.normalize_config(config)
     for kind in set(layer_types(config)):
         rope_scaling(config, kind)

@@ -123,3 +123,20 @@ def layer_windows(cfg: PretrainedConfig) -> tuple[int, ...]:
     if types:
         return tuple(window if kind == "sliding_attention" else 0 for kind in types)
     return (window,) * cfg.num_hidden_layers
+
+
+def is_classifier(config: PretrainedConfig) -> bool:
+    """Whether the config's architecture is a `*ForSequenceClassification` (a classification head)."""
+    return any(name.endswith("ForSequenceClassification") for name in getattr(config, "architectures", None) or [])
+
+
+def is_encoder(config: PretrainedConfig) -> bool:
+    """Whether the config is an encoder-only model's (BERT, RoBERTa, XLM-RoBERTa: bidirectional attention)."""
+    return config.model_type in ("bert", "roberta", "xlm-roberta")
+
+
+def max_positions(config: PretrainedConfig) -> int:
+    """The longest sequence the config's position embeddings cover: `max_position_embeddings`, less RoBERTa's offset
+    (its positions start past its padding index)."""
+    offset = config.pad_token_id + 1 if config.model_type in ("roberta", "xlm-roberta") else 0
+    return config.max_position_embeddings - offset

@@ -13,15 +13,14 @@ from dataclasses import dataclass
 import torch
 from safetensors import SafetensorError, safe_open
 from torch import nn
-from transformers import AutoModelForCausalLM, AutoModelForSequenceClassification, PretrainedConfig
+from transformers import AutoModel, AutoModelForCausalLM, AutoModelForSequenceClassification, PretrainedConfig
 
 from nanovllm.config import QUANTIZATIONS
 from nanovllm.kernels.ggml import TYPE_IDS
 from nanovllm.layers.ggml_weight import GGMLTensor, GGMLWeight, quantize
 from nanovllm.layers.moe import FusedMoE
-from nanovllm.models import is_classifier
 from nanovllm.models.gguf.weights import drop_resident_pages, gguf_weights, map_file
-from nanovllm.models.hf_config import head_dim
+from nanovllm.models.hf_config import head_dim, is_classifier, is_encoder
 
 
 def find_weight_files(model: str) -> list[str]:
@@ -201,8 +200,9 @@ def as_loaded(weights: Iterable[tuple[str, torch.Tensor | GGMLTensor]], quantiza
 
 def _reference_model(hf_config: PretrainedConfig) -> nn.Module:
     """transformers' own model for this config on the meta device: the checkpoint's names and full shapes (a
-    classifier's: its `score` head instead of the LM head)."""
-    auto = AutoModelForSequenceClassification if is_classifier(hf_config) else AutoModelForCausalLM
+    classifier's: its head instead of the LM head; an encoder's: its base model, as sentence-transformers saves it)."""
+    auto = AutoModelForSequenceClassification if is_classifier(hf_config) else \
+        AutoModel if is_encoder(hf_config) else AutoModelForCausalLM
     with torch.device("meta"):
         return auto.from_config(hf_config)
 

@@ -1,6 +1,6 @@
 """The pooling runner's models: a family's decoder without its LM head, with the pooler its `PoolerConfig` describes
 (sentence-transformers' Dense layers) and, for a `*ForSequenceClassification` checkpoint, transformers' `score` head
-(a linear layer without bias, `num_labels` outputs, read at the last token)."""
+(a linear layer without bias, `num_labels` outputs, read at the last token); or an encoder (`nanovllm.models.bert`)."""
 from collections.abc import Iterable, Iterator
 
 import torch
@@ -8,10 +8,11 @@ from torch import nn
 from transformers import AutoModelForCausalLM, PretrainedConfig
 
 from nanovllm.config import PoolerConfig
-from nanovllm.layers.pooler import DenseLayer, Pooler
+from nanovllm.layers.pooler import Pooler
 from nanovllm.models import MODEL_REGISTRY
+from nanovllm.models.bert import BertForPooling
 from nanovllm.models.decoder import DecoderForCausalLM
-from nanovllm.models.sentence_transformers import dense_config, dense_weights
+from nanovllm.models.sentence_transformers import dense_layers, dense_tensors
 
 
 class DecoderForPooling(DecoderForCausalLM):
@@ -22,15 +23,7 @@ class DecoderForPooling(DecoderForCausalLM):
     with_lm_head = False
 
     def add_pooler(self, config: PretrainedConfig, pooler_config: PoolerConfig) -> None:
-        dense = []
-        for folder in pooler_config.dense_dirs:
-            in_features, out_features, bias, activation = dense_config(folder)
-            expected = dense[-1].linear.out_features if dense else config.hidden_size
-            if in_features != expected:
-                raise ValueError(f"the Dense module {folder!r} takes {in_features} features, but {expected} come "
-                                 "into it")
-            dense.append(DenseLayer(in_features, out_features, bias, activation))
-        self.pooler = Pooler(pooler_config.pooling_type, dense)
+        self.pooler = Pooler(pooler_config.pooling_type, dense_layers(config, pooler_config))
         self.dense_dirs = pooler_config.dense_dirs
         self.score = nn.Linear(config.hidden_size, pooler_config.num_labels, bias=False) \
             if pooler_config.num_labels else None
@@ -40,17 +33,18 @@ class DecoderForPooling(DecoderForCausalLM):
         named = ((name if name.startswith((self.base_prefix, "score.")) else self.base_prefix + name, tensor)
                  for name, tensor in weights)
         yield from super().checkpoint_weights(named)
-        for i, folder in enumerate(self.dense_dirs):
-            for name, tensor in dense_weights(folder):
-                yield f"pooler.dense.{i}.{name}", tensor
+        yield from dense_tensors(self.dense_dirs)
 
     def compute_logits(self, hidden_states: torch.Tensor) -> None:
         """No LM head: nothing to sample (the CUDA memory warm-up asks)."""
         return None
 
 
-def pooling_model(architecture: str, config: PretrainedConfig, pooler_config: PoolerConfig) -> DecoderForPooling:
+def pooling_model(architecture: str, config: PretrainedConfig,
+                  pooler_config: PoolerConfig) -> DecoderForPooling | BertForPooling:
     """The pooling model of family `architecture` (as `model_class` named it) for `config`, weights not loaded."""
+    if architecture == BertForPooling.__name__:
+        return BertForPooling(config, pooler_config)
     family = MODEL_REGISTRY[architecture]
     cls = type(architecture.removesuffix("ForCausalLM") + "ForPooling", (DecoderForPooling, family), {})
     model = cls(config)

@@ -1,7 +1,7 @@
 """A pooling model's `PoolerConfig`, read as vLLM reads it: from a sentence-transformers directory's files
 (`modules.json`, the Pooling module's `config.json`, Dense modules' `config.json` and weights, a Normalize module),
-else the architecture's defaults (decoder embedders: the last token, normalized; classifiers: the last token through
-`score`, with transformers' activation for the config's `problem_type`)."""
+else the architecture's defaults (decoder embedders: the last token, normalized; encoders: the first token,
+normalized; classifiers: their head at that token, with transformers' activation for the config's `problem_type`)."""
 import json
 import os
 from collections.abc import Iterator
@@ -11,7 +11,8 @@ from safetensors.torch import load_file
 from transformers import PretrainedConfig
 
 from nanovllm.config import PoolerConfig
-from nanovllm.models import is_classifier
+from nanovllm.layers.pooler import DenseLayer
+from nanovllm.models.hf_config import is_classifier, is_encoder
 
 MODULES_FILE = "modules.json"
 # sentence-transformers' pooling modes: the new `pooling_mode` values and the older `pooling_mode_*` flags
@@ -66,12 +67,13 @@ def read_pooler_config(path: str, hf_config: PretrainedConfig) -> PoolerConfig:
     dims = getattr(hf_config, "matryoshka_dimensions", None)
     matryoshka = dict(is_matryoshka=bool(getattr(hf_config, "is_matryoshka", False) or dims),
                       matryoshka_dimensions=tuple(dims) if dims else None)
+    default = "CLS" if is_encoder(hf_config) else "LAST"
     if is_classifier(hf_config):
-        return PoolerConfig(normalize=False, num_labels=hf_config.num_labels,
+        return PoolerConfig(default, normalize=False, num_labels=hf_config.num_labels,
                             activation=_classifier_activation(hf_config), **matryoshka)
     if not is_sentence_transformers(path):
-        return PoolerConfig(**matryoshka)
-    pooling_type, normalize, dense = "LAST", False, []
+        return PoolerConfig(default, **matryoshka)
+    pooling_type, normalize, dense = default, False, []
     for module in _read_json(os.path.join(path, MODULES_FILE)):
         kind, folder = module.get("type", "").rsplit(".", 1)[-1], os.path.join(path, module.get("path", ""))
         if kind == "Transformer":
@@ -107,3 +109,23 @@ def dense_weights(folder: str) -> Iterator[tuple[str, torch.Tensor]]:
     if not os.path.isfile(file):
         raise FileNotFoundError(f"no model.safetensors or pytorch_model.bin in the Dense module {folder!r}")
     yield from torch.load(file, map_location="cpu", weights_only=True).items()
+
+
+def dense_layers(config: PretrainedConfig, pooler_config: PoolerConfig) -> list[DenseLayer]:
+    """The Dense modules of `pooler_config`, in order, built (weights not loaded); a ValueError when one's input is
+    not the previous one's output (the model's hidden size for the first)."""
+    layers = []
+    for folder in pooler_config.dense_dirs:
+        in_features, out_features, bias, activation = dense_config(folder)
+        expected = layers[-1].linear.out_features if layers else config.hidden_size
+        if in_features != expected:
+            raise ValueError(f"the Dense module {folder!r} takes {in_features} features, but {expected} come into it")
+        layers.append(DenseLayer(in_features, out_features, bias, activation))
+    return layers
+
+
+def dense_tensors(folders: tuple[str, ...]) -> Iterator[tuple[str, torch.Tensor]]:
+    """The Dense modules' tensors under the pooler's names (`pooler.dense.{i}.linear.weight`)."""
+    for i, folder in enumerate(folders):
+        for name, tensor in dense_weights(folder):
+            yield f"pooler.dense.{i}.{name}", tensor

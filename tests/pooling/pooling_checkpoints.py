@@ -32,10 +32,13 @@ def _randomized(model: torch.nn.Module, seed: int) -> torch.nn.Module:
     return model.float()
 
 
-def _tokenizer(path: str) -> None:
+def _tokenizer(path: str, token_types: bool = True) -> None:
+    """`make_tokenizer`'s, padding with EOS; without `token_types` it gives no token type ids (as RoBERTa's)."""
     make_tokenizer(path, 300)
     tokenizer = AutoTokenizer.from_pretrained(path)
     tokenizer.pad_token = tokenizer.eos_token
+    if not token_types:
+        tokenizer.model_input_names = ["input_ids", "attention_mask"]
     tokenizer.save_pretrained(path)
 
 
@@ -78,7 +81,7 @@ def make_classifier(path: str, *, model_type: str = "qwen2", num_labels: int = 3
     torch.manual_seed(seed)
     config = AutoConfig.for_model(model_type, num_labels=num_labels, **{**TINY, **settings})
     _randomized(AutoModelForSequenceClassification.from_config(config), seed).save_pretrained(path)
-    _tokenizer(path)
+    _tokenizer(path, token_types=getattr(config, "type_vocab_size", 2) > 1)
     return path
 
 
