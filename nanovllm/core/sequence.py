@@ -24,7 +24,8 @@ class Sequence:
     `search`: for a beam of a beam search (`nanovllm.engine.beam_search`), the search, which takes each token the
     beam samples instead of the engine appending it; `held` while the beam has sampled and waits for its search to
     choose the next beams (the scheduler neither runs nor admits it). `fork` makes a copy to share its KV blocks.
-    `pooling`: for a pooling request, its `PoolingParams`: the sequence is its prompt only, pooled once computed.
+    `pooling`: for a pooling request, its `PoolingParams`: the sequence is its prompt only, pooled once computed;
+    `token_type_ids`: its prompt's token types, for a model that reads them (None: all 0).
     """
 
     def __init__(self, seq_id: int, token_ids: list[int], block_size: int, params: SamplingParams,
@@ -47,6 +48,7 @@ class Sequence:
         self.search = None
         self.held = False
         self.pooling = None
+        self.token_type_ids: list[int] | None = None
 
     def __len__(self) -> int:
         return len(self.token_ids)

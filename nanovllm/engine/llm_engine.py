@@ -241,7 +241,7 @@ class LLMEngine:
             raise sleeping_error(self.model_runner.sleep_level)
         if isinstance(checked, CheckedPoolingPrompt):
             seq = Sequence(self.next_seq_id(), checked.token_ids, self.config.kvcache_block_size, checked.params)
-            seq.pooling = checked.pooling
+            seq.pooling, seq.token_type_ids = checked.pooling, checked.token_type_ids
             return PoolingRequest(str(next(self._request_ids)), seq)
         params = checked.params
         samples = Request.sample_params(params)

@@ -4,6 +4,7 @@ cross-encoder, and `PoolingParams` against the task and the model."""
 from dataclasses import dataclass
 
 from nanovllm.engine.prompts import CheckedPrompt, Prompt, PromptChecker
+from nanovllm.models.hf_config import reads_token_types
 from nanovllm.pooling_params import PoolingParams
 from nanovllm.sampling_params import SamplingParams
 
@@ -15,9 +16,11 @@ POOLED_SAMPLING = SamplingParams(max_tokens=1, detokenize=False)
 @dataclass
 class CheckedPoolingPrompt(CheckedPrompt):
     """A checked pooling prompt: `pooling` is its `PoolingParams` for its task, the model's defaults filled in;
-    `params` is `POOLED_SAMPLING`."""
+    `params` is `POOLED_SAMPLING`. `token_type_ids`: a text pair's token types, for a model that reads them (BERT's
+    second text is type 1); None: all 0."""
 
     pooling: PoolingParams | None = None
+    token_type_ids: list[int] | None = None
 
 
 class PoolingPromptChecker(PromptChecker):
@@ -69,13 +72,13 @@ class PoolingPromptChecker(PromptChecker):
                              f"{type(text_2).__name__}")
         if not text_1 or not text_2:
             raise ValueError(f"pair {index}: an empty text cannot be scored")
-        if getattr(self.config.hf_config, "type_vocab_size", 1) > 1:
-            raise ValueError(f"{self.config.model!r} reads a text pair's second text with token type 1, which nanovllm "
-                             "does not pass to the model yet; RoBERTa and XLM-RoBERTa cross-encoders (one token type) "
-                             "and decoders score pairs")
-        token_ids = self._truncated(self.tokenizer(text_1, text_2)["input_ids"], pooling.truncate_prompt_tokens)
+        reads_types = reads_token_types(self.config.hf_config)
+        encoded = self.tokenizer(text_1, text_2, return_token_type_ids=reads_types)
+        token_ids = self._truncated(encoded["input_ids"], pooling.truncate_prompt_tokens)
         _, token_ids = self._to_token_ids(token_ids, index)
-        return CheckedPoolingPrompt(None, token_ids, POOLED_SAMPLING, 0, pooling=pooling)
+        types = encoded["token_type_ids"] if reads_types else None
+        types = self._truncated(types, pooling.truncate_prompt_tokens) if types and any(types) else None
+        return CheckedPoolingPrompt(None, token_ids, POOLED_SAMPLING, 0, pooling=pooling, token_type_ids=types)
 
     def pooling_params(self, params: PoolingParams | None, task: str,
                        truncate_prompt_tokens: int | None) -> PoolingParams:

@@ -15,9 +15,9 @@ from nanovllm.execution.draft_model import DraftModel
 from nanovllm.execution.kv_cache import bind_kv_cache, create_kv_cache, release_kv_cache, restore_kv_cache
 from nanovllm.execution.logits_processors import build_logits_processors
 from nanovllm.execution.model_loading import load_runner_model
-from nanovllm.execution.pooling import PooledOutput, StepPooler
+from nanovllm.execution.pooling import PooledOutput, StepPooler, step_token_types
 from nanovllm.execution.sampler import PromptRows, Sampler, SamplerOutput
-from nanovllm.execution.step_inputs import Chunk, set_step_context
+from nanovllm.execution.step_inputs import Chunk, set_step_context, to_device
 from nanovllm.execution.stopwatch import Stopwatch
 from nanovllm.execution.tensor_parallel import WorkerGroup, started
 from nanovllm.execution.verifier import verify
@@ -265,10 +265,11 @@ class ModelRunner:
         return input_ids, positions, prompt_rows
 
     @torch.inference_mode()
-    def run_model(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor | None:
+    def run_model(self, input_ids: torch.Tensor, positions: torch.Tensor,
+                  token_type_ids: torch.Tensor | None = None) -> torch.Tensor | None:
         """Logits at the context's `logits_indices` (None if there are none, and on ranks other than 0); for the
-        pooling runner, rank 0 gets every row's hidden states. Decode replays a captured CUDA graph when one fits; the
-        LM head always runs eagerly."""
+        pooling runner, rank 0 gets every row's hidden states (`token_type_ids` for an encoder that reads them).
+        Decode replays a captured CUDA graph when one fits; the LM head always runs eagerly."""
         ctx = get_context()
         with self._timed("model"):
             replay = self.graphs is not None and ctx.is_decode and ctx.rope_lengths is None
@@ -276,6 +277,8 @@ class ModelRunner:
                 hidden_states = self.graphs.run(input_ids, positions, ctx)
             elif self.cpu_decoder is not None and ctx.max_seqlen_q <= SHORT_QUERIES:
                 hidden_states = self.cpu_decoder(input_ids, positions)
+            elif token_type_ids is not None:
+                hidden_states = self.model(input_ids, positions, token_type_ids)
             else:
                 hidden_states = self.model(input_ids, positions)
         if self.config.runner == "pooling":  # rank 0 pools the hidden states
@@ -300,9 +303,11 @@ class ModelRunner:
                 draft_probs = self.drafter.propose(batch, self.sampler)
         with self._timed("prepare"):
             input_ids, positions, prompt_rows = self.prepare(batch)
+            types = step_token_types(batch) if self.pooler is not None else None
         with self._governed():
             watch = Stopwatch(self.device).start() if self.drafter is not None else None
-            logits = self.call("run_model", input_ids, positions)
+            logits = self.call("run_model", input_ids, positions,
+                               None if types is None else to_device(types, torch.int64, self.device))
             if watch is not None:
                 watch.stop()
         reset_context()

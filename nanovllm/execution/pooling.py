@@ -19,6 +19,17 @@ class PooledOutput:
     data: dict[int, torch.Tensor]
 
 
+def step_token_types(batch: ScheduledBatch) -> list[int] | None:
+    """The token type of every row of the step (`Sequence.token_type_ids`, 0 where a sequence has none), or None
+    when all are 0."""
+    if all(seq.token_type_ids is None for seq in batch.seqs):
+        return None
+    types = []
+    for seq, start, num_tokens in zip(batch.seqs, batch.starts, batch.num_tokens):
+        types += seq.token_type_ids[start:start + num_tokens] if seq.token_type_ids else [0] * num_tokens
+    return types
+
+
 class StepPooler:
     """Pools `model`'s hidden states (`nanovllm.models.pooling`) as `config` says. A prompt computed in several steps
     keeps its partial result here between them (`Pooler.accumulate`); one whose computation starts over (preempted)

@@ -1,9 +1,9 @@
 """Encoder-only models for the pooling runner: BERT, RoBERTa and XLM-RoBERTa (transformers' `BertModel`,
 `RobertaModel`, `XLMRobertaModel` and their `*ForSequenceClassification`), as transformers computes them: absolute
-position embeddings (RoBERTa's offset past its padding index), token type 0, post-norm layers, and attention over
-each whole prompt in both directions (`bidirectional_attention`: per sequence of the step's ragged batch, no
-padding, no KV cache read or written). A prompt is computed in one step: the engine turns chunked prefill off for
-these models (`nanovllm.engine.setup`)."""
+position embeddings (RoBERTa's offset past its padding index), token types (0, or a text pair's), post-norm layers,
+and attention over each whole prompt in both directions (`bidirectional_attention`: per sequence of the step's
+ragged batch, no padding, no KV cache read or written). A prompt is computed in one step: the engine turns chunked
+prefill off for these models (`nanovllm.engine.setup`)."""
 from collections.abc import Iterable, Iterator
 
 import torch
@@ -44,8 +44,10 @@ class BertEmbeddings(nn.Module):
         self.LayerNorm = nn.LayerNorm(config.hidden_size, eps=config.layer_norm_eps)
         self.position_offset = config.max_position_embeddings - max_positions(config)
 
-    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
-        embeddings = self.word_embeddings(input_ids) + self.token_type_embeddings(torch.zeros_like(input_ids))
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
+                token_type_ids: torch.Tensor | None = None) -> torch.Tensor:
+        types = torch.zeros_like(input_ids) if token_type_ids is None else token_type_ids
+        embeddings = self.word_embeddings(input_ids) + self.token_type_embeddings(types)
         return self.LayerNorm(embeddings + self.position_embeddings(positions + self.position_offset))
 
 
@@ -114,8 +116,9 @@ class BertModel(nn.Module):
         self.embeddings = BertEmbeddings(config)
         self.layers = nn.ModuleList([BertLayer(config) for _ in range(config.num_hidden_layers)])
 
-    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
-        hidden_states = self.embeddings(input_ids, positions)
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
+                token_type_ids: torch.Tensor | None = None) -> torch.Tensor:
+        hidden_states = self.embeddings(input_ids, positions, token_type_ids)
         for layer in self.layers:
             hidden_states = layer(hidden_states)
         return hidden_states
@@ -159,8 +162,10 @@ class BertForPooling(nn.Module):
         self.dense_dirs = pooler_config.dense_dirs
         self.score = BertClassifier(config, pooler_config.num_labels) if pooler_config.num_labels else None
 
-    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
-        return self.model(input_ids, positions)
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
+                token_type_ids: torch.Tensor | None = None) -> torch.Tensor:
+        """`token_type_ids`: each row's token type (None: all 0; a BERT text pair's second text is type 1)."""
+        return self.model(input_ids, positions, token_type_ids)
 
     def compute_logits(self, hidden_states: torch.Tensor) -> None:
         """No LM head: nothing to sample (the CUDA memory warm-up asks)."""

@@ -135,6 +135,11 @@ def is_encoder(config: PretrainedConfig) -> bool:
     return config.model_type in ("bert", "roberta", "xlm-roberta")
 
 
+def reads_token_types(config: PretrainedConfig) -> bool:
+    """Whether the model reads token type ids (an encoder with more than one: BERT's text pairs)."""
+    return is_encoder(config) and getattr(config, "type_vocab_size", 1) > 1
+
+
 def max_positions(config: PretrainedConfig) -> int:
     """The longest sequence the config's position embeddings cover: `max_position_embeddings`, less RoBERTa's offset
     (its positions start past its padding index)."""

@@ -33,13 +33,18 @@ def _randomized(model: torch.nn.Module, seed: int) -> torch.nn.Module:
 
 
 def _tokenizer(path: str, token_types: bool = True) -> None:
-    """`make_tokenizer`'s, padding with EOS; without `token_types` it gives no token type ids (as RoBERTa's)."""
+    """`make_tokenizer`'s, padding with EOS, giving a text pair's token type ids (as BERT's) or, without
+    `token_types`, none (as RoBERTa's)."""
     make_tokenizer(path, 300)
     tokenizer = AutoTokenizer.from_pretrained(path)
     tokenizer.pad_token = tokenizer.eos_token
-    if not token_types:
-        tokenizer.model_input_names = ["input_ids", "attention_mask"]
     tokenizer.save_pretrained(path)
+    config_path = os.path.join(path, "tokenizer_config.json")
+    with open(config_path) as f:
+        config = json.load(f)
+    config["model_input_names"] = ["input_ids", *(["token_type_ids"] if token_types else []), "attention_mask"]
+    with open(config_path, "w") as f:
+        json.dump(config, f, indent=2)
 
 
 def make_st_embedder(path: str, *, model_type: str = "qwen3", pooling_mode: str = "lasttoken", normalize: bool = True,
@@ -81,7 +86,7 @@ def make_classifier(path: str, *, model_type: str = "qwen2", num_labels: int = 3
     torch.manual_seed(seed)
     config = AutoConfig.for_model(model_type, num_labels=num_labels, **{**TINY, **settings})
     _randomized(AutoModelForSequenceClassification.from_config(config), seed).save_pretrained(path)
-    _tokenizer(path, token_types=getattr(config, "type_vocab_size", 2) > 1)
+    _tokenizer(path, token_types=getattr(config, "type_vocab_size", 1) > 1)
     return path
 
 

@@ -45,11 +45,16 @@ def test_xlm_roberta_cross_encoder_matches_cross_encoder(tmp_path):
     assert got == pytest.approx(list(want), abs=1e-5)
 
 
-def test_encoder_limits(tmp_path):
+def test_bert_cross_encoder_reads_the_pair_token_types(tmp_path):
+    """BERT's second text has token type 1 (ms-marco cross-encoders), also when a step mixes pairs and texts."""
+    from sentence_transformers import CrossEncoder
+
     path = make_classifier(str(tmp_path / "bert"), model_type="bert", num_labels=1)
-    with pytest.raises(ValueError, match="is an encoder .*tensor_parallel_size=1 only"):
-        LLM(path, **CPU, tensor_parallel_size=2)
+    pairs = [(TEXTS[0], d) for d in TEXTS[1:]]
+    want = CrossEncoder(path, device="cpu").predict(pairs)
     with LLM(path, **CPU) as llm:
-        with pytest.raises(ValueError, match="token type 1, which nanovllm does not pass to the model yet"):
-            llm.score("a", "b", use_tqdm=False)
-        assert len(llm.classify(TEXTS, use_tqdm=False)) == len(TEXTS)
+        assert llm.get_tokenizer()(*pairs[0])["token_type_ids"][-1] == 1
+        got = [o.outputs.score for o in llm.score(TEXTS[0], TEXTS[1:], use_tqdm=False)]
+        with pytest.raises(ValueError, match="is an encoder .*tensor_parallel_size=1 only"):
+            LLM(path, **CPU, tensor_parallel_size=2)
+    assert got == pytest.approx(list(want), abs=1e-5)
