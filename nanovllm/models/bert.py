@@ -14,6 +14,7 @@ from transformers.activations import ACT2FN
 
 from nanovllm.config import PoolerConfig
 from nanovllm.kernels.attention.context import get_context
+from nanovllm.layers.linear import ReplicatedLinear
 from nanovllm.layers.pooler import Pooler
 from nanovllm.models.decoder import DecoderOptions
 from nanovllm.models.hf_config import max_positions
@@ -30,8 +31,8 @@ def bidirectional_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, s
     bounds = get_context().cu_seqlens_q.tolist()
     out = torch.empty_like(q)
     for start, end in zip(bounds, bounds[1:]):
-        out[start:end] = F.scaled_dot_product_attention(q[start:end].transpose(0, 1), k[start:end].transpose(0, 1),
-                                                        v[start:end].transpose(0, 1), scale=scale).transpose(0, 1)
+        heads_first = [x[start:end].transpose(0, 1).unsqueeze(0) for x in (q, k, v)]  # 4-D: SDPA's flash kernel
+        out[start:end] = F.scaled_dot_product_attention(*heads_first, scale=scale)[0].transpose(0, 1)
     return out
 
 
@@ -56,9 +57,9 @@ class BertSelfAttention(nn.Module):
         super().__init__()
         self.num_heads = config.num_attention_heads
         self.head_dim = config.hidden_size // config.num_attention_heads
-        self.query = nn.Linear(config.hidden_size, config.hidden_size)
-        self.key = nn.Linear(config.hidden_size, config.hidden_size)
-        self.value = nn.Linear(config.hidden_size, config.hidden_size)
+        self.query = ReplicatedLinear(config.hidden_size, config.hidden_size, bias=True)
+        self.key = ReplicatedLinear(config.hidden_size, config.hidden_size, bias=True)
+        self.value = ReplicatedLinear(config.hidden_size, config.hidden_size, bias=True)
 
     def forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
         q, k, v = (proj(hidden_states).view(-1, self.num_heads, self.head_dim)
@@ -71,7 +72,7 @@ class BertOutput(nn.Module):
 
     def __init__(self, config: PretrainedConfig, in_features: int):
         super().__init__()
-        self.dense = nn.Linear(in_features, config.hidden_size)
+        self.dense = ReplicatedLinear(in_features, config.hidden_size, bias=True)
         self.LayerNorm = nn.LayerNorm(config.hidden_size, eps=config.layer_norm_eps)
 
     def forward(self, hidden_states: torch.Tensor, residual: torch.Tensor) -> torch.Tensor:
@@ -91,7 +92,7 @@ class BertAttention(nn.Module):
 class BertIntermediate(nn.Module):
     def __init__(self, config: PretrainedConfig):
         super().__init__()
-        self.dense = nn.Linear(config.hidden_size, config.intermediate_size)
+        self.dense = ReplicatedLinear(config.hidden_size, config.intermediate_size, bias=True)
         self.act = ACT2FN[config.hidden_act]
 
     def forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
