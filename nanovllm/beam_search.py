@@ -49,7 +49,7 @@ class BeamSearchSequence:
     `cum_logprob` is the sum of its generated tokens' log-probabilities; `text` decodes `tokens` (prompt
     included, as vLLM's). `finish_reason` is "stop" (it ended with EOS; `stop_reason` is the EOS id) or "length"
     (`max_tokens` or `max_model_len`), the values vLLM's server reports (vLLM's `LLM.beam_search` leaves both
-    None). `lora_request` is always None (nanovllm has no LoRA)."""
+    None). `lora_request` is always None (beam search runs on the base model)."""
 
     tokens: list[int]
     logprobs: list[dict[int, Logprob]] = field(default_factory=list)

@@ -177,6 +177,8 @@ class Config:
     subclass or its "module:Class" name, built once by the sampler (per-request arguments in
     `SamplingParams.extra_args`); not with speculative decoding (vLLM V1's rule), and with them structured outputs
     do not jump forward (its drafts would be verified without the processors).
+    `enable_lora` (vLLM's) serves LoRA adapters per request (`nanovllm.lora`): at most `max_loras` distinct adapters
+    in one step, each of rank `max_lora_rank` at most, `max_cpu_loras` kept loaded (None: `max_loras`).
 
     The fields after `speculative_config` are not settings: `nanovllm.engine.setup.resolve_config` fills them in.
     """
@@ -215,6 +217,10 @@ class Config:
     draft: "Config | None" = field(init=False, default=None, repr=False)
     structured_outputs_config: dict | None = None
     logits_processors: list | None = None
+    enable_lora: bool = False
+    max_loras: int = 1
+    max_lora_rank: int = 16
+    max_cpu_loras: int | None = None
     hf_config: "PretrainedConfig" = field(init=False, repr=False)
     architecture: str = field(init=False, default="")  # the model family that runs hf_config
     pooler: PoolerConfig | None = field(init=False, default=None)  # runner "pooling": how outputs are pooled
@@ -277,8 +283,23 @@ class Config:
             raise ValueError(f"dtype must be one of {list(DTYPES)} (or vLLM's {list(DTYPE_ALIASES)}), got "
                              f"{self.dtype!r}")
         self.speculative = parse_speculative_config(self.speculative_config)
+        self._check_lora()
         self._check_structured_outputs_config()
         self._check_logits_processors()
+
+    def _check_lora(self) -> None:
+        if not isinstance(self.enable_lora, bool):
+            raise ValueError(f"enable_lora must be a bool, got {self.enable_lora!r}")
+        for name in ("max_loras", "max_lora_rank"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise ValueError(f"{name} must be a positive integer, got {value!r}")
+        if self.max_cpu_loras is None:
+            self.max_cpu_loras = self.max_loras
+        value = self.max_cpu_loras
+        if isinstance(value, bool) or not isinstance(value, int) or value < self.max_loras:
+            raise ValueError(f"max_cpu_loras must be an integer >= max_loras ({self.max_loras}) or None, got "
+                             f"{value!r}")
 
     def _check_structured_outputs_config(self) -> None:
         options = self.structured_outputs_config

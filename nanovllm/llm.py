@@ -13,9 +13,10 @@ from nanovllm.engine.beam_search import EngineBeamSearch, PromptSearch, search_b
 from nanovllm.engine.data_parallel import DataParallelLLM
 from nanovllm.engine.llm_engine import LLMEngine
 from nanovllm.engine.pooling_prompts import PoolingPromptChecker
-from nanovllm.engine.prompts import CheckedPrompt, Conversation, Params, Prompt, PromptChecker
+from nanovllm.engine.prompts import CheckedPrompt, Conversation, LoRAParam, Params, Prompt, PromptChecker, with_loras
 from nanovllm.engine.setup import resolve_config
 from nanovllm.llm_pooling import PoolingMethods
+from nanovllm.lora.request import LoRARequest
 from nanovllm.metrics import Metric, metrics_from_stats
 from nanovllm.outputs import RequestOutput
 from nanovllm.sampling_params import SamplingParams
@@ -95,6 +96,9 @@ class LLM(PoolingMethods):
         config = resolve_config(model, settings)
         if config.runner == "pooling" and data_parallel_size > 1:
             raise ValueError("runner='pooling' runs with data_parallel_size=1 (tensor_parallel_size may be larger)")
+        if config.enable_lora and data_parallel_size > 1:
+            raise ValueError("enable_lora=True runs with data_parallel_size=1 only (LoRA adapters are not served by "
+                             "data-parallel replicas yet)")
         self.engine: Engine = LLMEngine(config) if data_parallel_size == 1 else DataParallelLLM(config,
                                                                                             data_parallel_size)
         checker = PoolingPromptChecker if config.runner == "pooling" else PromptChecker
@@ -131,25 +135,25 @@ class LLM(PoolingMethods):
         return self.tokenizer
 
     def generate(self, prompts: Prompt | list[Prompt], sampling_params: Params = None, use_tqdm: bool = True,
-                 priority: int | list[int] | None = None, lora_request: None = None) -> list[RequestOutput]:
+                 priority: int | list[int] | None = None, lora_request: LoRAParam = None) -> list[RequestOutput]:
         """Complete every prompt; one `RequestOutput` per prompt, in prompt order. A prompt is text, vLLM's
         `{"prompt": text}` / `{"prompt_token_ids": ids}`, or a list of token ids; one prompt alone needs no list.
         `sampling_params` (default `SamplingParams()`) and `priority` are one value for all prompts or one per
-        prompt. `lora_request` (vLLM's) must be None, or a list of Nones."""
-        _check_no_lora(lora_request)
-        return self._run(self.prompts.check_prompts(prompts, sampling_params, priority), use_tqdm)
+        prompt; so is `lora_request`, the `LoRARequest` a prompt runs under (None: the base model; needs
+        `enable_lora=True`)."""
+        return self._run(with_loras(self.prompts.check_prompts(prompts, sampling_params, priority), lora_request),
+                         use_tqdm)
 
     def chat(self, messages: Conversation | list[Conversation], sampling_params: Params = None,
              use_tqdm: bool = True, priority: int | list[int] | None = None,
-             add_generation_prompt: bool = True, lora_request: None = None,
+             add_generation_prompt: bool = True, lora_request: LoRAParam = None,
              chat_template_kwargs: dict | None = None) -> list[RequestOutput]:
         """Reply to one conversation (a list of `{"role", "content"}` messages) or to a list of them, through the
-        model's chat template, as vLLM's `LLM.chat`; one `RequestOutput` per conversation. `lora_request` must be
-        None, or a list of Nones. `chat_template_kwargs` (vLLM's) are passed to the template (Qwen3's
-        `enable_thinking`, say)."""
-        _check_no_lora(lora_request)
-        return self._run(self.prompts.check_conversations(messages, sampling_params, priority, add_generation_prompt,
-                                                          chat_template_kwargs), use_tqdm)
+        model's chat template, as vLLM's `LLM.chat`; one `RequestOutput` per conversation. `lora_request`: as
+        `generate`'s. `chat_template_kwargs` (vLLM's) are passed to the template (Qwen3's `enable_thinking`, say)."""
+        checked = self.prompts.check_conversations(messages, sampling_params, priority, add_generation_prompt,
+                                                   chat_template_kwargs)
+        return self._run(with_loras(checked, lora_request), use_tqdm)
 
     def chat_prompt(self, conversation: Conversation, add_generation_prompt: bool = True) -> list[int]:
         """The token ids `chat` sends for `conversation`, e.g. to `stream` a reply."""
@@ -163,7 +167,7 @@ class LLM(PoolingMethods):
         in the same steps, and beams share their prompt's KV blocks (`nanovllm.engine.beam_search`); at most
         `concurrency_limit` prompts are searched at once (None: all). A beam's candidates are its `2 * beam_width`
         most likely next tokens (the vocabulary at most), whose logprobs count against `max_logprobs` as vLLM's do.
-        `lora_request` must be None."""
+        `lora_request` must be None (beam search under a LoRA adapter is not supported yet)."""
         if not isinstance(params, BeamSearchParams):
             raise ValueError(f"params must be a BeamSearchParams (from nanovllm import BeamSearchParams), got "
                              f"{type(params).__name__}")
@@ -189,14 +193,15 @@ class LLM(PoolingMethods):
         return [search.output(self.tokenizer, decode) for search in searches]
 
     def stream(self, prompts: Prompt | list[Prompt], sampling_params: Params = None,
-               priority: int | list[int] | None = None) -> Iterator[RequestOutput]:
+               priority: int | list[int] | None = None, lora_request: LoRAParam = None) -> Iterator[RequestOutput]:
         """Complete every prompt, yielding each request's news as it is produced, in step order: a `RequestOutput`
         whose completions hold only the text and tokens (and logprobs) new since the last one; a completion's
         last one carries its `finish_reason`. Text never ends inside a multi-byte character, and the deltas of a
         completion add up to its `generate` text. Request ids are consecutive, in prompt order. The news reach this
         stream whoever runs the steps (another stream, `generate`, another thread). Leaving the loop early aborts
-        the requests still running."""
-        handles = self.engine.submit(self.prompts.check_prompts(prompts, sampling_params, priority))
+        the requests still running. `lora_request`: as `generate`'s."""
+        handles = self.engine.submit(with_loras(self.prompts.check_prompts(prompts, sampling_params, priority),
+                                                lora_request))
         try:
             while True:
                 with self.engine.turn():
@@ -210,10 +215,35 @@ class LLM(PoolingMethods):
             raise
         _raise_if_failed(handles)
 
-    def add_request(self, prompt: Prompt, sampling_params: SamplingParams | None = None, priority: int = 0) -> str:
+    def add_request(self, prompt: Prompt, sampling_params: SamplingParams | None = None, priority: int = 0,
+                    lora_request: LoRARequest | None = None) -> str:
         """Queue one request and return its id; `step` runs it. Under `scheduling_policy="priority"` a lower
-        `priority` runs first (and is preempted last); first-come-first-served ignores it, as vLLM."""
-        return self.engine.submit([self.prompts.check_prompt(prompt, sampling_params, priority)])[0].request_id
+        `priority` runs first (and is preempted last); first-come-first-served ignores it, as vLLM. `lora_request`:
+        the adapter it runs under (None: the base model)."""
+        checked = with_loras([self.prompts.check_prompt(prompt, sampling_params, priority)], lora_request)
+        return self.engine.submit(checked)[0].request_id
+
+    def add_lora(self, lora_request: LoRARequest) -> bool:
+        """Load a LoRA adapter now rather than at its first request (vLLM's `add_lora`); whether it was read (False:
+        it was loaded). A ValueError or FileNotFoundError naming the adapter when it cannot run on this model."""
+        return self._lora_engine("add_lora").add_lora(lora_request)
+
+    def remove_lora(self, lora_id: int) -> bool:
+        """Unload an adapter; requests of it still in flight read it again when they run. Whether it was loaded."""
+        return self._lora_engine("remove_lora").remove_lora(lora_id)
+
+    def list_loras(self) -> set[int]:
+        """The `lora_int_id`s of the adapters loaded now (at most `max_cpu_loras`, besides pinned ones)."""
+        return self._lora_engine("list_loras").list_loras()
+
+    def pin_lora(self, lora_id: int) -> bool:
+        """Keep a loaded adapter loaded, whatever the LRU of `max_cpu_loras` would drop (vLLM's `pin_lora`)."""
+        return self._lora_engine("pin_lora").pin_lora(lora_id)
+
+    def _lora_engine(self, method: str) -> LLMEngine:
+        if not self.config.enable_lora:
+            raise ValueError(f"{method}: LoRA is off; create the LLM with enable_lora=True to serve LoRA adapters")
+        return self.engine
 
     def step(self, delta: bool = False) -> list[RequestOutput]:
         """Run one step (with data parallelism: wait for the replicas' next one); returns the outputs of the
@@ -307,10 +337,10 @@ class LLM(PoolingMethods):
 
 
 def _check_no_lora(lora_request: object) -> None:
-    """vLLM's `lora_request` argument, which nanovllm takes as None only (one for all prompts, or one per prompt)."""
+    """`beam_search`'s `lora_request`, which it takes as None only (one for all prompts, or one per prompt)."""
     if lora_request is None or isinstance(lora_request, (list, tuple)) and all(r is None for r in lora_request):
         return
-    raise ValueError("nanovllm has no LoRA adapters: lora_request must be None")
+    raise ValueError("beam_search does not run under a LoRA adapter yet: lora_request must be None")
 
 
 def _raise_if_failed(handles: list[Handle]) -> None:

@@ -1,5 +1,16 @@
-"""What `generate` returns, shaped as vLLM's outputs."""
+"""What `generate` returns, shaped as vLLM's outputs (the pooling methods' outputs are in `nanovllm.pooling_outputs`,
+importable from here as from `vllm.outputs`)."""
 from dataclasses import dataclass
+from typing import Any
+
+from nanovllm.pooling_outputs import ClassificationOutput as ClassificationOutput
+from nanovllm.pooling_outputs import ClassificationRequestOutput as ClassificationRequestOutput
+from nanovllm.pooling_outputs import EmbeddingOutput as EmbeddingOutput
+from nanovllm.pooling_outputs import EmbeddingRequestOutput as EmbeddingRequestOutput
+from nanovllm.pooling_outputs import PoolingOutput as PoolingOutput
+from nanovllm.pooling_outputs import PoolingRequestOutput as PoolingRequestOutput
+from nanovllm.pooling_outputs import ScoringOutput as ScoringOutput
+from nanovllm.pooling_outputs import ScoringRequestOutput as ScoringRequestOutput
 
 
 @dataclass
@@ -96,6 +107,7 @@ class RequestOutput:
     prompt_logprobs: list[dict[int, Logprob] | None] | None = None
     num_cached_tokens: int = 0
     metrics: RequestMetrics | None = None
+    lora_request: Any = None  # the request's `nanovllm.lora.request.LoRARequest` (None: the base model)
 
     def __getitem__(self, key: str):
         if key not in LEGACY_KEYS:

@@ -28,7 +28,8 @@ class BlockManager:
     """Hands out KV-cache blocks and shares full blocks between sequences with the same prefix.
 
     A full block is identified by xxh64(previous block's hash || its token ids), so one hash names
-    a whole prefix. A block is named as soon as a scheduled step fills it, so a request admitted
+    a whole prefix (a first block's hash starts from its sequence's LoRA adapter, if any: `first_prefix`). A block
+    is named as soon as a scheduled step fills it, so a request admitted
     later, even in the same step, can share a prefix that another request is still prefilling
     (every layer writes the step's K/V before any attention reads them). A freed block keeps its
     name and content until it is handed out again, so a later request can still hit it; free
@@ -54,6 +55,12 @@ class BlockManager:
     @property
     def num_free_blocks(self) -> int:
         return len(self.free_block_ids)
+
+    @staticmethod
+    def first_prefix(seq: Sequence) -> int:
+        """What a sequence's first block hashes on: nothing (-1) for the base model; under a LoRA adapter its id, so
+        that a prompt's K/V are shared only between sequences of the same adapter."""
+        return BlockManager.compute_hash([-seq.lora_int_id]) if seq.lora_int_id else -1
 
     @staticmethod
     def compute_hash(token_ids: list[int], prefix: int = -1) -> int:
@@ -82,7 +89,7 @@ class BlockManager:
         The block holding the last token is never a hit: the model must run that token to produce
         the next one, and so a computation never writes into a shared block.
         """
-        block_ids, prefix = [], -1
+        block_ids, prefix = [], self.first_prefix(seq)
         for i in range((len(seq) - 1) // self.block_size):
             token_ids = seq.block(i)
             prefix = self.compute_hash(token_ids, prefix)
@@ -125,7 +132,7 @@ class BlockManager:
         for i in range(start // self.block_size, end // self.block_size):
             block = self.blocks[seq.block_table[i]]
             if block.hash == -1:
-                prefix = self.blocks[seq.block_table[i - 1]].hash if i else -1
+                prefix = self.blocks[seq.block_table[i - 1]].hash if i else self.first_prefix(seq)
                 token_ids = seq.block(i)
                 block.update(self.compute_hash(token_ids, prefix), token_ids)
                 self.hash_to_block_id[block.hash] = block.block_id

@@ -11,7 +11,8 @@ class SchedulerConfig:
     "priority"), and the KV cache it hands out, `num_kv_blocks` blocks of `block_size` tokens (as many as the model
     runner could allocate). `sliding_window` > 0: every layer of the model sees only that many last positions, so
     blocks before it are released (see `BlockManager`). Without `enable_prefix_caching` no prompt reuses cached
-    blocks (a model whose K/V depend on the prompt's length, LongRoPE's, cannot share them)."""
+    blocks (a model whose K/V depend on the prompt's length, LongRoPE's, cannot share them). `max_loras` > 0: at most
+    that many distinct LoRA adapters among the running sequences (`Scheduler.lora_fits`)."""
 
     num_kv_blocks: int
     block_size: int
@@ -21,6 +22,7 @@ class SchedulerConfig:
     scheduling_policy: str
     sliding_window: int = 0
     enable_prefix_caching: bool = True
+    max_loras: int = 0
 
 
 @dataclass
@@ -116,6 +118,11 @@ class Scheduler:
     and waits for the other beams of its search) is neither run nor admitted, and `fork` adds a copy of one that
     shares its KV blocks. When nothing else can run because held beams fill the cache or `max_num_seqs`, the
     youngest are preempted so that the beams they wait for get in.
+
+    With LoRA (`max_loras` > 0), the running sequences hold at most `max_loras` distinct adapters, so every step runs
+    at most that many; a waiting sequence whose adapter would be one too many is held back, and so is every adapter
+    sequence behind it in the queue (base-model ones still go), so the running adapters drain and the held one gets
+    the first free place: held back, never starved.
     """
 
     def __init__(self, config: SchedulerConfig):
@@ -123,6 +130,7 @@ class Scheduler:
         self.max_num_batched_tokens = config.max_num_batched_tokens
         self.chunked_prefill = config.enable_chunked_prefill
         self.prefix_caching = config.enable_prefix_caching
+        self.max_loras = config.max_loras
         self.block_manager = BlockManager(config.num_kv_blocks, config.block_size, config.sliding_window)
         self.waiting = WaitingQueue(by_priority=config.scheduling_policy == "priority")
         self.running: list[Sequence] = []
@@ -204,10 +212,16 @@ class Scheduler:
 
     def _schedule_waiting(self, batch: ScheduledBatch, budget: int) -> bool:
         admitted = False
-        compiling = []  # set aside while their grammar compiles, or held beams; the rest go on
+        compiling = []  # set aside while their grammar compiles, held beams, adapters held back; the rest go on
+        adapters = {seq.lora_int_id for seq in self.running if seq.lora_int_id} if self.max_loras else set()
+        lora_held = False
         while self.waiting and budget and len(self.running) < self.max_num_seqs:
             seq = self.waiting.peek()
             if seq.held or seq.grammar is not None and not seq.grammar.ready:
+                compiling.append(self.waiting.pop())
+                continue
+            if seq.lora_int_id and not self.lora_fits(seq.lora_int_id, adapters, lora_held):
+                lora_held = True
                 compiling.append(self.waiting.pop())
                 continue
             shares = self.prefix_caching and seq.params.prompt_logprobs is None
@@ -227,12 +241,19 @@ class Scheduler:
             self.num_cached_tokens += num_cached
             seq.status = SequenceStatus.RUNNING
             self.running.append(seq)
+            if seq.lora_int_id:
+                adapters.add(seq.lora_int_id)
             batch.add(seq, num_tokens)
             budget -= num_tokens
             admitted = True
         for seq in compiling:
             self.waiting.push(seq)
         return admitted
+
+    def lora_fits(self, lora_int_id: int, adapters: set[int], held: bool) -> bool:
+        """Whether a waiting sequence of adapter `lora_int_id` may start beside the running `adapters`: not after a
+        sequence before it was held back for its adapter (`held`), and only as one of at most `max_loras`."""
+        return not held and (lora_int_id in adapters or len(adapters) < self.max_loras)
 
     def fork(self, seq: Sequence, child_id: int,
              may_copy: bool = True) -> tuple[Sequence, list[tuple[int, int, int]]]:

@@ -26,6 +26,7 @@ class Sequence:
     choose the next beams (the scheduler neither runs nor admits it). `fork` makes a copy to share its KV blocks.
     `pooling`: for a pooling request, its `PoolingParams`: the sequence is its prompt only, pooled once computed;
     `token_type_ids`: its prompt's token types, for a model that reads them (None: all 0).
+    `lora_int_id`: the LoRA adapter it runs under (0: the base model); its KV blocks are named under it.
     """
 
     def __init__(self, seq_id: int, token_ids: list[int], block_size: int, params: SamplingParams,
@@ -49,6 +50,7 @@ class Sequence:
         self.held = False
         self.pooling = None
         self.token_type_ids: list[int] | None = None
+        self.lora_int_id = 0
 
     def __len__(self) -> int:
         return len(self.token_ids)

@@ -18,6 +18,8 @@ from nanovllm.engine.request import Completion, Request
 from nanovllm.engine.stats_logger import StatsLogger
 from nanovllm.engine.tokenizer import load_tokenizer
 from nanovllm.execution.model_runner import SLEEP_TAGS, ModelRunner
+from nanovllm.lora.manager import LoRAManager
+from nanovllm.lora.request import LoRARequest
 from nanovllm.metrics import one_two_five_buckets
 from nanovllm.outputs import RequestOutput, TokenLogprobs
 from nanovllm.sampling_params import SamplingParams
@@ -97,7 +99,7 @@ class LLMEngine:
             enable_chunked_prefill=config.enable_chunked_prefill, scheduling_policy=config.scheduling_policy,
             sliding_window=config.sliding_window,
             enable_prefix_caching=config.enable_prefix_caching and not self.model_runner.model.rope_needs_lengths
-            and config.runner == "generate"))
+            and config.runner == "generate", max_loras=config.max_loras if config.enable_lora else 0))
         self.proposer = None
         if config.draft is not None:
             self.proposer = DraftModelProposer(config.speculative, config.max_model_len,
@@ -252,10 +254,45 @@ class LLMEngine:
         seqs = [Sequence(self.next_seq_id(), checked.token_ids, self.config.kvcache_block_size, sample_params,
                          checked.priority)
                 for sample_params in samples]
+        if checked.lora_request is not None:
+            self.add_lora(checked.lora_request)
+            for seq in seqs:
+                seq.lora_int_id = checked.lora_request.lora_int_id
         if checked.grammar is not None:
             for seq in seqs:
                 seq.grammar = self.structured.state(checked.grammar)
-        return Request(str(next(self._request_ids)), checked.text, seqs, self.tokenizer)
+        request = Request(str(next(self._request_ids)), checked.text, seqs, self.tokenizer)
+        request.lora_request = checked.lora_request
+        return request
+
+    def _loras(self, method: str) -> LoRAManager:
+        if not self.config.enable_lora:
+            raise ValueError(f"{method}: LoRA is off; create the LLM with enable_lora=True (and max_loras, "
+                             "max_lora_rank as needed) to serve LoRA adapters")
+        return self._runner().loras
+
+    def add_lora(self, lora_request: LoRARequest) -> bool:
+        """Load an adapter now (vLLM's `add_lora`); whether it was read (False: it was loaded already). A ValueError
+        or FileNotFoundError naming the adapter when it cannot run on this model."""
+        name = getattr(lora_request, "lora_name", None)
+        with self.turn():
+            return self._loras("lora_request" if name is None else f"lora_request for LoRA adapter {name!r}").add(
+                lora_request)
+
+    def remove_lora(self, lora_id: int) -> bool:
+        """Unload an adapter (requests of it still in flight read it again); whether it was loaded."""
+        with self.turn():
+            return self._loras("remove_lora").remove(lora_id)
+
+    def list_loras(self) -> set[int]:
+        """The ids of the adapters loaded now."""
+        with self.turn():
+            return self._loras("list_loras").loaded_ids()
+
+    def pin_lora(self, lora_id: int) -> bool:
+        """Keep a loaded adapter loaded whatever the LRU of `max_cpu_loras` says."""
+        with self.turn():
+            return self._loras("pin_lora").pin(lora_id)
 
     def next_seq_id(self) -> int:
         """A sequence id no other sequence of this engine has (requests' samples, beams)."""

@@ -7,6 +7,7 @@ from transformers import PreTrainedTokenizerBase
 from nanovllm.config import Config
 from nanovllm.exceptions import VLLMValidationError
 from nanovllm.logits_processor import validate_logits_processors_parameters
+from nanovllm.lora.request import LoRARequest
 from nanovllm.sampling_params import SamplingParams
 from nanovllm.structured_output.backends import check_constraint
 from nanovllm.structured_output.spec import GrammarSpec
@@ -15,18 +16,34 @@ Prompt = str | list[int] | dict
 """Text; vLLM's `{"prompt": text}` or `{"prompt_token_ids": ids}`; or (nanovllm's shorthand) a list of token ids."""
 Conversation = list[dict[str, str]]
 Params = SamplingParams | list[SamplingParams] | None
+LoRAParam = LoRARequest | list[LoRARequest | None] | None
+"""`lora_request`: one adapter for every prompt, or one per prompt (None: the base model)."""
 
 
 @dataclass
 class CheckedPrompt:
     """A prompt ready to run: its text (if it came as text), token ids, sampling params (a copy, with `max_tokens`
-    filled in), priority, and its structured-output constraint as checked (None when unconstrained)."""
+    filled in), priority, its structured-output constraint as checked (None when unconstrained), and the LoRA adapter
+    it runs under (None: the base model; checked by the engine, which loads it)."""
 
     text: str | None
     token_ids: list[int]
     params: SamplingParams
     priority: int
     grammar: GrammarSpec | None = None
+    lora_request: LoRARequest | None = None
+
+
+def with_loras(checked: list[CheckedPrompt], lora_request: LoRAParam) -> list[CheckedPrompt]:
+    """`checked` under the adapters `lora_request` names; a ValueError when a list of them is not one per prompt."""
+    if lora_request is None:
+        return checked
+    if isinstance(lora_request, (list, tuple)):
+        if len(lora_request) != len(checked):
+            raise VLLMValidationError(f"lora_request is a list of {len(lora_request)} but there are {len(checked)} "
+                                      "prompts: give one for all prompts or one per prompt (None for the base model)")
+        return [replace(c, lora_request=r) for c, r in zip(checked, lora_request)]
+    return [replace(c, lora_request=lora_request) for c in checked]
 
 
 class PromptChecker:

@@ -137,6 +137,7 @@ class Request:
         self._prompt_scores: dict[int, dict[int, Logprob]] = {}  # prompt position -> its token's logprobs
         self.metrics = RequestMetrics(time.time(), num_prompt_tokens=len(self.prompt_token_ids))
         self.error: BaseException | None = None
+        self.lora_request = None  # the LoRARequest it runs under (None: the base model)
 
     @staticmethod
     def sample_params(params: SamplingParams) -> list[SamplingParams]:
@@ -195,4 +196,4 @@ class Request:
             prompt_logprobs = FlatLogprobs.of(prompt_logprobs)
         return RequestOutput(self.request_id, self.prompt, self.prompt_token_ids,
                              [c.output(delta) for c in completions], self.finished, prompt_logprobs,
-                             metrics.num_cached_tokens, metrics)
+                             metrics.num_cached_tokens, metrics, self.lora_request)

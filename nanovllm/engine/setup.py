@@ -23,12 +23,12 @@ _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torc
 # vLLM engine arguments that clients pass as they are (lm-eval passes every one) and that ask nanovllm for nothing in
 # the values here: hub revisions (nanovllm loads local directories and files), the Hugging Face tokenizer ("auto" and
 # "hf" are the same here; vLLM's other modes are tokenizers nanovllm does not have), remote code (no code from the
-# model directory runs either way: nanovllm runs only the families it implements), LoRA off (and `max_lora_rank`, any
-# positive size, beside it), scheduling without vLLM's asynchronous overlap (None, vLLM's default, or False: nanovllm
-# schedules each step after the last, and the outputs are the same either way). Any other value is a ValueError; None
-# for `max_num_seqs` or `max_num_batched_tokens` is the default, as in vLLM.
+# model directory runs either way: nanovllm runs only the families it implements), scheduling without vLLM's
+# asynchronous overlap (None, vLLM's default, or False: nanovllm schedules each step after the last, and the outputs
+# are the same either way). Any other value is a ValueError; None for `max_num_seqs` or `max_num_batched_tokens` is
+# the default, as in vLLM.
 VLLM_INERT_SETTINGS = {"revision": (None,), "tokenizer_revision": (None,), "tokenizer_mode": ("auto", "hf"),
-                       "trust_remote_code": (False, True), "enable_lora": (False,), "async_scheduling": (None, False)}
+                       "trust_remote_code": (False, True), "async_scheduling": (None, False)}
 
 
 def resolve_config(model: str | None, settings: dict) -> Config:
@@ -70,12 +70,23 @@ def resolve_config(model: str | None, settings: dict) -> Config:
     if config.quantization is not None:
         _check_quantization(config)
     _resolve_speculative(config)
+    if config.enable_lora:
+        _check_lora(config)
     return config
 
 
+def _check_lora(config: Config) -> None:
+    """LoRA runs on one rank of a generating model; a ValueError naming the setting it cannot run beside."""
+    for name, value, default in (("tensor_parallel_size", config.tensor_parallel_size, 1),
+                                 ("runner", config.runner, "generate")):
+        if value != default:
+            raise ValueError(f"enable_lora=True runs with {name}={default!r} only (LoRA adapters are not sharded over "
+                             f"ranks, nor applied to pooling models yet); got {name}={value!r}")
+
+
 def _without_inert_settings(settings: dict) -> dict:
-    """`settings` less the vLLM engine arguments that ask nothing of nanovllm (`VLLM_INERT_SETTINGS`, `max_lora_rank`
-    beside no LoRA, None for the batch limits); a ValueError for such an argument with a value that would."""
+    """`settings` less the vLLM engine arguments that ask nothing of nanovllm (`VLLM_INERT_SETTINGS`, None for the
+    batch limits); a ValueError for such an argument with a value that would."""
     kept = {}
     for name, value in settings.items():
         if name in VLLM_INERT_SETTINGS:
@@ -83,11 +94,7 @@ def _without_inert_settings(settings: dict) -> dict:
             if not any(value is a or value == a and type(value) is type(a) for a in allowed):
                 raise ValueError(f"{name}={value!r} is not supported: nanovllm takes {name} as one of "
                                  f"{list(allowed)}, which it accepts for vLLM's clients and which change nothing "
-                                 "(local models, the Hugging Face tokenizer, no LoRA)")
-        elif name == "max_lora_rank":
-            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-                raise ValueError(f"{name} must be a positive integer, got {value!r} (nanovllm has no LoRA adapters: "
-                                 "the setting changes nothing)")
+                                 "(local models, the Hugging Face tokenizer)")
         elif name in ("max_num_seqs", "max_num_batched_tokens") and value is None:
             pass
         else:
@@ -151,6 +158,7 @@ def _draft_config(config: Config, draft: str, quantization: str | None) -> Confi
     settings = {f.name: getattr(config, f.name) for f in fields(Config) if f.init and f.name != "model"}
     dtype = next(name for name, value in _DTYPES.items() if value == config.torch_dtype)
     settings.update(speculative_config=None, tokenizer=None, quantization=quantization, attention_backend="auto",
+                    enable_lora=False,
                     device=config.device, dtype=dtype, max_model_len=config.max_model_len)
     draft_config = resolve_config(draft, settings)
     check_same_vocabulary(config.tokenizer or config.model, config.hf_config, draft_config.tokenizer or draft,

@@ -26,6 +26,7 @@ from nanovllm.kernels.attention.context import get_context, reset_context
 from nanovllm.kernels.attention.torch_backend import SHORT_QUERIES
 from nanovllm.kernels.cpu import cpu_kernels
 from nanovllm.kernels.fused import set_fused_ops
+from nanovllm.lora.manager import LoRAManager
 from nanovllm.models.reload import (
     StowedWeights,
     adopt_weights,
@@ -74,6 +75,8 @@ class ModelRunner:
         set_fused_ops(compiled=on_gpu and not config.enforce_eager and importable("triton"),
                       cpu_kernels=None if on_gpu else cpu_kernels())
         self.model = load_runner_model(config, self.device, self.backend, log=rank == 0)
+        self.loras = LoRAManager(self.model, config.max_cpu_loras, config.max_lora_rank, config.torch_dtype,
+                                 self.device) if config.enable_lora else None
         self.sampler = Sampler(hf_config.vocab_size, eos_token_ids, self.device, config.logprobs_mode)
         self.drafter = DraftModel(config.draft, self.device, self._governed) if config.draft is not None else None
         self.kv_cache = create_kv_cache(self.model, self.sampler, config, self.device)
@@ -99,13 +102,15 @@ class ModelRunner:
     def _build_fast_paths(self) -> None:
         """What reads the weights and the KV cache where they lie, built once they are in place (at start, and when
         the engine wakes): the one-call CPU decoder (`nanovllm.execution.cpu_decode`, a C++ object holding the
-        layers' weights and caches) and the CUDA decode graphs (which bake in every address)."""
+        layers' weights and caches) and the CUDA decode graphs (which bake in every address). Neither runs with LoRA
+        adapters, whose deltas are added layer by layer."""
         config, on_gpu = self.config, self.device.type == "cuda"
+        eager = config.enforce_eager or config.enable_lora
         self.cpu_decoder = None  # decode steps in one C++ call (`nanovllm.execution.cpu_decode`)
-        if not on_gpu and cpu_kernels() is not None and not config.enforce_eager:
+        if not on_gpu and cpu_kernels() is not None and not eager:
             self.cpu_decoder = cpu_decoder(self.model)
         self.graphs = None
-        if on_gpu and not config.enforce_eager and self.backend.capturable and config.runner == "generate":
+        if on_gpu and not eager and self.backend.capturable and config.runner == "generate":
             self.graphs = DecodeGraphs(self.model, config.max_num_seqs, config.blocks_per_sequence,
                                        config.max_model_len, config.hf_config.hidden_size, config.torch_dtype,
                                        self.device)
@@ -262,6 +267,9 @@ class ModelRunner:
         logits_indices += [row for rows in prompt_rows for row in rows.rows]
         input_ids, positions = set_step_context(chunks, self.block_size, self.device, logits_indices,
                                                 rope_lengths if needs_rope_lengths else None)
+        if self.loras is not None:
+            self.loras.start_step([(seq.lora_int_id, num_tokens) for seq, num_tokens in zip(batch.seqs,
+                                                                                             batch.num_tokens)])
         return input_ids, positions, prompt_rows
 
     @torch.inference_mode()
@@ -311,6 +319,8 @@ class ModelRunner:
             if watch is not None:
                 watch.stop()
         reset_context()
+        if self.loras is not None:
+            self.loras.end_step()
         if self.rank != 0:
             return None
         if self.pooler is not None:

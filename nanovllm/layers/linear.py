@@ -12,6 +12,7 @@ from torch import nn
 
 from nanovllm.distributed.process_group import tp_rank_and_size
 from nanovllm.layers.ggml_weight import GGMLTensor, GGMLWeight
+from nanovllm.layers.lora import LoRALayer
 
 
 def linear(x: torch.Tensor, weight: torch.Tensor | GGMLWeight, bias: torch.Tensor | None = None) -> torch.Tensor:
@@ -37,6 +38,7 @@ class LinearBase(nn.Module):
         else:
             self.register_parameter("bias", None)
         self.ggml_parts: list[tuple[int, GGMLTensor]] = []  # (first row, rows) of a weight given as GGML blocks
+        self.lora: LoRALayer | None = None  # LoRA adapters added to the output (`nanovllm.layers.lora`)
 
     def store(self, param: nn.Parameter, offset: int, rows: torch.Tensor | GGMLTensor) -> None:
         """Put `rows` at row `offset` of `param`; GGML rows go to `ggml_parts`."""
@@ -57,7 +59,8 @@ class LinearBase(nn.Module):
         self.store(param, 0, loaded_weight)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return linear(x, self.weight, self.bias)
+        y = linear(x, self.weight, self.bias)
+        return y if self.lora is None else self.lora.add_to(x, y)
 
 
 class ReplicatedLinear(LinearBase):
@@ -113,6 +116,8 @@ class RowParallelLinear(LinearBase):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         y = linear(x, self.weight, self.bias if self.tp_rank == 0 else None)
+        if self.lora is not None:
+            y = self.lora.add_to(x, y)
         if self.tp_size > 1 and self.reduce_results:
             dist.all_reduce(y)
         return y

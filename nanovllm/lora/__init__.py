@@ -1,2 +1,4 @@
-"""vLLM's `vllm.lora` path: `nanovllm.lora.request.LoRARequest`, so that clients that import it load. nanovllm has no
-LoRA adapters: the methods that take a `lora_request` take None only."""
+"""LoRA adapters per request (vLLM's `vllm.lora` path: `nanovllm.lora.request.LoRARequest`): PEFT directories read
+(`peft.py`), mapped onto the decoder's projections (`targets.py`) and kept in an LRU, each step's tokens grouped by
+adapter (`manager.py`); the per-token arithmetic is `nanovllm.layers.lora`, the one-adapter-too-many rule the
+scheduler's."""

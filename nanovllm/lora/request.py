@@ -1,6 +1,6 @@
-"""vLLM's `vllm.lora.request`: `LoRARequest`, the request for a LoRA adapter, with vLLM's fields and checks. Clients
-import it (lm-eval does, to build one when asked for an adapter); nanovllm serves no adapter, so `LLM.generate`,
-`LLM.chat` and `LLM.beam_search` refuse one (a ValueError) and take `lora_request=None`."""
+"""vLLM's `vllm.lora.request`: `LoRARequest`, the request for a LoRA adapter, with vLLM's fields and checks. Pass one
+to `LLM.generate`, `chat`, `stream` or `add_request` (with `LLM(..., enable_lora=True)`); lm-eval builds one when
+asked for an adapter."""
 from dataclasses import dataclass
 
 

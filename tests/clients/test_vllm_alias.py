@@ -86,7 +86,7 @@ def test_sampling_params_rebuild_from_struct_fields():
         SamplingParams(spaces_between_special_tokens=None)
 
 
-def test_lora_requests_are_refused(tied_model):
+def test_lora_requests_need_enable_lora(tied_model):
     from nanovllm.lora.request import LoRARequest
 
     request = LoRARequest("adapter", 1, "/adapters/a")
@@ -96,10 +96,11 @@ def test_lora_requests_are_refused(tied_model):
     with LLM(tied_model, **CPU) as llm:
         params = SamplingParams(temperature=0, max_tokens=2)
         assert llm.generate([[1, 2]], params, use_tqdm=False, lora_request=[None])[0].outputs[0].token_ids
-        with pytest.raises(ValueError, match="lora_request must be None"):
+        with pytest.raises(ValueError, match="LoRA adapter 'adapter': LoRA is off; create the LLM with enable_lora"):
             llm.generate([[1, 2]], params, lora_request=request)
-        with pytest.raises(ValueError, match="lora_request must be None"):
-            llm.chat([{"role": "user", "content": "hi"}], params, lora_request=request)
+        with pytest.raises(ValueError, match="enable_lora=True"):
+            llm.add_request([1, 2], params, lora_request=request)
+        assert llm.is_finished()
 
 
 def test_vllm_engine_arguments_clients_pass_as_they_are(tied_model):
@@ -113,7 +114,7 @@ def test_vllm_engine_arguments_clients_pass_as_they_are(tied_model):
         assert engine is llm.engine and llm.model_config is engine.model_config
         assert engine.model_config.max_model_len == 256 == engine.vllm_config.scheduler_config.max_model_len
         assert engine.model_config.hf_config.vocab_size == 384 and engine.tokenizer is llm.get_tokenizer()
-    for name, value in [("revision", "main"), ("tokenizer_mode", "mistral"), ("enable_lora", True),
+    for name, value in [("revision", "main"), ("tokenizer_mode", "mistral"), ("enable_lora", 1),
                         ("max_lora_rank", 0), ("trust_remote_code", 1)]:
         with pytest.raises(ValueError, match=name):
             LLM(tied_model, **CPU, **{name: value})

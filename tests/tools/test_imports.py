@@ -9,8 +9,8 @@ PACKAGE = Path(__file__).resolve().parents[2] / "nanovllm"
 
 # The package's folders, bottom first: a module's layer is its folder's. The package's own top-level modules are plain
 # data and settings, below every folder, except the entry points, above them all.
-FOLDERS = ["core", "spec_decode", "distributed", "kernels", "layers", "models", "structured_output", "execution",
-           "engine", "v1", "lora", "renderers"]
+FOLDERS = ["core", "spec_decode", "distributed", "kernels", "layers", "models", "lora", "structured_output",
+           "execution", "engine", "v1", "renderers"]
 ENTRY_POINTS = ["nanovllm", "nanovllm.__main__", "nanovllm.llm", "nanovllm.llm_pooling", "nanovllm.cli",
                 "nanovllm.program", "nanovllm.ray", "nanovllm.entrypoints", "nanovllm.entrypoints.llm"]
 

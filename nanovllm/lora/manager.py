@@ -1,0 +1,116 @@
+"""The engine's LoRA adapters: read on first use into an LRU of `max_cpu_loras` (pinned ones never leave), and each
+step's tokens grouped by adapter for the adapted layers (`nanovllm.layers.lora`). How many adapters one step runs
+(`max_loras`) is the scheduler's rule; an adapter the LRU dropped while its requests waited is read again when they
+run."""
+from collections import OrderedDict
+
+import torch
+from torch import nn
+
+from nanovllm.layers.lora import LoRALayer, LoRAWeights, clear_lora_step, set_lora_step
+from nanovllm.lora.peft import read_peft_adapter
+from nanovllm.lora.request import LoRARequest
+from nanovllm.lora.targets import adapter_weights, attach_lora_layers
+
+
+def describe(request: LoRARequest) -> str:
+    return f"{request.lora_name!r} (lora_int_id={request.lora_int_id}, lora_path={request.lora_path!r})"
+
+
+class LoRAManager:
+    """Adapters for `model` (its projections given `LoRALayer`s here), at most `max_cpu_loras` kept loaded, ranks up
+    to `max_lora_rank`, weights in `dtype` on `device`. An adapter id names one adapter path for the engine's life
+    (the prefix cache keys K/V by the id)."""
+
+    def __init__(self, model: nn.Module, max_cpu_loras: int, max_lora_rank: int, dtype: torch.dtype,
+                 device: torch.device):
+        self.model = model
+        self.layers = attach_lora_layers(model)
+        self.capacity, self.max_rank, self.dtype, self.device = max_cpu_loras, max_lora_rank, dtype, device
+        self.requests: dict[int, LoRARequest] = {}
+        self.loaded: OrderedDict[int, dict[LoRALayer, LoRAWeights]] = OrderedDict()  # least recently used first
+        self.pinned: set[int] = set()
+        self.num_loads = 0
+
+    def add(self, request: LoRARequest) -> bool:
+        """Make sure `request`'s adapter is loaded (read now unless it is); whether it was read. A ValueError or
+        FileNotFoundError naming the adapter when it cannot run: not a LoRARequest, an id already given to another
+        path, a missing directory, a rank above `max_lora_rank`, projections this model lacks or shaped for another
+        model."""
+        if not isinstance(request, LoRARequest):
+            raise ValueError(f"lora_request must be a nanovllm.lora.request.LoRARequest (or None), got "
+                             f"{type(request).__name__}")
+        known = self.requests.get(request.lora_int_id)
+        if known is not None and known.lora_path != request.lora_path:
+            raise ValueError(f"LoRA adapter {describe(request)}: lora_int_id {request.lora_int_id} already names "
+                             f"{describe(known)}; give each adapter its own lora_int_id")
+        if request.lora_int_id in self.loaded:
+            self.loaded.move_to_end(request.lora_int_id)
+            return False
+        self._load(request, keep=())
+        self.requests[request.lora_int_id] = request
+        return True
+
+    def _load(self, request: LoRARequest, keep: set[int] | tuple) -> None:
+        label = describe(request)
+        weights = adapter_weights(read_peft_adapter(request.lora_path, label), self.model, self.layers, label,
+                                  self.max_rank, self.dtype, self.device)
+        for layer, layer_weights in weights.items():
+            layer.adapters[request.lora_int_id] = layer_weights
+        self.loaded[request.lora_int_id] = weights
+        self.num_loads += 1
+        self._evict(keep)
+
+    def _evict(self, keep: set[int] | tuple) -> None:
+        """Unload the least recently used adapters past the capacity, never a pinned one nor one in `keep`."""
+        while len(self.loaded) > self.capacity:
+            victim = next((i for i in self.loaded if i not in self.pinned and i not in keep), None)
+            if victim is None:
+                return
+            self._unload(victim)
+
+    def _unload(self, lora_id: int) -> None:
+        for layer in self.loaded.pop(lora_id):
+            del layer.adapters[lora_id]
+
+    def remove(self, lora_id: int) -> bool:
+        """Unload an adapter (its requests, if any, read it again when they run); whether it was loaded."""
+        self.pinned.discard(lora_id)
+        if lora_id not in self.loaded:
+            return False
+        self._unload(lora_id)
+        return True
+
+    def pin(self, lora_id: int) -> bool:
+        """Keep a loaded adapter loaded whatever the LRU says (vLLM's `pin_lora`)."""
+        if lora_id not in self.loaded:
+            raise ValueError(f"pin_lora: LoRA adapter {lora_id} is not loaded; add_lora() it (or run a request with "
+                             "it) first")
+        self.pinned.add(lora_id)
+        return True
+
+    def loaded_ids(self) -> set[int]:
+        """The ids of the adapters loaded now."""
+        return set(self.loaded)
+
+    def start_step(self, rows: list[tuple[int, int]]) -> None:
+        """Group the step's rows by adapter: `rows` is each sequence's (adapter id, 0 for the base; its row count), in
+        the order its rows are packed. The step's adapters are loaded first (read again if the LRU dropped them)."""
+        ids = {lora_id for lora_id, _ in rows if lora_id}
+        for lora_id in ids & self.loaded.keys():
+            self.loaded.move_to_end(lora_id)
+        for lora_id in ids - self.loaded.keys():
+            self._load(self.requests[lora_id], keep=ids)
+        index: dict[int, list[int]] = {}
+        total = 0
+        for lora_id, count in rows:
+            if lora_id:
+                index.setdefault(lora_id, []).extend(range(total, total + count))
+            total += count
+        set_lora_step([(lora_id, None if len(indices) == total else
+                        torch.tensor(indices, dtype=torch.int64, device=self.device))
+                       for lora_id, indices in index.items()])
+
+    @staticmethod
+    def end_step() -> None:
+        clear_lora_step()

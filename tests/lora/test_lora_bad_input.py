@@ -1,0 +1,115 @@
+"""Adapters that cannot run are refused at submission, naming the adapter and the problem, and the engine serves on;
+settings LoRA cannot run beside are refused at `LLM(...)`."""
+import json
+import os
+
+import pytest
+import torch
+from checkpoints import make_checkpoint
+from safetensors.torch import save_file
+
+from nanovllm import LLM, SamplingParams
+from nanovllm.lora.request import LoRARequest
+
+peft = pytest.importorskip("peft")
+from transformers import AutoModelForCausalLM  # noqa: E402
+
+GREEDY = SamplingParams(temperature=0, max_tokens=3)
+CPU = dict(device="cpu", dtype="float32")
+
+
+def make_adapter(base: str, path: str, **settings) -> str:
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_pretrained(base, dtype=torch.float32)
+    peft.get_peft_model(model, peft.LoraConfig(init_lora_weights=False, **settings)).save_pretrained(path)
+    return path
+
+
+def edited(adapter: str, path: str, **changes) -> str:
+    """A copy of `adapter` with `changes` in its adapter_config.json."""
+    os.makedirs(path)
+    with open(os.path.join(adapter, "adapter_config.json")) as f:
+        config = json.load(f)
+    with open(os.path.join(path, "adapter_config.json"), "w") as f:
+        json.dump({**config, **changes}, f)
+    os.link(os.path.join(adapter, "adapter_model.safetensors"), os.path.join(path, "adapter_model.safetensors"))
+    return path
+
+
+@pytest.fixture(scope="module")
+def setup(tmp_path_factory) -> dict:
+    root = tmp_path_factory.mktemp("lora-bad")
+    base = make_checkpoint(str(root / "base"), family="qwen3", seed=3)
+    other = make_checkpoint(str(root / "other"), family="qwen3", seed=3, hidden_size=32, num_layers=3)
+    good = make_adapter(base, str(root / "good"), r=4, target_modules=["q_proj", "down_proj"])
+    return {"root": root, "base": base, "good": good,
+            "wide": make_adapter(base, str(root / "wide"), r=32, target_modules=["q_proj"]),
+            "other": make_adapter(other, str(root / "for-other"), r=4, target_modules=["q_proj"]),
+            "deep": make_adapter(other, str(root / "deep"), r=4, target_modules=["q_proj"], layers_to_transform=[2]),
+            "dora": edited(good, str(root / "dora"), use_dora=True),
+            "saved": edited(good, str(root / "saved"), modules_to_save=["lm_head"]),
+            "embedding": make_adapter(base, str(root / "embedding"), r=4, target_modules=["embed_tokens"])}
+
+
+@pytest.mark.parametrize("name, error, message", [
+    ("missing", FileNotFoundError, "LoRA adapter 'missing' .*no directory"),
+    ("wide", ValueError, "LoRA adapter 'wide' .*has rank 32, above max_lora_rank=16"),
+    ("other", ValueError, "LoRA adapter 'other' .*q_proj has lora_A \\(4, 32\\).*trained for another base model"),
+    ("deep", ValueError, "LoRA adapter 'deep' .*model.layers.2.q_proj, which this model does not have"),
+    ("dora", ValueError, "LoRA adapter 'dora' .*DoRA.*use_dora=True"),
+    ("saved", ValueError, "LoRA adapter 'saved' .*modules_to_save"),
+    ("embedding", ValueError, "LoRA adapter 'embedding' .*embed_tokens"),
+])
+def test_bad_adapters_are_refused_and_the_engine_serves_on(setup, name, error, message):
+    path = setup.get(name, str(setup["root"] / "nowhere"))
+    with LLM(setup["base"], enable_lora=True, **CPU) as llm:
+        with pytest.raises(error, match=message):
+            llm.generate([[1, 2, 3]], GREEDY, lora_request=LoRARequest(name, 1, path), use_tqdm=False)
+        assert llm.is_finished() and llm.list_loras() == set()
+        good = LoRARequest("good", 1, setup["good"])
+        assert len(llm.generate([[1, 2, 3]], GREEDY, lora_request=good, use_tqdm=False)[0].outputs[0].token_ids) == 3
+
+
+def test_one_id_for_two_paths_and_other_misuse(setup, tmp_path):
+    second = make_adapter(setup["base"], str(tmp_path / "second"), r=2, target_modules=["v_proj"])
+    with LLM(setup["base"], enable_lora=True, **CPU) as llm:
+        llm.generate([[1, 2]], GREEDY, lora_request=LoRARequest("good", 1, setup["good"]), use_tqdm=False)
+        with pytest.raises(ValueError, match="LoRA adapter 'second' .*lora_int_id 1 already names 'good'"):
+            llm.generate([[1, 2]], GREEDY, lora_request=LoRARequest("second", 1, second), use_tqdm=False)
+        with pytest.raises(ValueError, match="lora_request is a list of 1 but there are 2 prompts"):
+            llm.generate([[1, 2], [3, 4]], GREEDY, lora_request=[None], use_tqdm=False)
+        with pytest.raises(ValueError, match="lora_request must be a nanovllm.lora.request.LoRARequest"):
+            llm.generate([[1, 2]], GREEDY, lora_request="good", use_tqdm=False)
+        with pytest.raises(ValueError, match="pin_lora: LoRA adapter 5 is not loaded"):
+            llm.pin_lora(5)
+        with pytest.raises(ValueError, match="beam_search does not run under a LoRA adapter"):
+            from nanovllm import BeamSearchParams
+            llm.beam_search([[1, 2]], BeamSearchParams(beam_width=2, max_tokens=2),
+                            lora_request=LoRARequest("good", 1, setup["good"]))
+        assert llm.generate([[1, 2]], GREEDY, lora_request=LoRARequest("second", 2, second), use_tqdm=False)
+        assert llm.list_loras() == {2}
+    with LLM(setup["base"], **CPU) as llm:
+        with pytest.raises(ValueError, match="list_loras: LoRA is off; create the LLM with enable_lora=True"):
+            llm.list_loras()
+
+
+def test_a_weights_file_of_the_wrong_kind(setup, tmp_path):
+    path = edited(setup["good"], str(tmp_path / "bias"))
+    save_file({"base_model.model.model.layers.0.self_attn.q_proj.lora_A.weight": torch.zeros(4, 64)},
+              os.path.join(path, "adapter_model.safetensors.tmp"))
+    os.replace(os.path.join(path, "adapter_model.safetensors.tmp"), os.path.join(path, "adapter_model.safetensors"))
+    with LLM(setup["base"], enable_lora=True, **CPU) as llm:
+        with pytest.raises(ValueError, match="q_proj has lora_A but not both lora_A and lora_B"):
+            llm.add_lora(LoRARequest("half", 1, path))
+
+
+@pytest.mark.parametrize("settings, message", [
+    (dict(tensor_parallel_size=2), "enable_lora=True runs with tensor_parallel_size=1 only"),
+    (dict(data_parallel_size=2), "enable_lora=True runs with data_parallel_size=1 only"),
+    (dict(runner="pooling"), "enable_lora=True runs with runner='generate' only"),
+    (dict(max_loras=0), "max_loras must be a positive integer"),
+    (dict(max_loras=3, max_cpu_loras=2), "max_cpu_loras must be an integer >= max_loras \\(3\\)"),
+])
+def test_settings_lora_cannot_run_beside(setup, settings, message):
+    with pytest.raises(ValueError, match=message):
+        LLM(setup["base"], enable_lora=True, **CPU, **settings)
