@@ -163,3 +163,20 @@ def test_quantized_base_adds_the_delta_after_the_base_linear(qwen3):
         plain = tokens(llm.generate(PROMPTS, GREEDY, use_tqdm=False))
     assert adapted != plain
     assert adapted[1][:3] == qwen3["expected"]["a"][1][:3]
+
+
+def test_draft_model_and_structured_outputs(qwen3):
+    """A draft model drafts without the adapter and the target verifies with it: the output is the adapter's; a
+    structured output's constraint holds under an adapter."""
+    from nanovllm import StructuredOutputsParams
+
+    a = qwen3["requests"]["a"]
+    with engine(qwen3["base"], max_lora_rank=8,
+                speculative_config={"model": qwen3["base"], "num_speculative_tokens": 2}) as llm:
+        assert tokens(llm.generate(PROMPTS, GREEDY, lora_request=a, use_tqdm=False)) == qwen3["expected"]["a"]
+        assert llm.stats()["num_draft_tokens"] > 0
+    with engine(qwen3["base"], max_lora_rank=8) as llm:
+        params = SamplingParams(temperature=0, max_tokens=8,
+                                structured_outputs=StructuredOutputsParams(choice=["yes", "no"]))
+        text = llm.generate(["Is it?"], params, lora_request=a, use_tqdm=False)[0].outputs[0].text
+    assert text in ("yes", "no")

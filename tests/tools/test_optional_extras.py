@@ -1,13 +1,13 @@
 """Without an optional package (an extra's: gguf, accelerate, triton, ray, xgrammar, jsonschema, flash-attn, outlines,
-lm-eval, sentence-transformers), the tests that need it are skipped and the rest still run: collection never stops at
-a missing import."""
+lm-eval, sentence-transformers, peft), the tests that need it are skipped and the rest still run: collection never
+stops at a missing import."""
 import os
 import subprocess
 import sys
 
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 OPTIONAL = ("gguf", "accelerate", "triton", "ray", "xgrammar", "jsonschema", "flash_attn", "outlines", "lm_eval",
-            "sentence_transformers")
+            "sentence_transformers", "peft")
 
 COLLECT = f"""
 import sys
@@ -30,3 +30,5 @@ def test_collection_goes_on_without_the_optional_packages():
     assert any(line.startswith("tests/clients/test_vllm_alias.py::") for line in collected)
     assert not any(line.startswith("tests/pooling/test_embed.py::") for line in collected), \
         "tests that need sentence-transformers were collected without it"
+    assert not any(line.startswith(("tests/lora/test_lora_engine.py::", "tests/lora/test_lora_bad_input.py::"))
+                   for line in collected), "tests that need peft were collected without it"
