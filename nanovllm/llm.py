@@ -94,8 +94,6 @@ class LLM(PoolingMethods):
         if isinstance(data_parallel_size, bool) or not isinstance(data_parallel_size, int) or data_parallel_size < 1:
             raise ValueError(f"data_parallel_size must be a positive integer, got {data_parallel_size!r}")
         config = resolve_config(model, settings)
-        if config.runner == "pooling" and data_parallel_size > 1:
-            raise ValueError("runner='pooling' runs with data_parallel_size=1 (tensor_parallel_size may be larger)")
         if config.enable_lora and data_parallel_size > 1:
             raise ValueError("enable_lora=True runs with data_parallel_size=1 only (LoRA adapters are not served by "
                              "data-parallel replicas yet)")

@@ -44,11 +44,13 @@ from nanovllm.engine.llm_engine import (
     sleeping_error,
     wake_tags,
 )
+from nanovllm.engine.pooling_prompts import CheckedPoolingPrompt
 from nanovllm.engine.prompts import CheckedPrompt
 from nanovllm.engine.router import PrefixRouter
 from nanovllm.engine.tokenizer import load_tokenizer
 from nanovllm.models.reload import weight_pairs
 from nanovllm.outputs import CompletionOutput, RequestMetrics, RequestOutput
+from nanovllm.pooling_outputs import PoolingOutput, PoolingRequestOutput
 from nanovllm.spec_decode.stats import combine_stats
 
 if TYPE_CHECKING:
@@ -262,8 +264,9 @@ class DataParallelLLM:
                 routed = self._requests.get(delta.request_id)
                 if routed is None:  # aborted meanwhile
                     continue
-                delta = replace(delta, prompt=routed.checked.text)
-                if delta.metrics is not None:  # a copy of its own, unpickled: the front's arrival goes in
+                delta = replace(delta, prompt=routed.checked.text) if isinstance(delta, RequestOutput) \
+                    else _restored(delta)
+                if getattr(delta, "metrics", None) is not None:  # a copy of its own: the front's arrival goes in
                     delta.metrics.arrival_time = routed.arrival_time
                     if delta.metrics.first_token_ts:
                         delta.metrics.first_token_latency = delta.metrics.first_token_ts - routed.arrival_time
@@ -413,8 +416,11 @@ class DataParallelLLM:
         stop([replica.child for replica in replicas], ("exit", None), EXIT_TIMEOUT_S)
 
 
-def aborted(routed: Routed) -> RequestOutput:
-    """The last output of a request aborted before it finished, its metrics as the replica last sent them."""
+def aborted(routed: Routed) -> RequestOutput | PoolingRequestOutput:
+    """The last output of a request aborted before it finished, its metrics as the replica last sent them (a pooling
+    request's: no data)."""
+    if isinstance(routed.checked, CheckedPoolingPrompt):
+        return PoolingRequestOutput(routed.request_id, PoolingOutput(None), routed.checked.token_ids, 0, True)
     n = routed.checked.params.n
     indices = range(n) if routed.total is None else [c.index for c in routed.total.outputs]
     if routed.total is not None and routed.total.metrics is not None:
@@ -425,6 +431,25 @@ def aborted(routed: Routed) -> RequestOutput:
     return RequestOutput(routed.request_id, routed.checked.text, routed.checked.token_ids,
                          [CompletionOutput(i, "", [], finish_reason="abort") for i in indices], True,
                          num_cached_tokens=metrics.num_cached_tokens, metrics=metrics)
+
+
+def _renamed(output: RequestOutput | PoolingRequestOutput, request_id: str) -> RequestOutput | PoolingRequestOutput:
+    """`output` under the front's request id, ready to travel: a pooling output (made for this message alone,
+    changed in place) carries its data as nested lists of floats, which the front makes a tensor again
+    (`_restored`): the pipe does not take tensors (torch pickles them into shared memory)."""
+    if isinstance(output, RequestOutput):
+        return replace(output, request_id=request_id)
+    output.request_id = request_id
+    output.outputs = PoolingOutput(output.outputs.data.tolist())
+    return output
+
+
+def _restored(output: PoolingRequestOutput) -> PoolingRequestOutput:
+    """A pooling output from a replica with its data a float32 tensor again (see `_renamed`)."""
+    import torch
+
+    output.outputs = PoolingOutput(torch.tensor(output.outputs.data, dtype=torch.float32))
+    return output
 
 
 def _attempt(method, *args) -> BaseException | None:
@@ -484,10 +509,10 @@ def _replica_main(index: int, config: Config, devices: list[int] | None, cores: 
                         conn.send(("reply", engine.reset_prefix_cache()))
                     continue
                 deltas = engine.step(delta=True)
-                conn.send(("outputs", [replace(d, request_id=ids[d.request_id]) for d in deltas]))
-                for d in deltas:
-                    if d.finished:
-                        del ids[d.request_id]
+                finished = [d.request_id for d in deltas if d.finished]
+                conn.send(("outputs", [_renamed(d, ids[d.request_id]) for d in deltas]))
+                for own in finished:
+                    del ids[own]
             except (EOFError, OSError):
                 return  # the front is gone
             except BaseException:

@@ -64,8 +64,6 @@ def test_runners(tmp_path, tied_model):
     classifier = make_classifier(str(tmp_path / "cls"))
     with pytest.raises(ValueError, match="has no LM head and cannot generate: start it with runner='pooling'"):
         LLM(classifier, **CPU, runner="generate")
-    with pytest.raises(ValueError, match="runner='pooling' runs with data_parallel_size=1"):
-        LLM(classifier, **CPU, data_parallel_size=2)
     with LLM(tied_model, **CPU, num_kvcache_blocks=64) as llm:
         assert llm.config.runner == "generate"
         with pytest.raises(ValueError, match="runner='generate', which has no pooler"):

@@ -1,5 +1,5 @@
 """tensor_parallel_size=2 on CPU (gloo) for a decoder embedder: sentence-transformers' vectors, chunked prefill
-across ranks included, and every KV block free after."""
+across ranks included, and every KV block free after; data_parallel_size=2: one engine's vectors and scores."""
 import multiprocessing
 
 import pytest
@@ -22,4 +22,22 @@ def test_tp2_embedder_matches_sentence_transformers(tmp_path):
         assert stats["num_free_blocks"] == stats["num_blocks"]
     want = st_embeddings(path, TEXTS)
     assert torch.nn.functional.cosine_similarity(got, want).min() >= 0.99999
+    assert multiprocessing.active_children() == []
+
+
+def test_dp2_equals_one_engine(tmp_path):
+    path = make_st_embedder(str(tmp_path / "qwen3-last"))
+    texts = TEXTS * 3
+    with LLM(path, device="cpu", dtype="float32") as llm:
+        want = [o.outputs.embedding for o in llm.embed(texts, use_tqdm=False)]
+        want_scores = [o.outputs.score for o in llm.score(TEXTS[0], TEXTS, use_tqdm=False)]
+    with LLM(path, device="cpu", dtype="float32", data_parallel_size=2) as llm:
+        outputs = llm.embed(texts, use_tqdm=False)
+        scores = [o.outputs.score for o in llm.score(TEXTS[0], TEXTS, use_tqdm=False)]
+        stats = llm.stats()
+        assert all(replica["num_prompt_sequences"] > 0 for replica in stats["replicas"])
+        assert stats["num_free_blocks"] == stats["num_blocks"]
+    assert [o.request_id for o in outputs] == [str(i) for i in range(len(texts))]
+    assert torch.allclose(torch.tensor([o.outputs.embedding for o in outputs]), torch.tensor(want), atol=1e-6)
+    assert scores == pytest.approx(want_scores, abs=1e-6)
     assert multiprocessing.active_children() == []
