@@ -7,7 +7,8 @@ from collections import OrderedDict
 import torch
 from torch import nn
 
-from nanovllm.layers.lora import LoRALayer, LoRAWeights, clear_lora_step, set_lora_step
+from nanovllm.layers.lora import STACKED_ROWS, LoRALayer, LoRAStep, LoRAWeights, clear_lora_step, set_lora_step
+from nanovllm.layers.prepack import can_prepack
 from nanovllm.lora.peft import read_peft_adapter
 from nanovllm.lora.request import LoRARequest
 from nanovllm.lora.targets import adapter_weights, attach_lora_layers
@@ -25,12 +26,13 @@ class LoRAManager:
     def __init__(self, model: nn.Module, max_cpu_loras: int, max_lora_rank: int, dtype: torch.dtype,
                  device: torch.device):
         self.model = model
-        self.layers = attach_lora_layers(model)
+        self.layers = attach_lora_layers(model, device.type == "cpu" and can_prepack(dtype))
         self.capacity, self.max_rank, self.dtype, self.device = max_cpu_loras, max_lora_rank, dtype, device
         self.requests: dict[int, LoRARequest] = {}
         self.loaded: OrderedDict[int, dict[LoRALayer, LoRAWeights]] = OrderedDict()  # least recently used first
         self.pinned: set[int] = set()
         self.num_loads = 0
+        self.step_has_adapters = False  # whether the running step has rows under an adapter
 
     def add(self, request: LoRARequest) -> bool:
         """Make sure `request`'s adapter is loaded (read now unless it is); whether it was read. A ValueError or
@@ -56,7 +58,7 @@ class LoRAManager:
         weights = adapter_weights(read_peft_adapter(request.lora_path, label), self.model, self.layers, label,
                                   self.max_rank, self.dtype, self.device)
         for layer, layer_weights in weights.items():
-            layer.adapters[request.lora_int_id] = layer_weights
+            layer.add_adapter(request.lora_int_id, layer_weights)
         self.loaded[request.lora_int_id] = weights
         self.num_loads += 1
         self._evict(keep)
@@ -71,7 +73,7 @@ class LoRAManager:
 
     def _unload(self, lora_id: int) -> None:
         for layer in self.loaded.pop(lora_id):
-            del layer.adapters[lora_id]
+            layer.remove_adapter(lora_id)
 
     def remove(self, lora_id: int) -> bool:
         """Unload an adapter (its requests, if any, read it again when they run); whether it was loaded."""
@@ -94,23 +96,35 @@ class LoRAManager:
         return set(self.loaded)
 
     def start_step(self, rows: list[tuple[int, int]]) -> None:
-        """Group the step's rows by adapter: `rows` is each sequence's (adapter id, 0 for the base; its row count), in
-        the order its rows are packed. The step's adapters are loaded first (read again if the LRU dropped them)."""
+        """Map the step's rows to adapters (`nanovllm.layers.lora.LoRAStep`, stacked or grouped by its size): `rows`
+        is each sequence's (adapter id, 0 for the base; its row count), in the order its rows are packed. The step's
+        adapters are loaded first (read again if the LRU dropped them)."""
         ids = {lora_id for lora_id, _ in rows if lora_id}
         for lora_id in ids & self.loaded.keys():
             self.loaded.move_to_end(lora_id)
         for lora_id in ids - self.loaded.keys():
             self._load(self.requests[lora_id], keep=ids)
-        index: dict[int, list[int]] = {}
-        total = 0
-        for lora_id, count in rows:
-            if lora_id:
-                index.setdefault(lora_id, []).extend(range(total, total + count))
-            total += count
-        set_lora_step([(lora_id, None if len(indices) == total else
-                        torch.tensor(indices, dtype=torch.int64, device=self.device))
-                       for lora_id, indices in index.items()])
+        adapters = tuple(sorted(ids))
+        total = sum(count for _, count in rows)
+        if not adapters:
+            step = LoRAStep()
+        elif total <= STACKED_ROWS:
+            position = {lora_id: i for i, lora_id in enumerate(adapters)}
+            index = [position.get(lora_id, len(adapters)) for lora_id, count in rows for _ in range(count)]
+            step = LoRAStep(adapters, torch.tensor(index, dtype=torch.int64, device=self.device))
+        else:
+            groups: dict[int, list[int]] = {}
+            first = 0
+            for lora_id, count in rows:
+                if lora_id:
+                    groups.setdefault(lora_id, []).extend(range(first, first + count))
+                first += count
+            step = LoRAStep(groups=[(lora_id, None if len(indices) == total else
+                                     torch.tensor(indices, dtype=torch.int64, device=self.device))
+                                    for lora_id, indices in groups.items()])
+        set_lora_step(step)
+        self.step_has_adapters = bool(adapters)
 
-    @staticmethod
-    def end_step() -> None:
+    def end_step(self) -> None:
         clear_lora_step()
+        self.step_has_adapters = False

@@ -72,11 +72,15 @@ def test_each_adapter_alone_equals_peft(qwen3):
 
 
 @pytest.mark.parametrize("settings", [dict(), dict(max_num_batched_tokens=24, max_num_seqs=4),
-                                      dict(num_kvcache_blocks=6, max_num_batched_tokens=32)],
-                         ids=["one-step", "chunked", "preempted"])
-def test_mixed_batch_beyond_max_loras(qwen3, settings):
+                                      dict(num_kvcache_blocks=6, max_num_batched_tokens=32), dict(grouped=True)],
+                         ids=["one-step", "chunked", "preempted", "grouped"])
+def test_mixed_batch_beyond_max_loras(qwen3, settings, monkeypatch):
     """Three adapters and the base, each prompt under each, in one call with max_loras=2: every output is its
-    adapter's alone (PEFT's), with prompts chunked, or with too few KV blocks for all (preemption)."""
+    adapter's alone (PEFT's), with prompts chunked, or with too few KV blocks for all (preemption); and with every
+    step's rows grouped by adapter, as steps of more than `STACKED_ROWS` rows are, instead of stacked."""
+    settings = dict(settings)
+    if settings.pop("grouped", False):
+        monkeypatch.setattr("nanovllm.lora.manager.STACKED_ROWS", 0)
     names = [None, "a", "b", "c"]
     prompts = [prompt for _ in names for prompt in PROMPTS]
     loras = [qwen3["requests"].get(name) for name in names for _ in PROMPTS]
