@@ -23,7 +23,7 @@ ADAPTERS = {
 PROMPTS = [[5, 9, 30, 2, 7, 100, 101, 102, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15, 16, 17, 18, 19, 20, 21, 22,
             23, 24, 25, 26, 27, 28, 29, 30, 31, 32, 33, 34], [40, 41, 42], [7, 8, 9, 10, 200, 201, 202]]
 MAX_TOKENS = 10
-GREEDY = SamplingParams(temperature=0, max_tokens=MAX_TOKENS)
+GREEDY = SamplingParams(temperature=0, max_tokens=MAX_TOKENS, ignore_eos=True)  # as hf_greedy, which goes on past EOS
 
 
 def make_adapter(base: str, path: str, seed: int, **settings) -> str:
@@ -184,3 +184,20 @@ def test_draft_model_and_structured_outputs(qwen3):
                                 structured_outputs=StructuredOutputsParams(choice=["yes", "no"]))
         text = llm.generate(["Is it?"], params, lora_request=a, use_tqdm=False)[0].outputs[0].text
     assert text in ("yes", "no")
+
+
+def test_moe_attention_and_a_bin_adapter(tmp_path):
+    """A mixture of experts (Mixtral) with LoRA on its attention (its routed experts have none), the adapter saved as
+    PyTorch's adapter_model.bin."""
+    base = make_checkpoint(str(tmp_path / "base"), family="mixtral", seed=6, num_local_experts=4,
+                           num_experts_per_tok=2, tie_word_embeddings=False)
+    torch.manual_seed(8)
+    model = AutoModelForCausalLM.from_pretrained(base, dtype=torch.float32)
+    config = peft.LoraConfig(init_lora_weights=False, r=4, lora_alpha=8, target_modules=["q_proj", "v_proj", "o_proj"])
+    peft.get_peft_model(model, config).save_pretrained(str(tmp_path / "adapter"), safe_serialization=False)
+    assert (tmp_path / "adapter" / "adapter_model.bin").exists()
+    expected = peft_greedy(base, str(tmp_path / "adapter"), PROMPTS[1:])
+    with engine(base, max_lora_rank=4) as llm:
+        outputs = llm.generate(PROMPTS[1:], GREEDY, lora_request=LoRARequest("moe", 1, str(tmp_path / "adapter")),
+                               use_tqdm=False)
+    assert tokens(outputs) == expected
