@@ -189,7 +189,7 @@ def test_processed_modes_sync_once_per_step(tied_model, monkeypatch, mode):
 
 
 def test_an_invalid_mode_is_refused_naming_the_valid_ones(tied_model):
-    valid = r"\['raw_logprobs', 'processed_logprobs', 'raw_logits', 'processed_logits'\]"
+    valid = r"\['raw_logits', 'raw_logprobs', 'processed_logits', 'processed_logprobs'\]"
     assert Config("unused").logprobs_mode == "raw_logprobs"
     with pytest.raises(ValueError, match=f"logprobs_mode must be one of {valid}, got 'logits'"):
         Config("unused", logprobs_mode="logits")  # at construction, before the model is looked at

@@ -4,7 +4,8 @@
 # test_beam_search_abort_returns_partial_outputs_and_continues_other_prompts (it patches vLLM's LLM internals:
 # _preprocess_cmpl, _render_and_run_requests, llm_engine.input_processor) and test_beam_search_passes_multimodal_data
 # (audio input, out of scope), with the imports only they used; test_beam_search_structured_output's LLM takes
-# local_model(model) (hub names cannot be downloaded; vllm_runner maps them itself).
+# local_model(model) (hub names cannot be downloaded; vllm_runner maps them itself), and imports jsonschema itself,
+# skipped without it (the suite collects without its optional packages).
 """Compare the outputs of HF and vLLM when using beam search.
 
 Run `pytest tests/samplers/test_beam_search.py`.
@@ -12,7 +13,6 @@ Run `pytest tests/samplers/test_beam_search.py`.
 
 import json
 
-import jsonschema
 import pytest
 
 from vllm.entrypoints.llm import LLM
@@ -162,6 +162,7 @@ def test_beam_search_structured_output(
     beam_width: int,
 ) -> None:
     """Ensure beam search with structured output produces valid JSON."""
+    jsonschema = pytest.importorskip("jsonschema")
     json_schema = {
         "type": "object",
         "properties": {
