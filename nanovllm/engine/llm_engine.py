@@ -18,7 +18,6 @@ from nanovllm.engine.request import Completion, Request
 from nanovllm.engine.stats_logger import StatsLogger
 from nanovllm.engine.tokenizer import load_tokenizer
 from nanovllm.execution.model_runner import SLEEP_TAGS, ModelRunner
-from nanovllm.lora.manager import LoRAManager
 from nanovllm.lora.request import LoRARequest
 from nanovllm.metrics import one_two_five_buckets
 from nanovllm.outputs import RequestOutput, TokenLogprobs
@@ -265,34 +264,35 @@ class LLMEngine:
         request.lora_request = checked.lora_request
         return request
 
-    def _loras(self, method: str) -> LoRAManager:
+    def _loras(self, method: str) -> ModelRunner:
+        """The model runner, whose adapters `method` touches; a ValueError when LoRA is off."""
         if not self.config.enable_lora:
             raise ValueError(f"{method}: LoRA is off; create the LLM with enable_lora=True (and max_loras, "
                              "max_lora_rank as needed) to serve LoRA adapters")
-        return self._runner().loras
+        return self._runner()
 
     def add_lora(self, lora_request: LoRARequest) -> bool:
         """Load an adapter now (vLLM's `add_lora`); whether it was read (False: it was loaded already). A ValueError
         or FileNotFoundError naming the adapter when it cannot run on this model."""
         name = getattr(lora_request, "lora_name", None)
         with self.turn():
-            return self._loras("lora_request" if name is None else f"lora_request for LoRA adapter {name!r}").add(
+            return self._loras("lora_request" if name is None else f"lora_request for LoRA adapter {name!r}").add_lora(
                 lora_request)
 
     def remove_lora(self, lora_id: int) -> bool:
         """Unload an adapter (requests of it still in flight read it again); whether it was loaded."""
         with self.turn():
-            return self._loras("remove_lora").remove(lora_id)
+            return self._loras("remove_lora").remove_lora(lora_id)
 
     def list_loras(self) -> set[int]:
         """The ids of the adapters loaded now."""
         with self.turn():
-            return self._loras("list_loras").loaded_ids()
+            return self._loras("list_loras").loras.loaded_ids()
 
     def pin_lora(self, lora_id: int) -> bool:
         """Keep a loaded adapter loaded whatever the LRU of `max_cpu_loras` says."""
         with self.turn():
-            return self._loras("pin_lora").pin(lora_id)
+            return self._loras("pin_lora").pin_lora(lora_id)
 
     def next_seq_id(self) -> int:
         """A sequence id no other sequence of this engine has (requests' samples, beams)."""

@@ -76,12 +76,10 @@ def resolve_config(model: str | None, settings: dict) -> Config:
 
 
 def _check_lora(config: Config) -> None:
-    """LoRA runs on one rank of a generating model; a ValueError naming the setting it cannot run beside."""
-    for name, value, default in (("tensor_parallel_size", config.tensor_parallel_size, 1),
-                                 ("runner", config.runner, "generate")):
-        if value != default:
-            raise ValueError(f"enable_lora=True runs with {name}={default!r} only (LoRA adapters are not sharded over "
-                             f"ranks, nor applied to pooling models yet); got {name}={value!r}")
+    """LoRA serves generating models; a ValueError for a pooling one."""
+    if config.runner != "generate":
+        raise ValueError(f"enable_lora=True runs with runner='generate' only (LoRA adapters are not applied to "
+                         f"pooling models yet); got runner={config.runner!r}")
 
 
 def _without_inert_settings(settings: dict) -> dict:

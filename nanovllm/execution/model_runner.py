@@ -27,6 +27,7 @@ from nanovllm.kernels.attention.torch_backend import SHORT_QUERIES
 from nanovllm.kernels.cpu import cpu_kernels
 from nanovllm.kernels.fused import set_fused_ops
 from nanovllm.lora.manager import LoRAManager
+from nanovllm.lora.request import LoRARequest
 from nanovllm.models.reload import (
     StowedWeights,
     adopt_weights,
@@ -167,6 +168,33 @@ class ModelRunner:
         dequantized = self.config.quantization if self.device.type == "cuda" or cpu_kernels() is None else None
         reload_weights(self.model, weights, self.config.hf_config, dequantized)
 
+    # -- LoRA adapters, on every rank (`nanovllm.lora.manager`) --
+
+    def add_lora(self, request: LoRARequest) -> bool:
+        """Load an adapter on every rank (`LoRAManager.add`): rank 0 reads and checks it first, so a bad one is
+        refused before any worker sees it."""
+        added = self.loras.add(request)
+        self._on_workers("lora_call", "add", request)
+        return added
+
+    def remove_lora(self, lora_id: int) -> bool:
+        self._on_workers("lora_call", "remove", lora_id)
+        return self.loras.remove(lora_id)
+
+    def pin_lora(self, lora_id: int) -> bool:
+        pinned = self.loras.pin(lora_id)
+        self._on_workers("lora_call", "pin", lora_id)
+        return pinned
+
+    def lora_call(self, method: str, *args) -> None:
+        """A worker's side of `add_lora`, `remove_lora` and `pin_lora`."""
+        getattr(self.loras, method)(*args)
+
+    def _on_workers(self, method: str, *args) -> None:
+        if self.workers is not None:
+            with self.workers.guard():
+                self.workers.dispatch(method, *args)
+
     # -- sleep mode (`nanovllm.engine.llm_engine.LLMEngine.sleep`) --
 
     def sleep(self, level: int) -> None:
@@ -267,17 +295,25 @@ class ModelRunner:
         logits_indices += [row for rows in prompt_rows for row in rows.rows]
         input_ids, positions = set_step_context(chunks, self.block_size, self.device, logits_indices,
                                                 rope_lengths if needs_rope_lengths else None)
-        if self.loras is not None:
-            self.loras.start_step([(seq.lora_int_id, num_tokens) for seq, num_tokens in zip(batch.seqs,
-                                                                                             batch.num_tokens)])
         return input_ids, positions, prompt_rows
 
     @torch.inference_mode()
-    def run_model(self, input_ids: torch.Tensor, positions: torch.Tensor,
-                  token_type_ids: torch.Tensor | None = None) -> torch.Tensor | None:
+    def run_model(self, input_ids: torch.Tensor, positions: torch.Tensor, token_type_ids: torch.Tensor | None = None,
+                  lora_rows: list[tuple[int, int]] | None = None) -> torch.Tensor | None:
         """Logits at the context's `logits_indices` (None if there are none, and on ranks other than 0); for the
         pooling runner, rank 0 gets every row's hidden states (`token_type_ids` for an encoder that reads them).
+        `lora_rows`: each sequence's LoRA adapter and row count, in row order (`LoRAManager.start_step`).
         Decode replays a captured CUDA graph when one fits; the LM head always runs eagerly."""
+        if self.loras is not None:
+            self.loras.start_step(lora_rows)
+        try:
+            return self._run_model(input_ids, positions, token_type_ids)
+        finally:
+            if self.loras is not None:
+                self.loras.end_step()
+
+    def _run_model(self, input_ids: torch.Tensor, positions: torch.Tensor,
+                   token_type_ids: torch.Tensor | None) -> torch.Tensor | None:
         ctx = get_context()
         with self._timed("model"):
             replay = self.graphs is not None and ctx.is_decode and ctx.rope_lengths is None
@@ -315,13 +351,12 @@ class ModelRunner:
             types = step_token_types(batch) if self.pooler is not None else None
         with self._governed():
             watch = Stopwatch(self.device).start() if self.drafter is not None else None
+            lora_rows = [(seq.lora_int_id, n) for seq, n in zip(batch.seqs, batch.num_tokens)] if self.loras else None
             logits = self.call("run_model", input_ids, positions,
-                               None if types is None else to_device(types, torch.int64, self.device))
+                               None if types is None else to_device(types, torch.int64, self.device), lora_rows)
             if watch is not None:
                 watch.stop()
         reset_context()
-        if self.loras is not None:
-            self.loras.end_step()
         if self.rank != 0:
             return None
         if self.pooler is not None:

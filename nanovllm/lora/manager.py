@@ -7,6 +7,7 @@ from collections import OrderedDict
 import torch
 from torch import nn
 
+from nanovllm.distributed.process_group import tp_rank_and_size
 from nanovllm.layers.lora import STACKED_ROWS, LoRALayer, LoRAStep, LoRAWeights, clear_lora_step, set_lora_step
 from nanovllm.layers.prepack import can_prepack
 from nanovllm.lora.peft import read_peft_adapter
@@ -20,8 +21,8 @@ def describe(request: LoRARequest) -> str:
 
 class LoRAManager:
     """Adapters for `model` (its projections given `LoRALayer`s here), at most `max_cpu_loras` kept loaded, ranks up
-    to `max_lora_rank`, weights in `dtype` on `device`. An adapter id names one adapter path for the engine's life
-    (the prefix cache keys K/V by the id)."""
+    to `max_lora_rank`, weights in `dtype` on `device` (this tensor-parallel rank's share). An adapter id names one
+    adapter path for the engine's life (the prefix cache keys K/V by the id)."""
 
     def __init__(self, model: nn.Module, max_cpu_loras: int, max_lora_rank: int, dtype: torch.dtype,
                  device: torch.device):
@@ -32,6 +33,7 @@ class LoRAManager:
         self.loaded: OrderedDict[int, dict[LoRALayer, LoRAWeights]] = OrderedDict()  # least recently used first
         self.pinned: set[int] = set()
         self.num_loads = 0
+        self.tp_rank, self.tp_size = tp_rank_and_size()
         self.step_has_adapters = False  # whether the running step has rows under an adapter
 
     def add(self, request: LoRARequest) -> bool:
@@ -56,7 +58,7 @@ class LoRAManager:
     def _load(self, request: LoRARequest, keep: set[int] | tuple) -> None:
         label = describe(request)
         weights = adapter_weights(read_peft_adapter(request.lora_path, label), self.model, self.layers, label,
-                                  self.max_rank, self.dtype, self.device)
+                                  self.max_rank, self.dtype, self.device, self.tp_rank, self.tp_size)
         for layer, layer_weights in weights.items():
             layer.add_adapter(request.lora_int_id, layer_weights)
         self.loaded[request.lora_int_id] = weights

@@ -104,7 +104,6 @@ def test_a_weights_file_of_the_wrong_kind(setup, tmp_path):
 
 
 @pytest.mark.parametrize("settings, message", [
-    (dict(tensor_parallel_size=2), "enable_lora=True runs with tensor_parallel_size=1 only"),
     (dict(data_parallel_size=2), "enable_lora=True runs with data_parallel_size=1 only"),
     (dict(runner="pooling"), "enable_lora=True runs with runner='generate' only"),
     (dict(max_loras=0), "max_loras must be a positive integer"),

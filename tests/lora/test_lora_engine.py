@@ -140,10 +140,11 @@ def test_stream_chat_and_ngram_speculation(qwen3):
         assert sum(streamed, []) == qwen3["expected"]["a"][1]
 
 
-@pytest.mark.parametrize("family", ["llama", "mistral_full", "qwen2", "gemma", "granite", "olmo2", "stablelm", "phi3"])
-def test_families_equal_peft(tmp_path, family):
+@pytest.mark.parametrize("family, tp", [("llama", 1), ("mistral_full", 1), ("qwen2", 1), ("gemma", 1), ("granite", 1),
+                                        ("olmo2", 1), ("stablelm", 1), ("phi3", 1), ("phi3", 2)])
+def test_families_equal_peft(tmp_path, family, tp):
     """Every projection adapted, in each family's own module names (Phi-3's fused qkv_proj and gate_up_proj are single
-    modules in PEFT and cover their whole fused layer here)."""
+    modules in PEFT and cover their whole fused layer here; on two ranks each keeps its q/k/v and gate/up rows)."""
     if family == "llama":
         base = make_checkpoint(str(tmp_path / "base"), family="llama", seed=5, attention_bias=True, mlp_bias=True)
     elif family == "qwen2":
@@ -153,7 +154,7 @@ def test_families_equal_peft(tmp_path, family):
     targets = ["qkv_proj", "o_proj", "gate_up_proj", "down_proj"] if family == "phi3" else ALL
     adapter = make_adapter(base, str(tmp_path / "adapter"), 7, r=4, lora_alpha=8, target_modules=targets)
     expected = peft_greedy(base, adapter, PROMPTS[1:])
-    with engine(base, max_lora_rank=4) as llm:
+    with engine(base, max_lora_rank=4, tensor_parallel_size=tp) as llm:
         outputs = llm.generate(PROMPTS[1:], GREEDY, lora_request=LoRARequest("x", 1, adapter), use_tqdm=False)
     assert tokens(outputs) == expected
 
@@ -201,3 +202,21 @@ def test_moe_attention_and_a_bin_adapter(tmp_path):
         outputs = llm.generate(PROMPTS[1:], GREEDY, lora_request=LoRARequest("moe", 1, str(tmp_path / "adapter")),
                                use_tqdm=False)
     assert tokens(outputs) == expected
+
+
+def test_tensor_parallel_two_ranks(qwen3):
+    """Each rank keeps its share (B rows of q/k/v and gate/up split as their outputs, A columns of o/down as their
+    inputs, summed by the layer's all-reduce): three adapters and the base mixed with max_loras=2, then the LRU, a
+    pin and a removal on both ranks."""
+    names = [None, "a", "b", "c"]
+    prompts = [prompt for _ in names for prompt in PROMPTS]
+    loras = [qwen3["requests"].get(name) for name in names for _ in PROMPTS]
+    with engine(qwen3["base"], max_loras=2, max_lora_rank=8, tensor_parallel_size=2) as llm:
+        assert tokens(llm.generate(prompts, GREEDY, lora_request=loras, use_tqdm=False)) == \
+            [t for name in names for t in qwen3["expected"][name]]
+        assert llm.list_loras() == {2, 3} and llm.pin_lora(2) and llm.remove_lora(3)
+        a = qwen3["requests"]["a"]
+        assert tokens(llm.generate(PROMPTS, GREEDY, lora_request=a, use_tqdm=False)) == qwen3["expected"]["a"]
+        with pytest.raises(FileNotFoundError, match="LoRA adapter 'lost'"):
+            llm.add_lora(LoRARequest("lost", 9, str(qwen3["root"] / "nowhere")))
+        assert tokens(llm.generate(PROMPTS, GREEDY, lora_request=a, use_tqdm=False)) == qwen3["expected"]["a"]
