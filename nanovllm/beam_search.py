@@ -3,6 +3,7 @@ what `LLM.beam_search` takes and returns, and its score."""
 import math
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import Any
 
 from nanovllm.outputs import Logprob
 
@@ -49,11 +50,11 @@ class BeamSearchSequence:
     `cum_logprob` is the sum of its generated tokens' log-probabilities; `text` decodes `tokens` (prompt
     included, as vLLM's). `finish_reason` is "stop" (it ended with EOS; `stop_reason` is the EOS id) or "length"
     (`max_tokens` or `max_model_len`), the values vLLM's server reports (vLLM's `LLM.beam_search` leaves both
-    None). `lora_request` is always None (beam search runs on the base model)."""
+    None). `lora_request`: the LoRA adapter its prompt ran under (None: the base model)."""
 
     tokens: list[int]
     logprobs: list[dict[int, Logprob]] = field(default_factory=list)
-    lora_request: None = None
+    lora_request: Any = None
     cum_logprob: float = 0.0
     text: str | None = None
     finish_reason: str | None = None

@@ -158,18 +158,17 @@ class LLM(PoolingMethods):
         return self.tokenizer.encode(self.prompts.chat_text(conversation, add_generation_prompt),
                                      add_special_tokens=False)
 
-    def beam_search(self, prompts: Prompt | list[Prompt], params: BeamSearchParams, lora_request: None = None,
+    def beam_search(self, prompts: Prompt | list[Prompt], params: BeamSearchParams, lora_request: LoRAParam = None,
                     use_tqdm: bool = False, concurrency_limit: int | None = None) -> list[BeamSearchOutput]:
         """vLLM's beam search (`nanovllm.beam_search.BeamSearchParams` says how it goes): one `BeamSearchOutput` per
         prompt, in order, its `beam_width` best beams. Prompts are taken as by `generate`. Every prompt's beams run
         in the same steps, and beams share their prompt's KV blocks (`nanovllm.engine.beam_search`); at most
         `concurrency_limit` prompts are searched at once (None: all). A beam's candidates are its `2 * beam_width`
         most likely next tokens (the vocabulary at most), whose logprobs count against `max_logprobs` as vLLM's do.
-        `lora_request` must be None (beam search under a LoRA adapter is not supported yet)."""
+        `lora_request`: as `generate`'s; a prompt's beams all run under its adapter."""
         if not isinstance(params, BeamSearchParams):
             raise ValueError(f"params must be a BeamSearchParams (from nanovllm import BeamSearchParams), got "
                              f"{type(params).__name__}")
-        _check_no_lora(lora_request)
         if self.is_sleeping():
             raise RuntimeError("the engine is sleeping (sleep() was called); call wake_up() first")
         if concurrency_limit is not None and (isinstance(concurrency_limit, bool)
@@ -177,7 +176,7 @@ class LLM(PoolingMethods):
             raise ValueError(f"concurrency_limit must be an integer >= 1 or None, got {concurrency_limit!r}")
         sampling = SamplingParams(temperature=params.temperature, max_tokens=1, detokenize=False,
                                   logprobs=min(2 * params.beam_width, self.config.hf_config.vocab_size))
-        checked = self.prompts.check_prompts(prompts, sampling, None)
+        checked = with_loras(self.prompts.check_prompts(prompts, sampling, None), lora_request)
         eos = self.tokenizer.eos_token_id if self.tokenizer is not None else None
         if eos is None:
             eos = getattr(self.config.hf_config, "eos_token_id", None)
@@ -332,13 +331,6 @@ class LLM(PoolingMethods):
             raise
         _raise_if_failed(handles)
         return [handle.output() for handle in handles]
-
-
-def _check_no_lora(lora_request: object) -> None:
-    """`beam_search`'s `lora_request`, which it takes as None only (one for all prompts, or one per prompt)."""
-    if lora_request is None or isinstance(lora_request, (list, tuple)) and all(r is None for r in lora_request):
-        return
-    raise ValueError("beam_search does not run under a LoRA adapter yet: lora_request must be None")
 
 
 def _raise_if_failed(handles: list[Handle]) -> None:

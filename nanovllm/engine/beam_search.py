@@ -129,7 +129,8 @@ class PromptSearch:
         return BeamSearchOutput([BeamSearchSequence(
             tokens=beam.tokens, logprobs=[step.logprobs(decode) for step in beam.steps], cum_logprob=beam.cum_logprob,
             text=tokenizer.decode(beam.tokens) if tokenizer is not None else None, finish_reason=beam.finish_reason,
-            stop_reason=self.eos if beam.finish_reason == "stop" else None) for beam in best[:params.beam_width]])
+            stop_reason=self.eos if beam.finish_reason == "stop" else None, lora_request=self.prompt.lora_request)
+            for beam in best[:params.beam_width]])
 
 
 def token_decoder(tokenizer: PreTrainedTokenizerBase | None) -> Callable[[int], str | None]:
@@ -179,9 +180,11 @@ class EngineBeamSearch:
         """Search every prompt; one `BeamSearchOutput` each, in order. Every block is free again on return."""
         engine = self.engine
         with engine.turn():
-            for search in self.searches:  # nothing starts unless every prompt fits
+            for search in self.searches:  # nothing starts unless every prompt fits and its adapter loads
                 self.scheduler.check(Sequence(-1, search.prompt.token_ids, engine.config.kvcache_block_size,
                                               search.prompt.params))
+                if search.prompt.lora_request is not None:
+                    engine.add_lora(search.prompt.lora_request)
             self._start()
         try:
             with tqdm(total=len(self.searches), desc="Beam search", dynamic_ncols=True, disable=not use_tqdm) as bar:
@@ -204,6 +207,7 @@ class EngineBeamSearch:
             seq = Sequence(self.engine.next_seq_id(), prompt.token_ids, self.engine.config.kvcache_block_size,
                            prompt.params)
             seq.search = self
+            seq.lora_int_id = prompt.lora_request.lora_int_id if prompt.lora_request is not None else 0
             search.beams[0].seq = seq
             self.of_seq[seq.seq_id] = search
             self.scheduler.add(seq)

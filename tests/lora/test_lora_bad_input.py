@@ -82,10 +82,11 @@ def test_one_id_for_two_paths_and_other_misuse(setup, tmp_path):
             llm.generate([[1, 2]], GREEDY, lora_request="good", use_tqdm=False)
         with pytest.raises(ValueError, match="pin_lora: LoRA adapter 5 is not loaded"):
             llm.pin_lora(5)
-        with pytest.raises(ValueError, match="beam_search does not run under a LoRA adapter"):
+        with pytest.raises(FileNotFoundError, match="LoRA adapter 'missing' .*no directory"):
             from nanovllm import BeamSearchParams
             llm.beam_search([[1, 2]], BeamSearchParams(beam_width=2, max_tokens=2),
-                            lora_request=LoRARequest("good", 1, setup["good"]))
+                            lora_request=LoRARequest("missing", 7, str(tmp_path / "nowhere")))
+        assert llm.is_finished()
         assert llm.generate([[1, 2]], GREEDY, lora_request=LoRARequest("second", 2, second), use_tqdm=False)
         assert llm.list_loras() == {2}
     with LLM(setup["base"], **CPU) as llm:

@@ -220,3 +220,23 @@ def test_tensor_parallel_two_ranks(qwen3):
         with pytest.raises(FileNotFoundError, match="LoRA adapter 'lost'"):
             llm.add_lora(LoRARequest("lost", 9, str(qwen3["root"] / "nowhere")))
         assert tokens(llm.generate(PROMPTS, GREEDY, lora_request=a, use_tqdm=False)) == qwen3["expected"]["a"]
+
+
+def test_beam_search_under_an_adapter_is_the_merged_models(qwen3, tmp_path):
+    """Beam search under adapter A (its beams forking the adapter's KV blocks) gives the beams of the base with A
+    merged into its weights (PEFT's `merge_and_unload`)."""
+    from nanovllm import BeamSearchParams
+
+    merged = peft.PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(qwen3["base"], dtype=torch.float32),
+                                            qwen3["adapters"]["a"]).merge_and_unload()
+    merged.save_pretrained(str(tmp_path / "merged"))
+    params = BeamSearchParams(beam_width=3, max_tokens=6, ignore_eos=True)
+    a = qwen3["requests"]["a"]
+    with engine(qwen3["base"], max_lora_rank=8) as llm:
+        adapted = llm.beam_search(PROMPTS, params, lora_request=a)
+    with LLM(str(tmp_path / "merged"), device="cpu", dtype="float32", kvcache_block_size=16,
+             skip_tokenizer_init=True) as llm:
+        reference = llm.beam_search(PROMPTS, params)
+    assert [[beam.tokens for beam in out.sequences] for out in adapted] == \
+        [[beam.tokens for beam in out.sequences] for out in reference]
+    assert adapted[0].sequences[0].lora_request is a
