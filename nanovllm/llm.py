@@ -75,6 +75,14 @@ class Engine(Protocol):
 
     def is_sleeping(self) -> bool: ...
 
+    def add_lora(self, lora_request: LoRARequest) -> bool: ...
+
+    def remove_lora(self, lora_id: int) -> bool: ...
+
+    def list_loras(self) -> set[int]: ...
+
+    def pin_lora(self, lora_id: int) -> bool: ...
+
     def exit(self) -> None: ...
 
 
@@ -94,9 +102,6 @@ class LLM(PoolingMethods):
         if isinstance(data_parallel_size, bool) or not isinstance(data_parallel_size, int) or data_parallel_size < 1:
             raise ValueError(f"data_parallel_size must be a positive integer, got {data_parallel_size!r}")
         config = resolve_config(model, settings)
-        if config.enable_lora and data_parallel_size > 1:
-            raise ValueError("enable_lora=True runs with data_parallel_size=1 only (LoRA adapters are not served by "
-                             "data-parallel replicas yet)")
         self.engine: Engine = LLMEngine(config) if data_parallel_size == 1 else DataParallelLLM(config,
                                                                                             data_parallel_size)
         checker = PoolingPromptChecker if config.runner == "pooling" else PromptChecker
@@ -237,7 +242,7 @@ class LLM(PoolingMethods):
         """Keep a loaded adapter loaded, whatever the LRU of `max_cpu_loras` would drop (vLLM's `pin_lora`)."""
         return self._lora_engine("pin_lora").pin_lora(lora_id)
 
-    def _lora_engine(self, method: str) -> LLMEngine:
+    def _lora_engine(self, method: str) -> Engine:
         if not self.config.enable_lora:
             raise ValueError(f"{method}: LoRA is off; create the LLM with enable_lora=True to serve LoRA adapters")
         return self.engine

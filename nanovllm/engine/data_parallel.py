@@ -48,6 +48,7 @@ from nanovllm.engine.pooling_prompts import CheckedPoolingPrompt
 from nanovllm.engine.prompts import CheckedPrompt
 from nanovllm.engine.router import PrefixRouter
 from nanovllm.engine.tokenizer import load_tokenizer
+from nanovllm.lora.request import LoRARequest
 from nanovllm.models.reload import weight_pairs
 from nanovllm.outputs import CompletionOutput, RequestMetrics, RequestOutput
 from nanovllm.pooling_outputs import PoolingOutput, PoolingRequestOutput
@@ -188,12 +189,17 @@ class DataParallelLLM:
         replica.child.conn.send(("add", routed.request_id, replace(routed.checked, text=None)))
 
     def submit(self, checked: list[CheckedPrompt]) -> list[Routed]:
-        """Route each checked prompt to a replica; returns the requests, in order."""
+        """Route each checked prompt to a replica; returns the requests, in order. Their LoRA adapters are loaded on
+        every replica first (a bad one is refused here, before any request is routed)."""
         if not self.replicas:
             raise RuntimeError("this LLM has been shut down (exit() was called); create a new LLM")
         with self._lock:
             if self._asleep:
                 raise sleeping_error(self._sleep_level)
+            loras = {c.lora_request.lora_int_id: c.lora_request for c in checked
+                     if getattr(c, "lora_request", None) is not None}
+            for lora_request in loras.values():
+                self.add_lora(lora_request)
             routed = []
             for c in checked:
                 routed.append(Routed(str(self._next_id), c))
@@ -381,6 +387,30 @@ class DataParallelLLM:
     def is_sleeping(self) -> bool:
         return bool(self._asleep)
 
+    def add_lora(self, lora_request: LoRARequest) -> bool:
+        """`LLMEngine.add_lora` on every replica (each serves every adapter); whether any read it."""
+        return any(self._ask_lora("add_lora", lora_request))
+
+    def remove_lora(self, lora_id: int) -> bool:
+        return any(self._ask_lora("remove_lora", lora_id))
+
+    def pin_lora(self, lora_id: int) -> bool:
+        return all(self._ask_lora("pin_lora", lora_id))
+
+    def list_loras(self) -> set[int]:
+        """The adapters some replica has loaded."""
+        return set().union(*self._ask_lora("list_loras"))
+
+    def _ask_lora(self, kind: str, *payload) -> list:
+        """Every live replica's answer to the LoRA call `kind`; the first one's error is raised here (they refuse
+        alike)."""
+        with self._lock:
+            replies = [reply for _, reply in self._ask_all(pickle.dumps((kind, *payload)))]
+        failed = next((reply for reply in replies if isinstance(reply, BaseException)), None)
+        if failed is not None:
+            raise failed
+        return replies
+
     def _fell_asleep(self, level: int) -> None:
         self._asleep, self._sleep_level = {"weights", "kv_cache"}, level
 
@@ -452,18 +482,17 @@ def _restored(output: PoolingRequestOutput) -> PoolingRequestOutput:
     return output
 
 
-def _attempt(method, *args) -> BaseException | None:
-    """`method(*args)`: None, or the exception it raised (made picklable: its type and message, else a RuntimeError
-    with its traceback) for the front to raise."""
+def _attempt(method, *args) -> object:
+    """`method(*args)`: what it returns, or the exception it raised (made picklable: its type and message, else a
+    RuntimeError with its traceback) for the front to raise."""
     try:
-        method(*args)
+        return method(*args)
     except Exception as e:  # noqa: BLE001 (the front raises it; the replica goes on)
         try:
             pickle.loads(pickle.dumps(e))
             return e
         except Exception:  # noqa: BLE001
             return RuntimeError(traceback.format_exc())
-    return None
 
 
 def _replica_main(index: int, config: Config, devices: list[int] | None, cores: list[int], conn: Connection) -> None:
@@ -505,6 +534,8 @@ def _replica_main(index: int, config: Config, devices: list[int] | None, cores: 
                         conn.send(("stats", engine.stats()))
                     elif kind in ("load_weights", "sleep", "wake_up"):
                         conn.send(("reply", _attempt(getattr(engine, kind), payload[0])))
+                    elif kind in ("add_lora", "remove_lora", "pin_lora", "list_loras"):
+                        conn.send(("reply", _attempt(getattr(engine, kind), *payload)))
                     elif kind == "reset_prefix_cache":
                         conn.send(("reply", engine.reset_prefix_cache()))
                     continue

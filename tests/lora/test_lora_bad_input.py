@@ -105,7 +105,6 @@ def test_a_weights_file_of_the_wrong_kind(setup, tmp_path):
 
 
 @pytest.mark.parametrize("settings, message", [
-    (dict(data_parallel_size=2), "enable_lora=True runs with data_parallel_size=1 only"),
     (dict(runner="pooling"), "enable_lora=True runs with runner='generate' only"),
     (dict(max_loras=0), "max_loras must be a positive integer"),
     (dict(max_loras=3, max_cpu_loras=2), "max_cpu_loras must be an integer >= max_loras \\(3\\)"),

@@ -240,3 +240,22 @@ def test_beam_search_under_an_adapter_is_the_merged_models(qwen3, tmp_path):
     assert [[beam.tokens for beam in out.sequences] for out in adapted] == \
         [[beam.tokens for beam in out.sequences] for out in reference]
     assert adapted[0].sequences[0].lora_request is a
+
+
+def test_data_parallel_replicas(qwen3):
+    """Two replicas, each serving every adapter: a mixed batch equals PEFT's, a bad adapter is refused before any
+    request is routed, and the adapter calls reach every replica."""
+    names = [None, "a", "b", "c"]
+    prompts = [prompt for _ in names for prompt in PROMPTS]
+    loras = [qwen3["requests"].get(name) for name in names for _ in PROMPTS]
+    with engine(qwen3["base"], max_loras=2, max_cpu_loras=3, max_lora_rank=8, data_parallel_size=2) as llm:
+        assert tokens(llm.generate(prompts, GREEDY, lora_request=loras, use_tqdm=False)) == \
+            [t for name in names for t in qwen3["expected"][name]]
+        assert llm.list_loras() == {1, 2, 3}
+        with pytest.raises(FileNotFoundError, match="LoRA adapter 'lost'"):
+            llm.generate(PROMPTS, GREEDY, lora_request=LoRARequest("lost", 9, str(qwen3["root"] / "nowhere")),
+                         use_tqdm=False)
+        assert llm.pin_lora(1) and llm.remove_lora(2) and llm.list_loras() == {1, 3}
+        assert [r["alive"] for r in llm.stats()["replicas"]] == [True, True]
+        assert tokens(llm.generate(PROMPTS, GREEDY, lora_request=qwen3["requests"]["b"], use_tqdm=False)) == \
+            qwen3["expected"]["b"]
