@@ -1,6 +1,8 @@
 """What nanovllm's programs (`python -m nanovllm`, example.py, bench.py) do first, before their slow imports: Ctrl-C
 ends them with one line instead of a traceback, and a folder hiding the installed package is named."""
+import atexit
 import os
+import signal
 import sys
 
 
@@ -8,19 +10,33 @@ def quiet_ctrl_c() -> None:
     """Make Ctrl-C print "interrupted" instead of a traceback from wherever it struck (most often deep in torch).
 
     Only the report changes: the KeyboardInterrupt still unwinds (`with LLM(...)` stops the engine's child
-    processes, which ignore Ctrl-C themselves), and Python still ends as killed by SIGINT, which a shell reports
-    as status 130 and which stops a shell loop running the program."""
+    processes, which ignore Ctrl-C themselves), and the program still ends as killed by SIGINT, which a shell reports
+    as status 130 and which stops a shell loop running the program. Python would end so by itself, but an exit
+    handler that runs code (torch's dynamo registers one once transformers imports it) makes it exit with status 1:
+    so after every other exit handler (this one is registered first, and they run last-registered first) the program
+    ends itself by SIGINT."""
     previous = sys.excepthook
+    interrupted = []
 
     def excepthook(kind, error, traceback) -> None:
         if not issubclass(kind, KeyboardInterrupt):
             return previous(kind, error, traceback)
+        interrupted.append(True)
         # sys.__stderr__: torch.distributed wraps this hook to prefix "[rank0]: " to what it writes to sys.stderr
         stderr = sys.__stderr__ or sys.stderr
         # a terminal shows "^C" where the output stopped: start a line of our own
         print("\ninterrupted" if stderr.isatty() else "interrupted", file=stderr)
 
+    def end_as_interrupted() -> None:
+        if interrupted and os.name == "posix":
+            for stream in (sys.stdout, sys.stderr):
+                if stream is not None:
+                    stream.flush()
+            signal.signal(signal.SIGINT, signal.SIG_DFL)
+            os.kill(os.getpid(), signal.SIGINT)
+
     sys.excepthook = excepthook
+    atexit.register(end_as_interrupted)
 
 
 def refuse_shadowed_package() -> None:
