@@ -38,12 +38,15 @@ def with_loras(checked: list[CheckedPrompt], lora_request: LoRAParam) -> list[Ch
     """`checked` under the adapters `lora_request` names; a ValueError when a list of them is not one per prompt."""
     if lora_request is None:
         return checked
-    if isinstance(lora_request, (list, tuple)):
-        if len(lora_request) != len(checked):
-            raise VLLMValidationError(f"lora_request is a list of {len(lora_request)} but there are {len(checked)} "
-                                      "prompts: give one for all prompts or one per prompt (None for the base model)")
-        return [replace(c, lora_request=r) for c, r in zip(checked, lora_request)]
-    return [replace(c, lora_request=lora_request) for c in checked]
+    loras = lora_request if isinstance(lora_request, (list, tuple)) else [lora_request] * len(checked)
+    if len(loras) != len(checked):
+        raise VLLMValidationError(f"lora_request is a list of {len(loras)} but there are {len(checked)} prompts: give "
+                                  "one for all prompts or one per prompt (None for the base model)")
+    bad = next((r for r in loras if r is not None and not isinstance(r, LoRARequest)), None)
+    if bad is not None:
+        raise VLLMValidationError(f"lora_request must be a nanovllm.lora.request.LoRARequest (or None), got "
+                                  f"{type(bad).__name__}")
+    return [replace(c, lora_request=r) for c, r in zip(checked, loras)]
 
 
 class PromptChecker:

@@ -1,5 +1,5 @@
 """The engine's LoRA adapters: read on first use into an LRU of `max_cpu_loras` (pinned ones never leave), and each
-step's tokens grouped by adapter for the adapted layers (`nanovllm.layers.lora`). How many adapters one step runs
+step's tokens mapped to their adapters for the adapted layers (`nanovllm.layers.lora`). How many adapters one step runs
 (`max_loras`) is the scheduler's rule; an adapter the LRU dropped while its requests waited is read again when they
 run."""
 from collections import OrderedDict

@@ -287,7 +287,7 @@ def test_bad_calls_are_refused_before_any_work(llm, tied_model):
     params = BeamSearchParams(beam_width=2, max_tokens=4)
     with pytest.raises(ValueError, match="params must be a BeamSearchParams"):
         llm.beam_search(PROMPTS, SamplingParams())
-    with pytest.raises(ValueError, match="LoRA is off; create the LLM with enable_lora=True"):
+    with pytest.raises(ValueError, match="lora_request must be a nanovllm.lora.request.LoRARequest"):
         llm.beam_search(PROMPTS, params, lora_request=object())
     with pytest.raises(ValueError, match="concurrency_limit"):
         llm.beam_search(PROMPTS, params, concurrency_limit=0)
