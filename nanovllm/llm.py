@@ -326,10 +326,11 @@ class LLM(PoolingMethods):
         """Submit the checked prompts and run steps until all are finished; their outputs, in order."""
         handles = self.engine.submit(checked)
         try:
-            with tqdm(total=len(handles), desc="Generating", dynamic_ncols=True, disable=not use_tqdm) as pbar:
+            with tqdm(total=len(handles), desc="Processed prompts", dynamic_ncols=True, disable=not use_tqdm) as pbar:
                 while (rates := self.engine.progress(handles)) is not None:
-                    if use_tqdm:
-                        pbar.set_postfix({phase: f"{rate:.0f}tok/s" for phase, rate in rates.items()}, refresh=False)
+                    if use_tqdm:  # a phase shows once it has run (pooling requests never decode)
+                        pbar.set_postfix({phase: f"{rate:.0f}tok/s" for phase, rate in rates.items() if rate},
+                                         refresh=False)
                         pbar.update(sum(handle.finished for handle in handles) - pbar.n)
         except BaseException:
             self.abort_request([handle.request_id for handle in handles])

@@ -56,7 +56,7 @@ def test_two_replicas_give_one_engines_tokens_and_keep_prefixes_together(dp, exp
 def test_generate_shows_its_progress_as_one_engine_does(dp, expected, capsys):
     assert token_ids(dp.generate(PROMPTS, GREEDY)) == expected[0]
     progress = capsys.readouterr().err
-    assert "Generating" in progress and f"{len(PROMPTS)}/{len(PROMPTS)}" in progress
+    assert "Processed prompts" in progress and f"{len(PROMPTS)}/{len(PROMPTS)}" in progress
 
 
 def test_a_killed_replica_s_requests_are_retried_on_the_other(tied_model, expected, monkeypatch):
