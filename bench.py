@@ -30,6 +30,7 @@ MODES = {  # mode -> its module; `mode` says which flags name which
     "jump-forward": "benchmarks.structured_jump",  # --structured --jump-forward-compare
     "beam-search": "benchmarks.beam",  # --beam-search
     "weights-update": "benchmarks.weights_update",  # --weights-update
+    "embed": "benchmarks.embed",  # --task embed
 }
 STANDALONE = ("benchmarks.step_profile", "benchmarks.ggml_kernels")  # `python -m ...`, flags of their own
 
@@ -48,6 +49,8 @@ def mode(args: argparse.Namespace) -> str:
         return "beam-search"
     if args.weights_update:
         return "weights-update"
+    if args.task == "embed":
+        return "embed"
     return "throughput"
 
 

@@ -32,6 +32,7 @@ directory or a .gguf file (converted once, see `nanovllm convert`).
     python bench.py --structured --jump-forward-compare   # what jump-forward saves on the JSON-schema workload
     python bench.py --beam-search --baseline vllm --dtype float32   # LLM.beam_search, 32 chat prompts, width 4
     python bench.py --weights-update             # load_weights against reading and copying the state dict
+    python bench.py --task embed --model ST_DIR --baseline vllm   # LLM.embed against sentence-transformers' encode
 
 `--workload grounded` asks the model (through its chat template) to repeat, rewrite or annotate given passages and
 code, greedy, each request ending at EOS or its max_tokens; `--speculative` runs every row again with speculative
@@ -147,6 +148,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--weights-update", action="store_true",
                    help="instead of the workload, an RL loop's policy update: 32 rollouts (--num-seqs), then "
                         "LLM.load_weights of a changed float32 state dict, timed against reading and copying it")
+    p.add_argument("--task", choices=["generate", "embed"], default="generate",
+                   help="'embed': instead of the workload, LLM.embed (runner='pooling') on --num-seqs texts (512) "
+                        "against sentence-transformers' encode of the same --model (a sentence-transformers "
+                        "directory), same threads; with --baseline vllm, vLLM's pooling runner too")
     p.add_argument("--beam-width", type=int, default=4, help="beams per prompt of --beam-search (default 4)")
     p.add_argument("--json", help="also write the results as JSON to this path")
     args = p.parse_args(argv)
@@ -189,6 +194,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         p.error(f"--model {args.model!r} is neither a directory nor a .gguf file")
     if args.baseline == "llamacpp" and not (args.model or "").endswith(".gguf"):
         p.error("--baseline llamacpp runs llama.cpp on the same file: --model must be a .gguf file")
+    if args.task == "embed" and (args.model is None or args.baseline not in ("none", "vllm")):
+        p.error("--task embed needs --model (a sentence-transformers directory, or a model nanovllm embeds) and no "
+                "--baseline but vllm (sentence-transformers always runs beside it)")
     if args.model is None and not os.path.isfile(args.config):
         p.error(f"--config {args.config!r} not found")
     return args

@@ -198,7 +198,8 @@ def test_step_profile_splits_a_decode_step_into_the_engines_phases(tied_model, c
                                          (["--host-overhead"], "host-overhead"), (["--structured"], "structured"),
                                          (["--structured", "--jump-forward-compare"], "jump-forward"),
                                          (["--beam-search"], "beam-search"),
-                                         (["--weights-update"], "weights-update")])
+                                         (["--weights-update"], "weights-update"),
+                                         (["--task", "embed", "--model", "."], "embed")])
 def test_the_flags_name_one_mode_each(flags, name):
     assert bench.mode(bench.parse_args(flags)) == name and name in bench.MODES
 
@@ -414,3 +415,20 @@ def test_weights_update_mode_times_load_weights_beside_a_read_and_a_copy(chat_mo
     assert set(result["seconds"]) == {"rollouts", "read", "copy", "update"}
     assert result["update_per_read"] == pytest.approx(result["seconds"]["update"] / result["seconds"]["read"])
     assert result["state_dict_bytes"] > 0 and "update / copy" in capsys.readouterr().out
+
+
+def test_embed_task_times_nanovllm_beside_sentence_transformers_on_the_same_texts(tmp_path, capsys, monkeypatch):
+    pytest.importorskip("sentence_transformers")
+    monkeypatch.syspath_prepend(str(Path(__file__).parents[1] / "pooling"))
+    from pooling_checkpoints import make_st_embedder
+
+    model = make_st_embedder(str(tmp_path / "embedder"), pooling_mode="mean", max_position_embeddings=2048)
+    result = bench.main(["--task", "embed", "--model", model, "--device", "cpu", "--dtype", "float32",
+                         "--num-seqs", "6", "--repeat", "2"])
+    ours, theirs = result["engines"]["nanovllm"], result["engines"]["sentence-transformers"]
+    assert result["texts"] == 6 and len(ours["rounds"]) == len(theirs["rounds"]) == 2
+    assert theirs["ratio"] == 1.0 and ours["ratio"] == pytest.approx(theirs["seconds"] / ours["seconds"])
+    assert ours["min_cosine_to_nanovllm"] == pytest.approx(1.0) and theirs["min_cosine_to_nanovllm"] > 0.99999
+    assert "| sentence-transformers |" in capsys.readouterr().out
+    with pytest.raises(SystemExit):
+        bench.parse_args(["--task", "embed"])
