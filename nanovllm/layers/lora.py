@@ -53,18 +53,23 @@ class LoRAStep:
     adapters: tuple[int, ...] = ()
     token_index: torch.Tensor | None = None
     groups: list[tuple[int, torch.Tensor | None]] = field(default_factory=list)
+    masks: dict[tuple, torch.Tensor] = field(default_factory=dict)  # by `Stacked.owner_key`: made once a step
+    row_scales: dict[tuple, torch.Tensor] = field(default_factory=dict)  # by `Stacked.scales_key`
 
 
 @dataclass
 class Stacked:
     """A layer's adapters side by side, for a stacked step: A stacked (their ranks' sum x in), B side by side (out x
     that sum), each A row's adapter (its position in the step's adapters), each adapter's scale per output column
-    (and a last row of zeros, for the base's rows)."""
+    (and a last row of zeros, for the base's rows). Layers of the same layout share their keys, so a step makes each
+    row mask and each rows' scales once, not once per layer."""
 
     a: torch.Tensor
     b: torch.Tensor
     owner: torch.Tensor
     scales: torch.Tensor
+    owner_key: tuple
+    scales_key: tuple
 
 
 class LoRALayer:
@@ -95,9 +100,15 @@ class LoRALayer:
             stacked = self._stack(step.adapters)
             if stacked is not None:
                 with _one_thread(x):
-                    own = step.token_index.unsqueeze(1) == stacked.owner
-                    delta = _linear(_linear(x, stacked.a) * own, stacked.b)
-                    y += delta * stacked.scales.index_select(0, step.token_index)
+                    own = step.masks.get(stacked.owner_key)
+                    if own is None:
+                        own = step.masks[stacked.owner_key] = \
+                            (step.token_index.unsqueeze(1) == stacked.owner).to(x.dtype)
+                    scales = step.row_scales.get(stacked.scales_key)
+                    if scales is None:
+                        scales = step.row_scales[stacked.scales_key] = \
+                            stacked.scales.index_select(0, step.token_index)
+                    y += _linear(_linear(x, stacked.a) * own, stacked.b) * scales
             return y
         for adapter_id, rows in step.groups:
             weights = self.adapters.get(adapter_id)
@@ -118,7 +129,7 @@ class LoRALayer:
         adapters or this layer's change."""
         if self._stacked is not None and self._stacked[0] == adapters:
             return self._stacked[1]
-        a, b, owner = [], [], []
+        a, b, owner, scale_layout = [], [], [], []
         present = [(i, self.adapters[adapter_id]) for i, adapter_id in enumerate(adapters)
                    if adapter_id in self.adapters]
         stacked = None
@@ -130,13 +141,15 @@ class LoRALayer:
                 for s in weights.slices:
                     side[s.offset:s.offset + s.size, s.rank_from:s.rank_to] = s.b
                     scales[i, s.offset:s.offset + s.size] = s.scale
+                    scale_layout.append((i, s.offset, s.size, s.scale))
                 a.append(weights.a)
                 b.append(side)
                 owner += [i] * weights.a.size(0)
             a, b = torch.cat(a), torch.cat(b, dim=1)
             if self.prepack:
                 a, b = torch.ops.mkldnn._reorder_linear_weight(a), torch.ops.mkldnn._reorder_linear_weight(b)
-            stacked = Stacked(a, b, torch.tensor(owner, device=reference.device), scales)
+            stacked = Stacked(a, b, torch.tensor(owner, device=reference.device), scales, tuple(owner),
+                              (self.out_features, tuple(scale_layout)))
         self._stacked = adapters, stacked
         return stacked
 
