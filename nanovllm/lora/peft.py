@@ -100,6 +100,11 @@ def _check_config(config: dict, label: str) -> None:
     for field, why in refused.items():
         if config.get(field):
             raise ValueError(f"LoRA adapter {label}: {why} ({field}={config[field]!r})")
+    variant = next((key for key, value in config.items() if key.startswith("use_") and key != "use_rslora" and value
+                    or key == "alora_invocation_tokens" and value), None)
+    if variant is not None:
+        raise ValueError(f"LoRA adapter {label}: a LoRA variant nanovllm does not compute ({variant}="
+                         f"{config[variant]!r}); plain LoRA and rsLoRA run")
     if config.get("bias", "none") != "none":
         raise ValueError(f"LoRA adapter {label}: trained biases are not supported (bias={config['bias']!r}; PEFT's "
                          "'none' only)")

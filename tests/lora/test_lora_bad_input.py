@@ -48,6 +48,7 @@ def setup(tmp_path_factory) -> dict:
             "deep": make_adapter(other, str(root / "deep"), r=4, target_modules=["q_proj"], layers_to_transform=[2]),
             "dora": edited(good, str(root / "dora"), use_dora=True),
             "saved": edited(good, str(root / "saved"), modules_to_save=["lm_head"]),
+            "qalora": edited(good, str(root / "qalora"), use_qalora=True),
             "embedding": make_adapter(base, str(root / "embedding"), r=4, target_modules=["embed_tokens"])}
 
 
@@ -58,6 +59,7 @@ def setup(tmp_path_factory) -> dict:
     ("deep", ValueError, "LoRA adapter 'deep' .*model.layers.2.q_proj, which this model does not have"),
     ("dora", ValueError, "LoRA adapter 'dora' .*DoRA.*use_dora=True"),
     ("saved", ValueError, "LoRA adapter 'saved' .*modules_to_save"),
+    ("qalora", ValueError, "LoRA adapter 'qalora' .*a LoRA variant nanovllm does not compute \\(use_qalora=True\\)"),
     ("embedding", ValueError, "LoRA adapter 'embedding' .*embed_tokens"),
 ])
 def test_bad_adapters_are_refused_and_the_engine_serves_on(setup, name, error, message):
