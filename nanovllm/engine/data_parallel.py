@@ -42,6 +42,7 @@ from nanovllm.engine.llm_engine import (
     check_sleep_mode,
     in_flight_error,
     sleeping_error,
+    tags_to_wake,
     wake_tags,
 )
 from nanovllm.engine.pooling_prompts import CheckedPoolingPrompt
@@ -376,13 +377,8 @@ class DataParallelLLM:
         check_sleep_mode(self.config, "wake_up")
         named, tags = tags is not None, wake_tags(tags)
         with self._lock:
-            if not self._asleep:
-                logger.warning("wake_up: the engine is not sleeping")
-                return
-            if named and tags - self._asleep:
-                logger.warning("wake_up: %s already awake", " and ".join(sorted(tags - self._asleep)))
-            if tags & self._asleep:
-                self._tell_all("wake_up", sorted(tags & self._asleep), lambda: self._asleep.difference_update(tags))
+            if waking := tags_to_wake(named, tags, self._asleep):
+                self._tell_all("wake_up", sorted(waking), lambda: self._asleep.difference_update(waking))
 
     def is_sleeping(self) -> bool:
         return bool(self._asleep)

@@ -61,6 +61,17 @@ def wake_tags(tags: Iterable[str] | None) -> set[str]:
     return tags
 
 
+def tags_to_wake(named: bool, tags: set[str], asleep: set[str]) -> set[str]:
+    """Of `tags` (`named`: given by the caller, not None's all), those asleep; vLLM's warnings for the others, or when
+    nothing sleeps (then nothing wakes)."""
+    if not asleep:
+        logger.warning("wake_up: the engine is not sleeping")
+        return set()
+    if named and tags - asleep:
+        logger.warning("wake_up: %s already awake", " and ".join(sorted(tags - asleep)))
+    return tags & asleep
+
+
 def sleeping_error(level: int) -> RuntimeError:
     return RuntimeError(f"the engine is sleeping (sleep(level={level}) was called); call wake_up() first")
 
@@ -218,13 +229,8 @@ class LLMEngine:
         named, tags = tags is not None, wake_tags(tags)
         with self.turn():
             runner = self._runner()
-            if not runner.asleep:
-                logger.warning("wake_up: the engine is not sleeping")
-                return
-            if named and tags - runner.asleep:
-                logger.warning("wake_up: %s already awake", " and ".join(sorted(tags - runner.asleep)))
-            if tags & runner.asleep:
-                runner.wake_up(tags & runner.asleep)
+            if waking := tags_to_wake(named, tags, runner.asleep):
+                runner.wake_up(waking)
 
     def is_sleeping(self) -> bool:
         """Whether some of the engine's memory sleeps (`sleep` was called, and `wake_up` has not woken it all)."""
