@@ -44,24 +44,31 @@ def find_vllm_python(given: str | None, device: str) -> str:
     return given
 
 
+def run_vllm_runner(python: str, runner: str, model: str, spec: dict, *flags: str) -> dict:
+    """Run `runner` (a script of benchmarks/ that imports only the standard library and vLLM) in vLLM's `python` on
+    `model` and a JSON file holding `spec`; the one JSON line of figures it prints last (vLLM prints too), whatever
+    its exit status once that line is out."""
+    with tempfile.NamedTemporaryFile("w", suffix=".json") as f:
+        json.dump(spec, f)
+        f.flush()
+        done = subprocess.run([python, str(Path(__file__).with_name(runner)), model, f.name, *flags],
+                              capture_output=True, text=True)
+    lines = [line for line in done.stdout.splitlines() if line.startswith('{"engine"')]
+    if not lines:  # vLLM's CPU build may abort at exit once it has printed its result ("terminate called ...")
+        raise RuntimeError(f"vLLM failed (exit code {done.returncode}) and printed no result:\n"
+                           f"{done.stdout[-2000:]}\n{done.stderr[-3000:]}")
+    return json.loads(lines[-1])
+
+
 def run_vllm(python: str, model_dir: str, load_format: str, requests: Requests, args: argparse.Namespace,
              dtype: torch.dtype) -> tuple[float, int, str]:
     """vLLM's offline generate on the same requests (greedy, ignore_eos) in `python`, by `vllm_runner.py`."""
-    with tempfile.NamedTemporaryFile("w", suffix=".json") as f:
-        json.dump({"prompts": requests.prompts, "max_tokens": requests.max_tokens}, f)
-        f.flush()
-        command = [python, str(Path(__file__).with_name("vllm_runner.py")), model_dir, f.name,
-                   "--dtype", str(dtype).removeprefix("torch."), "--seed", str(args.seed),
-                   "--max-model-len", str(args.max_input_len + args.max_output_len)]
-        print("vLLM ...", file=sys.stderr)
-        done = subprocess.run(command + (["--dummy"] if load_format == "dummy" else []), capture_output=True,
-                              text=True)
-    if done.returncode:
-        raise RuntimeError(f"vLLM failed (exit code {done.returncode}):\n{done.stderr[-3000:]}")
-    lines = [line for line in done.stdout.splitlines() if line.startswith('{"engine"')]  # vLLM prints too
-    if not lines:
-        raise RuntimeError(f"vLLM printed no result:\n{done.stdout[-2000:]}\n{done.stderr[-2000:]}")
-    result = json.loads(lines[-1])
+    print("vLLM ...", file=sys.stderr)
+    result = run_vllm_runner(python, "vllm_runner.py", model_dir,
+                             {"prompts": requests.prompts, "max_tokens": requests.max_tokens},
+                             "--dtype", str(dtype).removeprefix("torch."), "--seed", str(args.seed),
+                             "--max-model-len", str(args.max_input_len + args.max_output_len),
+                             *(["--dummy"] if load_format == "dummy" else []))
     if result["tokens"] != sum(requests.max_tokens):
         raise RuntimeError(f"vLLM produced {result['tokens']} tokens, the requests asked for "
                            f"{sum(requests.max_tokens)}")

@@ -11,15 +11,11 @@ directory that both engines load, so both search with the same weights.
 Figures: seconds per call (median over rounds) and beam tokens per second (every returned beam's generated tokens).
 """
 import argparse
-import json
 import statistics
-import subprocess
 import sys
-import tempfile
 import time
-from pathlib import Path
 
-from benchmarks.baselines import find_vllm_python
+from benchmarks.baselines import find_vllm_python, run_vllm_runner
 from benchmarks.chat import chat_prompts
 from benchmarks.machine import bench_device
 from benchmarks.model import structured_weights
@@ -73,15 +69,6 @@ def run(args: argparse.Namespace) -> dict:
 
 def run_vllm(python: str, model: str, prompts: list[list[int]], width: int, max_tokens: int, dtype: str) -> dict:
     """One round of vLLM's beam search, in a process of its own."""
-    with tempfile.NamedTemporaryFile("w", suffix=".json") as f:
-        json.dump({"prompts": prompts, "beam_width": width, "max_tokens": max_tokens}, f)
-        f.flush()
-        print("vLLM beam search ...", file=sys.stderr)
-        done = subprocess.run([python, str(Path(__file__).with_name("vllm_beam_runner.py")), model, f.name,
-                               "--dtype", dtype], capture_output=True, text=True)
-    if done.returncode:
-        raise RuntimeError(f"vLLM failed (exit code {done.returncode}):\n{done.stderr[-3000:]}")
-    lines = [line for line in done.stdout.splitlines() if line.startswith('{"engine"')]
-    if not lines:
-        raise RuntimeError(f"vLLM printed no result:\n{done.stdout[-2000:]}\n{done.stderr[-2000:]}")
-    return json.loads(lines[-1])
+    print("vLLM beam search ...", file=sys.stderr)
+    return run_vllm_runner(python, "vllm_beam_runner.py", model,
+                           {"prompts": prompts, "beam_width": width, "max_tokens": max_tokens}, "--dtype", dtype)

@@ -13,18 +13,15 @@ and the other engine's.
 directory nanovllm embeds with the architecture's defaults.
 """
 import argparse
-import json
 import random
 import statistics
-import subprocess
 import sys
-import tempfile
 import time
 from pathlib import Path
 
 import torch
 
-from benchmarks.baselines import find_vllm_python
+from benchmarks.baselines import find_vllm_python, run_vllm_runner
 from benchmarks.machine import bench_device
 from benchmarks.report import markdown_table
 from nanovllm import LLM
@@ -86,15 +83,5 @@ def run(args: argparse.Namespace) -> dict:
 
 def run_vllm(python: str, model: str, corpus: list[str], dtype: str) -> dict:
     """One round of vLLM's pooling runner, in a process of its own."""
-    with tempfile.NamedTemporaryFile("w", suffix=".json") as f:
-        json.dump({"texts": corpus}, f)
-        f.flush()
-        print("vLLM embed ...", file=sys.stderr)
-        done = subprocess.run([python, str(Path(__file__).with_name("vllm_embed_runner.py")), model, f.name,
-                               "--dtype", dtype], capture_output=True, text=True)
-    if done.returncode:
-        raise RuntimeError(f"vLLM failed (exit code {done.returncode}):\n{done.stderr[-3000:]}")
-    lines = [line for line in done.stdout.splitlines() if line.startswith('{"engine"')]
-    if not lines:
-        raise RuntimeError(f"vLLM printed no result:\n{done.stdout[-2000:]}\n{done.stderr[-2000:]}")
-    return json.loads(lines[-1])
+    print("vLLM embed ...", file=sys.stderr)
+    return run_vllm_runner(python, "vllm_embed_runner.py", model, {"texts": corpus}, "--dtype", dtype)

@@ -24,14 +24,12 @@ import argparse
 import json
 import os
 import statistics
-import subprocess
 import sys
-import tempfile
 import time
 from contextlib import ExitStack
 from pathlib import Path
 
-from benchmarks.baselines import find_vllm_python
+from benchmarks.baselines import find_vllm_python, run_vllm_runner
 from benchmarks.machine import bench_device
 from benchmarks.model import structured_weights
 from benchmarks.report import markdown_table
@@ -160,21 +158,12 @@ def validity(checks: list[Case], texts: dict[str, list[str]]) -> dict:
 def run_vllm(python: str, model: str, work: Workload, number: int, dtype: str) -> dict:
     """One round of vLLM's figures, in a process of its own (the validity checks in the first round only)."""
     fresh = work.ttft[2 * FRESH * number:2 * FRESH * (number + 1)]
-    with tempfile.NamedTemporaryFile("w", suffix=".json") as f:
-        json.dump({"prompts": work.rounds[number], "warmup": warmup_prompts(work.rounds[number]["constrained"]),
-                   "constraints": [c.constraint for c in work.cases],
-                   "max_tokens": work.max_tokens,
-                   "ttft": {"prompts": fresh, "schemas": [fresh_schema(100 + FRESH * number + i)
-                                                          for i in range(FRESH)]},
-                   "checks": {"prompts": work.check_prompts if number == 0 else [],
-                              "constraints": [c.constraint for c in work.checks]}}, f)
-        f.flush()
-        print(f"vLLM, round {number + 1} ...", file=sys.stderr)
-        done = subprocess.run([python, str(Path(__file__).with_name("vllm_structured_runner.py")), model, f.name,
-                               "--dtype", dtype], capture_output=True, text=True)
-    if done.returncode:
-        raise RuntimeError(f"vLLM failed (exit code {done.returncode}):\n{done.stderr[-3000:]}")
-    lines = [line for line in done.stdout.splitlines() if line.startswith('{"engine"')]
-    if not lines:
-        raise RuntimeError(f"vLLM printed no result:\n{done.stdout[-2000:]}\n{done.stderr[-2000:]}")
-    return json.loads(lines[-1])
+    print(f"vLLM, round {number + 1} ...", file=sys.stderr)
+    return run_vllm_runner(
+        python, "vllm_structured_runner.py", model,
+        {"prompts": work.rounds[number], "warmup": warmup_prompts(work.rounds[number]["constrained"]),
+         "constraints": [c.constraint for c in work.cases], "max_tokens": work.max_tokens,
+         "ttft": {"prompts": fresh, "schemas": [fresh_schema(100 + FRESH * number + i) for i in range(FRESH)]},
+         "checks": {"prompts": work.check_prompts if number == 0 else [],
+                    "constraints": [c.constraint for c in work.checks]}},
+        "--dtype", dtype)

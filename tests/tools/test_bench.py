@@ -432,3 +432,30 @@ def test_embed_task_times_nanovllm_beside_sentence_transformers_on_the_same_text
     assert "| sentence-transformers |" in capsys.readouterr().out
     with pytest.raises(SystemExit):
         bench.parse_args(["--task", "embed"])
+
+
+FAKE_VLLM_PYTHON = """#!/usr/bin/env python3
+import json, sys
+runner, model, spec = sys.argv[1:4]
+print("vLLM logs its own lines first")
+if model == "broken":
+    sys.exit("it broke")
+print(json.dumps({"engine": "vLLM fake", "runner": runner.rsplit("/", 1)[-1], "model": model,
+                  "spec": json.load(open(spec)), "flags": sys.argv[4:]}))
+if model == "aborts at exit":
+    sys.exit(134)
+"""
+
+
+def test_a_vllm_runner_gets_the_model_the_spec_and_the_flags_and_its_last_json_line_is_the_result(tmp_path):
+    from benchmarks.baselines import run_vllm_runner
+
+    python = tmp_path / "python"
+    python.write_text(FAKE_VLLM_PYTHON)
+    python.chmod(0o755)
+    result = run_vllm_runner(str(python), "vllm_beam_runner.py", "MODEL", {"prompts": [[1, 2]]}, "--dtype", "float32")
+    assert result == {"engine": "vLLM fake", "runner": "vllm_beam_runner.py", "model": "MODEL",
+                      "spec": {"prompts": [[1, 2]]}, "flags": ["--dtype", "float32"]}
+    assert run_vllm_runner(str(python), "vllm_embed_runner.py", "aborts at exit", {})["model"] == "aborts at exit"
+    with pytest.raises(RuntimeError, match="(?s)vLLM failed .*no result.*it broke"):
+        run_vllm_runner(str(python), "vllm_embed_runner.py", "broken", {})
