@@ -31,6 +31,7 @@ MODES = {  # mode -> its module; `mode` says which flags name which
     "beam-search": "benchmarks.beam",  # --beam-search
     "weights-update": "benchmarks.weights_update",  # --weights-update
     "embed": "benchmarks.embed",  # --task embed
+    "lora": "benchmarks.lora",  # --lora N
 }
 STANDALONE = ("benchmarks.step_profile", "benchmarks.ggml_kernels")  # `python -m ...`, flags of their own
 
@@ -51,6 +52,8 @@ def mode(args: argparse.Namespace) -> str:
         return "weights-update"
     if args.task == "embed":
         return "embed"
+    if args.lora:
+        return "lora"
     return "throughput"
 
 

@@ -33,6 +33,7 @@ directory or a .gguf file (converted once, see `nanovllm convert`).
     python bench.py --beam-search --baseline vllm --dtype float32   # LLM.beam_search, 32 chat prompts, width 4
     python bench.py --weights-update             # load_weights against reading and copying the state dict
     python bench.py --task embed --model ST_DIR --baseline vllm   # LLM.embed against sentence-transformers' encode
+    python bench.py --lora 4 --lora-rank 16 --baseline vllm   # the requests over 4 adapters, against the base
 
 `--workload grounded` asks the model (through its chat template) to repeat, rewrite or annotate given passages and
 code, greedy, each request ending at EOS or its max_tokens; `--speculative` runs every row again with speculative
@@ -152,6 +153,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                    help="'embed': instead of the workload, LLM.embed (runner='pooling') on --num-seqs texts (512) "
                         "against sentence-transformers' encode of the same --model (a sentence-transformers "
                         "directory), same threads; with --baseline vllm, vLLM's pooling runner too")
+    p.add_argument("--lora", type=int, metavar="N",
+                   help="instead of the workload's rows, its requests spread over N random PEFT adapters (every "
+                        "linear layer) against the same requests on the base model, same engine; with --baseline "
+                        "vllm, vLLM's two rates with the same adapters")
+    p.add_argument("--lora-rank", type=int, default=16, help="rank of the --lora adapters (default 16)")
     p.add_argument("--beam-width", type=int, default=4, help="beams per prompt of --beam-search (default 4)")
     p.add_argument("--json", help="also write the results as JSON to this path")
     args = p.parse_args(argv)
@@ -164,7 +170,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     for name in ("num_seqs", "min_input_len", "max_input_len", "min_output_len", "max_output_len",
                  "hf_batch_size", "threads", "data_parallel_size", "repeat", "kvcache_block_size",
                  "max_num_batched_tokens", "micro_batch", "host_batch", "micro_max_context", "num_speculative_tokens",
-                 "beam_width"):
+                 "beam_width", "lora", "lora_rank"):
         value = getattr(args, name)
         if value is not None and value < 1:
             p.error(f"--{name.replace('_', '-')} must be a positive integer, got {value}")

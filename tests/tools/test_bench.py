@@ -199,7 +199,8 @@ def test_step_profile_splits_a_decode_step_into_the_engines_phases(tied_model, c
                                          (["--structured", "--jump-forward-compare"], "jump-forward"),
                                          (["--beam-search"], "beam-search"),
                                          (["--weights-update"], "weights-update"),
-                                         (["--task", "embed", "--model", "."], "embed")])
+                                         (["--task", "embed", "--model", "."], "embed"),
+                                         (["--lora", "2"], "lora")])
 def test_the_flags_name_one_mode_each(flags, name):
     assert bench.mode(bench.parse_args(flags)) == name and name in bench.MODES
 
@@ -459,3 +460,14 @@ def test_a_vllm_runner_gets_the_model_the_spec_and_the_flags_and_its_last_json_l
     assert run_vllm_runner(str(python), "vllm_embed_runner.py", "aborts at exit", {})["model"] == "aborts at exit"
     with pytest.raises(RuntimeError, match="(?s)vLLM failed .*no result.*it broke"):
         run_vllm_runner(str(python), "vllm_embed_runner.py", "broken", {})
+
+
+def test_lora_mode_times_the_requests_with_their_adapters_and_without(tied_model, capsys):
+    pytest.importorskip("peft")
+    result = bench.main(["--lora", "2", "--lora-rank", "4", "--model", tied_model, "--device", "cpu", "--dtype",
+                         "float32", "--num-seqs", "4", "--min-input-len", "5", "--max-input-len", "9",
+                         "--min-output-len", "3", "--max-output-len", "4", "--repeat", "2"])
+    assert (result["adapters"], result["rank"], result["requests"]) == (2, 4, 4)
+    assert list(result["tokens_per_s"]) == ["nanovllm, base", "nanovllm, 2 adapters"]
+    assert all(len(rounds) == 2 and min(rounds) > 0 for rounds in result["rounds"].values())
+    assert "| nanovllm, 2 adapters |" in capsys.readouterr().out
