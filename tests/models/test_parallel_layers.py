@@ -166,12 +166,22 @@ def _worker(rank: int, store_path: str) -> None:
         _check_experts(rank)
         _check_shared_expert_block_reduces_once(rank)
         _check_sharded_rms_norm(rank)
+        dist.barrier()  # neither rank tears the group down while the other's last collective still reads from it
     finally:
         leave_tp_group()
 
 
 def test_sharded_layers_match_unsharded(tmp_path):
-    tmp.spawn(_worker, args=(str(tmp_path / "store"),), nprocs=WORLD, join=True)
+    """A worker that aborts inside torch's gloo ("terminate called without an active exception", about one run in
+    twenty on the 2-core machines since 2026-11-27, before any check fails) gets one more try with a fresh store; a
+    check that fails raises in its worker (ProcessRaisedException) and is never retried."""
+    for attempt in range(2):
+        try:
+            tmp.spawn(_worker, args=(str(tmp_path / f"store-{attempt}"),), nprocs=WORLD, join=True)
+            return
+        except tmp.ProcessExitedException as crash:
+            if attempt or crash.signal_name != "SIGABRT":
+                raise
 
 
 def _foreign_group_worker(rank: int, store_path: str) -> None:
