@@ -51,6 +51,7 @@ def run(args: argparse.Namespace) -> dict:
     device = bench_device(args.device)
     if args.workload == "nano-vllm":
         args.workload = "vllm-cpu"  # greedy, so that vLLM's runs produce the same tokens
+    args.scheduling = ["chunked"]  # the engine's default (vLLM V1's): one row, not one per scheduling mode
     resolve_workload(args, device)
     count, rank = args.lora, args.lora_rank
     vllm_python = find_vllm_python(args.vllm_python, device) if args.baseline == "vllm" else None
