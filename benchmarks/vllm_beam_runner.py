@@ -8,28 +8,19 @@ and vLLM:
 REQUESTS.json: `{"prompts": [[token ids], ...], "beam_width": w, "max_tokens": n}`. A warm-up call on two prompts,
 then one timed call over all of them; the beams' generated tokens are printed for the comparison.
 """
-import argparse
 import json
-import os
 import time
+
+from vllm_runner_args import runner_args
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser()
-    parser.add_argument("model")
-    parser.add_argument("requests")
-    parser.add_argument("--dtype", default="bfloat16")
-    parser.add_argument("--max-model-len", type=int, default=2048)
-    parser.add_argument("--kv-cache-gib", default="4")
-    args = parser.parse_args()
-    os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", args.kv_cache_gib)
+    args, spec = runner_args()
     import vllm
     from vllm import LLM
     from vllm.inputs import TokensPrompt
     from vllm.sampling_params import BeamSearchParams
 
-    with open(args.requests) as f:
-        spec = json.load(f)
     llm = LLM(model=args.model, dtype=args.dtype, max_model_len=args.max_model_len, seed=0)
     params = BeamSearchParams(beam_width=spec["beam_width"], max_tokens=spec["max_tokens"])
     prompts = [TokensPrompt(prompt_token_ids=ids) for ids in spec["prompts"]]

@@ -8,25 +8,18 @@ and vLLM:
 TEXTS.json: `{"texts": [...]}`. A warm-up call on eight texts, then one timed call over all of them; the embeddings
 are printed for the comparison.
 """
-import argparse
 import json
-import os
 import time
+
+from vllm_runner_args import runner_args
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser()
-    parser.add_argument("model")
-    parser.add_argument("texts")
-    parser.add_argument("--dtype", default="float32")
-    parser.add_argument("--kv-cache-gib", default="4")
-    args = parser.parse_args()
-    os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", args.kv_cache_gib)
+    args, spec = runner_args()
     import vllm
     from vllm import LLM
 
-    with open(args.texts) as f:
-        texts = json.load(f)["texts"]
+    texts = spec["texts"]
     llm = LLM(model=args.model, runner="pooling", dtype=args.dtype, seed=0)
     llm.embed(texts[:8], use_tqdm=False)
     start = time.perf_counter()

@@ -9,28 +9,19 @@ REQUESTS.json: `{"prompts": [[token ids], ...], "max_tokens": [n, ...], "adapter
 Greedy with `ignore_eos`; request i runs under adapter i mod N. A warm-up call loads every adapter; then the requests
 are timed without an adapter and with theirs (output tokens per second each).
 """
-import argparse
 import json
-import os
 import time
+
+from vllm_runner_args import runner_args
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser()
-    parser.add_argument("model")
-    parser.add_argument("requests")
-    parser.add_argument("--dtype", default="bfloat16")
-    parser.add_argument("--max-model-len", type=int, default=2048)
-    parser.add_argument("--kv-cache-gib", default="4")
-    args = parser.parse_args()
-    os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", args.kv_cache_gib)
+    args, spec = runner_args()
     import vllm
     from vllm import LLM, SamplingParams
     from vllm.inputs import TokensPrompt
     from vllm.lora.request import LoRARequest
 
-    with open(args.requests) as f:
-        spec = json.load(f)
     adapters = spec["adapters"]
     llm = LLM(model=args.model, dtype=args.dtype, max_model_len=args.max_model_len, seed=0, enable_lora=True,
               max_loras=len(adapters), max_lora_rank=spec["rank"])

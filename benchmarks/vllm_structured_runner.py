@@ -13,29 +13,21 @@ and each request's constrained length; then one-token requests alone, alternatel
 and without one, each on a prompt of its own (`ttft.prompts`, two per schema); then the outputs of the `checks`
 requests (greedy, and sampled with a seed), if any.
 """
-import argparse
 import json
 import os
 import statistics
 import time
 
+from vllm_runner_args import runner_args
+
 
 def main() -> None:
-    parser = argparse.ArgumentParser()
-    parser.add_argument("model")
-    parser.add_argument("requests")
-    parser.add_argument("--dtype", default="bfloat16")
-    parser.add_argument("--max-model-len", type=int, default=2048)
-    parser.add_argument("--kv-cache-gib", default="4")
-    args = parser.parse_args()
-    os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", args.kv_cache_gib)
+    args, spec = runner_args()
     import vllm
     from vllm import LLM, SamplingParams
     from vllm.inputs import TokensPrompt
     from vllm.sampling_params import StructuredOutputsParams
 
-    with open(args.requests) as f:
-        spec = json.load(f)
     llm = LLM(model=args.model, dtype=args.dtype, max_model_len=args.max_model_len, seed=0)
 
     def tokens(ids):

@@ -471,3 +471,15 @@ def test_lora_mode_times_the_requests_with_their_adapters_and_without(tied_model
     assert list(result["tokens_per_s"]) == ["nanovllm, base", "nanovllm, 2 adapters"]
     assert all(len(rounds) == 2 and min(rounds) > 0 for rounds in result["rounds"].values())
     assert "| nanovllm, 2 adapters |" in capsys.readouterr().out
+
+
+def test_the_vllm_runners_import_only_the_standard_library_vllm_and_their_shared_arguments():
+    """They run in vLLM's own python, which has neither nanovllm nor this repository's other modules."""
+    import sys
+
+    runners = sorted(BENCHMARKS.glob("vllm_*.py"))
+    assert len(runners) >= 6
+    allowed = set(sys.stdlib_module_names) | {"vllm", "vllm_runner_args"}
+    problems = [f"{path.name} imports {source}" for path in runners
+                for source, _, _ in imported(ast.parse(path.read_text())) if source.split(".")[0] not in allowed]
+    assert not problems
