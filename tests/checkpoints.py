@@ -50,6 +50,17 @@ def make_tokenizer(path: str, vocab_size: int) -> None:
     PreTrainedTokenizerFast(tokenizer_object=tok, eos_token="<|endoftext|>").save_pretrained(path)
 
 
+@torch.no_grad()
+def randomize_norms_and_biases(model: torch.nn.Module) -> None:
+    """Draw the norm weights and the biases too: transformers starts them at one and zero, which would hide a norm or
+    a bias the engine forgets to load."""
+    for name, param in model.named_parameters():
+        if name.endswith(".bias"):
+            param.normal_(0, 0.1)
+        elif "norm" in name:
+            param.add_(torch.randn_like(param) * 0.1)
+
+
 def make_checkpoint(path: str, *, family: str = "qwen3", tie_word_embeddings: bool = True, vocab_size: int = 384,
                     hidden_size: int = 64, num_layers: int = 2, num_heads: int = 4, num_kv_heads: int = 2,
                     head_dim: int = 16, intermediate_size: int = 128, max_position_embeddings: int = 1024,
@@ -132,12 +143,7 @@ def make_family_checkpoint(path: str, family: str, *, tie_word_embeddings: bool 
         "intermediate_size": 128, "max_position_embeddings": 1024, "initializer_range": 0.1, "eos_token_id": 0,
         "tie_word_embeddings": tie_word_embeddings, **family_settings, **settings})
     model = AutoModelForCausalLM.from_config(config).float()
-    with torch.no_grad():
-        for name, param in model.named_parameters():
-            if name.endswith(".bias"):
-                param.normal_(0, 0.1)
-            elif "norm" in name:
-                param.add_(torch.randn_like(param) * 0.1)
+    randomize_norms_and_biases(model)
     model.save_pretrained(path)
     if hub_config:
         config_path = os.path.join(path, "config.json")

@@ -4,7 +4,7 @@ import json
 import os
 
 import torch
-from checkpoints import make_tokenizer
+from checkpoints import make_tokenizer, randomize_norms_and_biases
 from transformers import AutoConfig, AutoModel, AutoModelForSequenceClassification, AutoTokenizer
 
 TINY = {"vocab_size": 384, "hidden_size": 64, "num_hidden_layers": 2, "num_attention_heads": 4,
@@ -21,14 +21,8 @@ TEXTS = [
 
 
 def _randomized(model: torch.nn.Module, seed: int) -> torch.nn.Module:
-    """Norm weights and biases drawn too (transformers starts them at one/zero, which would hide a missing one)."""
     torch.manual_seed(seed)
-    with torch.no_grad():
-        for name, param in model.named_parameters():
-            if name.endswith(".bias"):
-                param.normal_(0, 0.1)
-            elif "norm" in name:
-                param.add_(torch.randn_like(param) * 0.1)
+    randomize_norms_and_biases(model)
     return model.float()
 
 
