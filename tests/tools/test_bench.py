@@ -404,7 +404,7 @@ def test_beam_search_mode_times_one_call_over_every_prompt(chat_model, capsys):
     assert (result["num_prompts"], result["beam_width"], result["max_tokens"]) == (3, 2, 5)
     assert len(figures["rounds"]) == 2 and figures["seconds"] == pytest.approx(sorted(figures["rounds"])[0] / 2
                                                                                 + sorted(figures["rounds"])[1] / 2)
-    assert 0 < figures["beam_tokens_per_s"] * figures["seconds"] <= 3 * 2 * 5
+    assert 0 < round(figures["beam_tokens_per_s"] * figures["seconds"]) <= 3 * 2 * 5  # beams x tokens at most
     assert figures["best_beam_as_nanovllm"] == 3
     assert "| nanovllm |" in capsys.readouterr().out
 
