@@ -190,3 +190,35 @@ def write_gguf(path: str, model_dir: str, qtype: str = "F32") -> str:
     writer.write_tensors_to_file()
     writer.close()
     return path
+
+
+def write_gguf_lora(path: str, adapter_dir: str, model_dir: str) -> str:
+    """Write the PEFT adapter in `adapter_dir` (on the checkpoint in `model_dir`) as llama.cpp's
+    `convert_lora_to_gguf.py --outtype f32` writes it: `general.type = adapter`, `adapter.type = lora`,
+    `adapter.lora.alpha` (the config's `lora_alpha` only), and per adapted tensor `<gguf name>.lora_a` (A as PEFT has
+    it) and `.lora_b` (B through the base converter's transforms of that tensor's rows, `_tensors`)."""
+    with open(os.path.join(model_dir, "config.json")) as f:
+        config = json.load(f)
+    with open(os.path.join(adapter_dir, "adapter_config.json")) as f:
+        alpha = json.load(f)["lora_alpha"]
+    arch = ARCH[config["architectures"][0]]
+    names = gguf.get_tensor_name_map(gguf.MODEL_ARCH[arch], config["num_hidden_layers"])
+    writer = gguf.GGUFWriter(path, gguf.MODEL_ARCH_NAMES[gguf.MODEL_ARCH[arch]])
+    writer.add_type(gguf.GGUFType.ADAPTER)
+    writer.add_string(gguf.Keys.Adapter.TYPE, "lora")
+    writer.add_float32(gguf.Keys.Adapter.LORA_ALPHA, float(alpha))
+    pairs: dict[str, dict[str, torch.Tensor]] = {}
+    for key, tensor in load_file(os.path.join(adapter_dir, "adapter_model.safetensors")).items():
+        base = key.replace("base_model.model.", "")
+        which = "A" if ".lora_A.weight" in base else "B"
+        pairs.setdefault(base.replace(f".lora_{which}.weight", ".weight"), {})[which] = tensor
+    for base, ab in pairs.items():
+        (name, b), = _tensors(arch, config, {base: ab["B"]}, config["vocab_size"])
+        gguf_name = names.get_name(name, try_suffixes=(".weight", ".bias"))
+        writer.add_tensor(f"{gguf_name}.lora_a", np.ascontiguousarray(ab["A"].float().numpy()))
+        writer.add_tensor(f"{gguf_name}.lora_b", np.ascontiguousarray(b.float().numpy()))
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    return path

@@ -76,8 +76,8 @@ class ModelRunner:
         set_fused_ops(compiled=on_gpu and not config.enforce_eager and importable("triton"),
                       cpu_kernels=None if on_gpu else cpu_kernels())
         self.model = load_runner_model(config, self.device, self.backend, log=rank == 0)
-        self.loras = LoRAManager(self.model, config.max_cpu_loras, config.max_lora_rank, config.torch_dtype,
-                                 self.device) if config.enable_lora else None
+        self.loras = LoRAManager(self.model, hf_config, config.max_cpu_loras, config.max_lora_rank,
+                                 config.torch_dtype, self.device) if config.enable_lora else None
         self.sampler = Sampler(hf_config.vocab_size, eos_token_ids, self.device, config.logprobs_mode)
         self.drafter = DraftModel(config.draft, self.device, self._governed) if config.draft is not None else None
         self.kv_cache = create_kv_cache(self.model, self.sampler, config, self.device)

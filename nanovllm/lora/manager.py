@@ -6,11 +6,13 @@ from collections import OrderedDict
 
 import torch
 from torch import nn
+from transformers import PretrainedConfig
 
 from nanovllm.distributed.process_group import tp_rank_and_size
 from nanovllm.layers.lora import STACKED_ROWS, LoRALayer, LoRAStep, LoRAWeights, clear_lora_step, set_lora_step
 from nanovllm.layers.prepack import can_prepack
-from nanovllm.lora.peft import read_peft_adapter
+from nanovllm.lora.gguf_adapter import gguf_adapter_file, read_gguf_adapter
+from nanovllm.lora.peft import PeftAdapter, read_peft_adapter
 from nanovllm.lora.request import LoRARequest
 from nanovllm.lora.targets import adapter_weights, attach_lora_layers
 
@@ -20,13 +22,13 @@ def describe(request: LoRARequest) -> str:
 
 
 class LoRAManager:
-    """Adapters for `model` (its projections given `LoRALayer`s here), at most `max_cpu_loras` kept loaded, ranks up
-    to `max_lora_rank`, weights in `dtype` on `device` (this tensor-parallel rank's share). An adapter id names one
-    adapter path for the engine's life (the prefix cache keys K/V by the id)."""
+    """Adapters for `model` (of `hf_config`; its projections given `LoRALayer`s here), at most `max_cpu_loras` kept
+    loaded, ranks up to `max_lora_rank`, weights in `dtype` on `device` (this tensor-parallel rank's share). An adapter
+    id names one adapter path for the engine's life (the prefix cache keys K/V by the id)."""
 
-    def __init__(self, model: nn.Module, max_cpu_loras: int, max_lora_rank: int, dtype: torch.dtype,
-                 device: torch.device):
-        self.model = model
+    def __init__(self, model: nn.Module, hf_config: PretrainedConfig, max_cpu_loras: int, max_lora_rank: int,
+                 dtype: torch.dtype, device: torch.device):
+        self.model, self.hf_config = model, hf_config
         self.layers = attach_lora_layers(model, device.type == "cpu" and can_prepack(dtype))
         self.capacity, self.max_rank, self.dtype, self.device = max_cpu_loras, max_lora_rank, dtype, device
         self.requests: dict[int, LoRARequest] = {}
@@ -39,7 +41,7 @@ class LoRAManager:
     def add(self, request: LoRARequest) -> bool:
         """Make sure `request`'s adapter is loaded (read now unless it is); whether it was read. A ValueError or
         FileNotFoundError naming the adapter when it cannot run: not a LoRARequest, an id already given to another
-        path, a missing directory, a rank above `max_lora_rank`, projections this model lacks or shaped for another
+        path, a missing path, a rank above `max_lora_rank`, projections this model lacks or shaped for another
         model."""
         if not isinstance(request, LoRARequest):
             raise ValueError(f"lora_request must be a nanovllm.lora.request.LoRARequest (or None), got "
@@ -57,13 +59,20 @@ class LoRAManager:
 
     def _load(self, request: LoRARequest, keep: set[int] | tuple) -> None:
         label = describe(request)
-        weights = adapter_weights(read_peft_adapter(request.lora_path, label), self.model, self.layers, label,
+        weights = adapter_weights(self._read(request.lora_path, label), self.model, self.layers, label,
                                   self.max_rank, self.dtype, self.device, self.tp_rank, self.tp_size)
         for layer, layer_weights in weights.items():
             layer.add_adapter(request.lora_int_id, layer_weights)
         self.loaded[request.lora_int_id] = weights
         self.num_loads += 1
         self._evict(keep)
+
+    def _read(self, path: str, label: str) -> PeftAdapter:
+        """The adapter at `path`: a llama.cpp LoRA GGUF file (or a directory holding one and no adapter_config.json),
+        else a PEFT directory."""
+        gguf_file = gguf_adapter_file(path, label)
+        return read_peft_adapter(path, label) if gguf_file is None else \
+            read_gguf_adapter(gguf_file, label, self.hf_config)
 
     def _evict(self, keep: set[int] | tuple) -> None:
         """Unload the least recently used adapters past the capacity, never a pinned one nor one in `keep`."""

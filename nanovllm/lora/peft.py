@@ -51,7 +51,8 @@ def read_peft_adapter(path: str, label: str) -> PeftAdapter:
     or its files are missing, a ValueError for what nanovllm cannot run."""
     if not os.path.isdir(path):
         raise FileNotFoundError(f"LoRA adapter {label}: no directory {path!r} (lora_path must be a local PEFT adapter "
-                                "directory, with adapter_config.json and adapter_model.safetensors)")
+                                "directory, with adapter_config.json and adapter_model.safetensors, or a llama.cpp "
+                                "LoRA .gguf file)")
     config_path = os.path.join(path, "adapter_config.json")
     if not os.path.isfile(config_path):
         raise FileNotFoundError(f"LoRA adapter {label}: no adapter_config.json in {path!r}")
