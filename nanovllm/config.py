@@ -11,6 +11,9 @@ if TYPE_CHECKING:
 
 DTYPES = ("auto", "float32", "bfloat16", "float16")
 DTYPE_ALIASES = {"half": "float16", "float": "float32"}  # vLLM's other names, read as these
+# vLLM's kv_cache_dtype names: "auto" keeps K/V in the model's dtype; the others store them in 8 bits (scale 1.0, as
+# vLLM's default), each read back exactly and computed in the model's dtype; "fp8" is "fp8_e4m3"
+KV_CACHE_DTYPES = ("auto", "fp8", "fp8_e4m3", "fp8_e5m2")
 QUANTIZATIONS = {"int8": "Q8_0", "int4": "Q4_1"}  # quantization= at load: the GGML block type each makes
 # What logprobs and prompt logprobs hold (vLLM's `logprobs_mode`): log-probabilities or logits, of the model's logits
 # ("raw", after a structured output's mask) or of those a token is drawn from ("processed": then penalties, min_tokens,
@@ -149,7 +152,8 @@ class Config:
     config.json is required. `tokenizer`, as vLLM's, is a directory to take the tokenizer from instead of the model's;
     `skip_tokenizer_init=True` (vLLM's) loads none: prompts are token ids and outputs have no text.
     `quantization` ("int8" or "int4") quantizes the linear weights of an unquantized checkpoint at load, to GGML's
-    Q8_0 or Q4_1 blocks of 32 (round to nearest).
+    Q8_0 or Q4_1 blocks of 32 (round to nearest). `kv_cache_dtype` (vLLM's, one of `KV_CACHE_DTYPES`): "fp8" stores
+    K/V in 8-bit floats, twice the tokens in the same memory; the torch and Triton backends read them, flash-attn not.
     `attention_backend` names the attention kernels ("auto", "flash-attn", "flash-attn-4", "triton", "torch"; see
     `nanovllm.kernels.attention.select_backend`); like `device` and `dtype`, "auto" is replaced by what was chosen.
     On CPU the KV cache is sized from `cpu_kvcache_gib` (GiB of host memory); on CUDA from `gpu_memory_utilization`
@@ -195,6 +199,7 @@ class Config:
     num_gpu_blocks_override: int | None = None
     device: str = "auto"
     dtype: str = "auto"
+    kv_cache_dtype: str = "auto"
     load_format: str = "auto"
     cpu_kvcache_gib: float = 4.0
     worker_start_timeout_s: float = 600.0
@@ -227,6 +232,7 @@ class Config:
     sliding_window: int = field(init=False, default=0)  # no layer reads K/V outside it (0: some layer reads all)
     gguf_metadata: str | None = field(init=False, default=None)
     torch_dtype: "torch.dtype" = field(init=False)
+    kv_cache_torch_dtype: "torch.dtype" = field(init=False)
     max_model_len_given: bool = field(init=False, repr=False)
 
     def __post_init__(self) -> None:
@@ -282,6 +288,8 @@ class Config:
         if self.dtype not in DTYPES:
             raise ValueError(f"dtype must be one of {list(DTYPES)} (or vLLM's {list(DTYPE_ALIASES)}), got "
                              f"{self.dtype!r}")
+        if self.kv_cache_dtype not in KV_CACHE_DTYPES:
+            raise ValueError(f"kv_cache_dtype must be one of {list(KV_CACHE_DTYPES)}, got {self.kv_cache_dtype!r}")
         self.speculative = parse_speculative_config(self.speculative_config)
         self._check_lora()
         self._check_structured_outputs_config()

@@ -20,6 +20,7 @@ from nanovllm.models.loader import find_weight_files
 from nanovllm.models.sentence_transformers import is_sentence_transformers, read_pooler_config
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+_KV_CACHE_DTYPES = {"fp8": torch.float8_e4m3fn, "fp8_e4m3": torch.float8_e4m3fn, "fp8_e5m2": torch.float8_e5m2}
 # vLLM engine arguments that clients pass as they are (lm-eval passes every one) and that ask nanovllm for nothing in
 # the values here: hub revisions (nanovllm loads local directories and files), the Hugging Face tokenizer ("auto" and
 # "hf" are the same here; vLLM's other modes are tokenizers nanovllm does not have), remote code (no code from the
@@ -62,9 +63,10 @@ def resolve_config(model: str | None, settings: dict) -> Config:
     cfg = config.hf_config
     config.device = resolve_device(config.device)
     config.torch_dtype = resolve_dtype(config.dtype, config.device, cfg)
+    config.kv_cache_torch_dtype = _KV_CACHE_DTYPES.get(config.kv_cache_dtype, config.torch_dtype)
     config.kvcache_block_size = config.kvcache_block_size or default_block_size(config.device)
     config.attention_backend = choose_backend(config.attention_backend, config.device, config.torch_dtype,
-                                              config.kvcache_block_size, head_dim(cfg))
+                                              config.kvcache_block_size, head_dim(cfg), config.kv_cache_torch_dtype)
     _resolve_max_model_len(config)
     _check_tensor_parallel(config)
     if config.quantization is not None:

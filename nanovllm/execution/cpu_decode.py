@@ -90,7 +90,8 @@ def _standard_layer(layer: DecoderLayer, first: DecoderLayer) -> bool:
             and rotary is first.self_attn.rotary_emb and not rotary.partial and not rotary.long_after
             and attn.sliding_window == 0 and attn.softcap == 0
             and attn.backend.attend == TorchBackend.attend and attn.backend.store_kvcache == TorchBackend.store_kvcache
-            and attn.k_cache.dim() == 4 and attn.k_cache.dtype == layer.input_layernorm.weight.dtype)
+            and attn.k_cache.dim() == 4
+            and attn.k_cache.dtype in (layer.input_layernorm.weight.dtype, torch.float8_e4m3fn, torch.float8_e5m2))
 
 
 def _linear(layer: LinearBase) -> torch.ScriptObject:

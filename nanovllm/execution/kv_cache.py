@@ -46,7 +46,7 @@ def kv_cache_shape(config: Config, num_blocks: int) -> tuple[int, ...]:
 def kv_block_bytes(config: Config) -> int:
     """Bytes one block takes on one rank, over every layer, keys and values; with a draft model, its own cache's
     block too (the draft's cache has the same blocks, see `nanovllm.execution.draft_model`)."""
-    own = math.prod(kv_cache_shape(config, 1)) * config.torch_dtype.itemsize
+    own = math.prod(kv_cache_shape(config, 1)) * config.kv_cache_torch_dtype.itemsize
     return own + (kv_block_bytes(config.draft) if config.draft is not None else 0)
 
 
@@ -67,7 +67,7 @@ def create_kv_cache(model: nn.Module, sampler: Sampler, config: Config, device: 
 
 def allocate_kv_cache(model: nn.Module, config: Config, num_blocks: int, device: torch.device) -> KVCache:
     """A zeroed cache of `num_blocks` blocks shaped for `config`'s model, bound to `model`."""
-    tensor, memory = _zeros(kv_cache_shape(config, num_blocks), config.torch_dtype, device)
+    tensor, memory = _zeros(kv_cache_shape(config, num_blocks), config.kv_cache_torch_dtype, device)
     bind_kv_cache(model, tensor)
     return KVCache(tensor, num_blocks, memory)
 
@@ -88,7 +88,8 @@ def restore_kv_cache(model: nn.Module, config: Config, cache: KVCache, device: t
     """After `release_kv_cache`: a zeroed cache of the same blocks bound to `model` again (where the tensor was
     freed; a map whose pages were dropped is there already)."""
     if cache.tensor is None:
-        cache.tensor, cache.memory = _zeros(kv_cache_shape(config, cache.num_blocks), config.torch_dtype, device)
+        cache.tensor, cache.memory = _zeros(kv_cache_shape(config, cache.num_blocks), config.kv_cache_torch_dtype,
+                                              device)
         bind_kv_cache(model, cache.tensor)
 
 
@@ -226,7 +227,7 @@ def _gpu_budget(model: nn.Module, sampler: Sampler, config: Config, device: torc
     torch.cuda.empty_cache()
     shape = list(kv_cache_shape(config, warmup_cache_blocks(config)))
     num_layers, shape[1] = shape[1], 1
-    scratch = torch.zeros(shape, dtype=config.torch_dtype, device=device)
+    scratch = torch.zeros(shape, dtype=config.kv_cache_torch_dtype, device=device)
     bind_kv_cache(model, scratch.expand(-1, num_layers, *shape[2:]))
     torch.cuda.reset_peak_memory_stats(device)
     try:

@@ -57,6 +57,14 @@ def test_decode_steps_equal_the_layer_by_layer_path_bitwise(mixed_gguf, dtype):
         assert run_both_paths(llm) == [len(PROMPTS)] * (GREEDY.max_tokens - 1)  # every decode step, batched
 
 
+@pytest.mark.parametrize("kv_cache_dtype", ["fp8_e4m3", "fp8_e5m2"])
+def test_over_an_8bit_kv_cache_too(mixed_gguf, kv_cache_dtype):
+    with LLM(mixed_gguf, device="cpu", dtype="bfloat16", kv_cache_dtype=kv_cache_dtype, max_model_len=256,
+             kvcache_block_size=16) as llm:
+        assert llm.engine.model_runner.cpu_decoder is not None
+        assert run_both_paths(llm) == [len(PROMPTS)] * (GREEDY.max_tokens - 1)
+
+
 def test_verify_steps_and_short_prompts_too(mixed_gguf):
     """Steps whose every sequence has at most `SHORT_QUERIES` queries take the one call as well, each row attending as
     its token's decode: the short prompts' first step, and n-gram drafts being verified (the prompts repeat, so

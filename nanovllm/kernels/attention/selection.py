@@ -28,10 +28,15 @@ class Platform:
         return cls(device, capability, library_installed, interpret)
 
 
-def unsupported(name: str, platform: Platform, dtype: torch.dtype, block_size: int, head_dim: int) -> str | None:
-    """Why backend `name` cannot serve this model here, or None when it can (from its `BackendSpec`). Installation
-    is checked last, so that installing is suggested only where it would help."""
+def unsupported(name: str, platform: Platform, dtype: torch.dtype, block_size: int, head_dim: int,
+                kv_cache_dtype: torch.dtype | None = None) -> str | None:
+    """Why backend `name` cannot serve this model here, or None when it can (from its `BackendSpec`); the KV cache
+    holds `kv_cache_dtype` (None: `dtype`). Installation is checked last, so that installing is suggested only where
+    it would help."""
     spec = registry.BACKENDS[name]
+    if kv_cache_dtype is not None and kv_cache_dtype.itemsize == 1 and not spec.reads_8bit_cache:
+        return ("cannot read an 8-bit KV cache (kv_cache_dtype='fp8...'): leave kv_cache_dtype='auto', or use "
+                "attention_backend='triton'")
     if platform.device not in spec.devices:
         if not spec.interpretable:
             return f"needs a {'CUDA GPU' if 'cuda' in spec.devices else ' or '.join(spec.devices)}"
@@ -68,16 +73,16 @@ def _unsupported_on_gpu(spec: BackendSpec, capability: tuple[int, int], dtype: t
     return None
 
 
-def select_backend(requested: str, platform: Platform, dtype: torch.dtype, block_size: int,
-                   head_dim: int) -> tuple[str, dict[str, str]]:
+def select_backend(requested: str, platform: Platform, dtype: torch.dtype, block_size: int, head_dim: int,
+                   kv_cache_dtype: torch.dtype | None = None) -> tuple[str, dict[str, str]]:
     """The backend to run, and for "auto" why each one preferred to it was passed over.
 
     "auto" takes, in `BACKENDS` order, the first backend made for this device (the interpreter does not count)
-    that can serve this dtype, block size and head_dim here; torch serves everything. A named backend that
-    cannot is a ValueError saying why.
+    that can serve this dtype, block size, head_dim and KV cache dtype here; torch serves everything. A named backend
+    that cannot is a ValueError saying why.
     """
     if requested != "auto":
-        reason = unsupported(requested, platform, dtype, block_size, head_dim)
+        reason = unsupported(requested, platform, dtype, block_size, head_dim, kv_cache_dtype)
         if reason is not None:
             raise ValueError(f"attention_backend={requested!r} cannot run here: {requested} {reason}")
         return requested, {}
@@ -85,17 +90,18 @@ def select_backend(requested: str, platform: Platform, dtype: torch.dtype, block
     for name, spec in registry.BACKENDS.items():
         if platform.device not in spec.devices:
             continue
-        reason = unsupported(name, platform, dtype, block_size, head_dim)
+        reason = unsupported(name, platform, dtype, block_size, head_dim, kv_cache_dtype)
         if reason is None:
             return name, passed_over
         passed_over[name] = reason
     raise AssertionError("the torch backend serves every device")
 
 
-def choose_backend(requested: str, device: str, dtype: torch.dtype, block_size: int, head_dim: int) -> str:
+def choose_backend(requested: str, device: str, dtype: torch.dtype, block_size: int, head_dim: int,
+                   kv_cache_dtype: torch.dtype | None = None) -> str:
     """`select_backend` on this machine; logs the choice (logger "nanovllm", info)."""
     platform = Platform.probe(device)
-    name, passed_over = select_backend(requested, platform, dtype, block_size, head_dim)
+    name, passed_over = select_backend(requested, platform, dtype, block_size, head_dim, kv_cache_dtype)
     notes = [f"{other} {reason}" for other, reason in passed_over.items()]
     if device == "cuda" and not platform.installed("triton"):
         notes.append("K/V writes use torch and decode runs without CUDA graphs, since triton is not installed "

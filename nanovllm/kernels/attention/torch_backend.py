@@ -4,6 +4,7 @@ import torch.nn.functional as F
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from nanovllm.kernels.attention.context import Context
+from nanovllm.kernels.attention.kv_quant import to_cache_dtype
 from nanovllm.kernels.cpu import cpu_kernels, paged_decode
 
 _CUDA_KERNELS = [SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH]
@@ -62,12 +63,13 @@ def _attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float, win
     return _sdpa(q, k, v, mask, scale)[0].transpose(0, 1)
 
 
-def _gather(cache: torch.Tensor, block_table: torch.Tensor, length: int, first: int = 0) -> torch.Tensor:
+def _gather(cache: torch.Tensor, block_table: torch.Tensor, length: int, dtype: torch.dtype,
+            first: int = 0) -> torch.Tensor:
     """Tokens `first`..`length - 1` of one sequence, read through its block table (`first` a block boundary: the
-    blocks before it may have been released)."""
+    blocks before it may have been released), in `dtype` (an 8-bit cache's values converted back)."""
     block_size = cache.size(1)
     num_blocks = (length + block_size - 1) // block_size
-    return cache[block_table[first // block_size:num_blocks]].flatten(0, 1)[:length - first]
+    return cache[block_table[first // block_size:num_blocks]].flatten(0, 1)[:length - first].to(dtype)
 
 
 def _runs(block_table: list[int], length: int, block_size: int, start: int = 0) -> list[tuple[int, int]]:
@@ -95,8 +97,8 @@ def _decode_in_place(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
     q = q[None, :, None, :]
     outs, lses = [], []
     for first, count in _runs(block_table, length, k_cache.size(1), max(0, length - window) if window else 0):
-        k = k_flat[first:first + count].transpose(0, 1)[None]
-        v = v_flat[first:first + count].transpose(0, 1)[None]
+        k = k_flat[first:first + count].transpose(0, 1)[None].to(q.dtype)
+        v = v_flat[first:first + count].transpose(0, 1)[None].to(q.dtype)
         o, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(q, k, v, scale=scale)
         outs.append(o)
         lses.append(lse)
@@ -123,8 +125,8 @@ class TorchBackend:
             return kernels.store_kvcache(k, v, k_cache, v_cache, slot_mapping)
         valid = slot_mapping >= 0
         slots = slot_mapping[valid]
-        k_cache.view(-1, *k_cache.shape[2:]).index_copy_(0, slots, k[valid])
-        v_cache.view(-1, *v_cache.shape[2:]).index_copy_(0, slots, v[valid])
+        k_cache.view(-1, *k_cache.shape[2:]).index_copy_(0, slots, to_cache_dtype(k[valid], k_cache.dtype))
+        v_cache.view(-1, *v_cache.shape[2:]).index_copy_(0, slots, to_cache_dtype(v[valid], v_cache.dtype))
 
     @staticmethod
     def attend(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, ctx: Context, scale: float, *,
@@ -155,7 +157,7 @@ class TorchBackend:
                 first = max(0, length - (cu_q[i + 1] - cu_q[i]) - window + 1) // block_size * block_size \
                     if window else 0
                 table = torch.as_tensor(tables[i], device=q.device)
-                k, v = _gather(k_cache, table, length, first), _gather(v_cache, table, length, first)
+                k, v = (_gather(cache, table, length, q.dtype, first) for cache in (k_cache, v_cache))
                 o[rows] = _attend(q[rows], k, v, scale, window, softcap)
         return o
 
@@ -207,8 +209,8 @@ def _decode_batched(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
 
 def _decode_rows(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_tables: torch.Tensor,
                  context_lens: torch.Tensor, scale: float, window: int, softcap: float) -> torch.Tensor:
-    k = k_cache[block_tables].flatten(1, 2).transpose(1, 2)
-    v = v_cache[block_tables].flatten(1, 2).transpose(1, 2)
+    k = k_cache[block_tables].flatten(1, 2).transpose(1, 2).to(q.dtype)
+    v = v_cache[block_tables].flatten(1, 2).transpose(1, 2).to(q.dtype)
     keys = torch.arange(k.size(2), device=q.device)
     mask = keys < context_lens[:, None]
     if window:

@@ -40,6 +40,9 @@ the graph's pool.
 Cost of the guarantee: every step uses the decode-sized Q tile (16 rows, as vLLM's unified Triton
 kernel), so a long prefill re-reads K/V once per 16 rows from L2 rather than per 64-128 rows.
 
+An 8-bit cache (`kv_cache_dtype="fp8"`) is read as it is stored and each tile converted to the queries' dtype
+(exactly: every 8-bit float is a float16, bfloat16 and float32 value) before its dots.
+
 `tl.dot` takes float16/bfloat16 on tensor cores with float32 accumulation; float32 uses
 `input_precision="ieee"` (true float32, not TF32). Triton's interpreter misreads bfloat16 dot
 operands as integers, so under `TRITON_INTERPRET=1` bfloat16 dots run in float32 on the same
@@ -60,6 +63,7 @@ SPLIT_KV_PROGRAMS = 16  # programs per (sequence, KV head) that share its segmen
 MIN_BLOCK_M = 16  # tl.dot's smallest M
 KV_TILE_BYTES = 16384  # one K (or V) tile per pipeline stage: 64 keys of 128 float16 dims
 SUPPORTED_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
+CACHE_8BIT_DTYPES = (torch.float8_e4m3fn, torch.float8_e5m2)  # kv_cache_dtype="fp8": loaded, then upcast exactly
 ATTENTION_LAUNCH = dict(num_warps=4, num_stages=2, enable_fp_fusion=False)
 REDUCE_LAUNCH = dict(num_warps=2, enable_fp_fusion=False)
 
@@ -132,7 +136,8 @@ def _segment(q, pos, k_ptr, v_ptr, table_ptr, context_len, key_start, window, fi
         block = tl.load(table_ptr + keys // PAGE, mask=key_ok, other=0).to(tl.int64)
         k_rows = block * stride_kb + (keys % PAGE) * stride_ks
         v_rows = block * stride_vb + (keys % PAGE) * stride_vs
-        k = tl.load(k_ptr + k_rows[None, :] + dims[:, None], mask=key_ok[None, :] & dim_ok[:, None], other=0.0)
+        k = tl.load(k_ptr + k_rows[None, :] + dims[:, None], mask=key_ok[None, :] & dim_ok[:, None],
+                    other=0.0).to(q.dtype)
         s = dot(q, k, None, DOT_FP32)
         if SOFTCAP:
             s = _capped(s, score_scale, softcap)
@@ -142,7 +147,8 @@ def _segment(q, pos, k_ptr, v_ptr, table_ptr, context_len, key_start, window, fi
         p = tl.exp2((s - _finite(m_new)[:, None]) * qk_scale)
         alpha = _rescale(m, m_new, qk_scale)
         l = tl.fma(l, alpha, tl.sum(p, 1))
-        v = tl.load(v_ptr + v_rows[:, None] + dims[None, :], mask=key_ok[:, None] & dim_ok[None, :], other=0.0)
+        v = tl.load(v_ptr + v_rows[:, None] + dims[None, :], mask=key_ok[:, None] & dim_ok[None, :],
+                    other=0.0).to(q.dtype)
         acc = dot(p.to(v.dtype), v, acc * alpha[:, None], DOT_FP32)
         m = m_new
     return m, l, acc
@@ -285,9 +291,10 @@ def split_segments(num_tokens: int, num_seqs: int, num_kv_heads: int, max_seqlen
 
 
 def _check(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor) -> None:
-    if q.dtype not in SUPPORTED_DTYPES or k_cache.dtype != q.dtype or v_cache.dtype != q.dtype:
-        raise ValueError(f"Triton attention takes float16, bfloat16 or float32 queries and caches of the same dtype, "
-                         f"got {q.dtype}, {k_cache.dtype} and {v_cache.dtype}")
+    if q.dtype not in SUPPORTED_DTYPES or k_cache.dtype not in (q.dtype, *CACHE_8BIT_DTYPES) \
+            or v_cache.dtype != k_cache.dtype:
+        raise ValueError(f"Triton attention takes float16, bfloat16 or float32 queries and caches of the same dtype "
+                         f"(or of 8-bit floats), got {q.dtype}, {k_cache.dtype} and {v_cache.dtype}")
     if q.size(1) % k_cache.size(2) or k_cache.shape != v_cache.shape or q.size(2) != k_cache.size(3):
         raise ValueError(f"queries {tuple(q.shape)} do not fit caches {tuple(k_cache.shape)} and "
                          f"{tuple(v_cache.shape)} [blocks, page, kv_heads, head_dim]; heads must be a multiple of "

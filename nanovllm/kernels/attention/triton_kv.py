@@ -4,11 +4,15 @@ Semantics equal `TorchBackend.store_kvcache`, its reference: row i goes to flat 
 `slot_mapping[i]`, and slot -1 (a padded row) is skipped. Unlike the boolean-mask torch
 version it never syncs with the host, so CUDA graphs can capture it. The kernel only
 copies (no arithmetic), so it runs unchanged under `TRITON_INTERPRET=1` on CPU for
-float32, float16 and bfloat16.
+float32, float16 and bfloat16. For an 8-bit cache the rows are converted first by torch (`to_cache_dtype`, one
+elementwise op, capturable too): the rounding is then the CPU path's, which Triton's interpreter does not reproduce
+(it rounds some values to the wrong neighbour).
 """
 import torch
 import triton
 import triton.language as tl
+
+from nanovllm.kernels.attention.kv_quant import to_cache_dtype
 
 
 @triton.jit
@@ -37,6 +41,7 @@ def store_kvcache(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cac
     """k/v `[tokens, kv_heads, head_dim]` into caches `[num_blocks, block_size, kv_heads, head_dim]`."""
     num_tokens, num_kv_heads, head_dim = k.shape
     row = num_kv_heads * head_dim
+    k, v = to_cache_dtype(k, k_cache.dtype), to_cache_dtype(v, v_cache.dtype)
     _check_row_layout("k", k)
     _check_row_layout("v", v)
     if not (k_cache.is_contiguous() and v_cache.is_contiguous()):

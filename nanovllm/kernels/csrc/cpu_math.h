@@ -1,11 +1,15 @@
 // Scalar helpers shared by the CPU kernels, written so the compiler vectorizes loops that call them.
 #pragma once
+#include <c10/core/ScalarType.h>
 #include <c10/util/BFloat16.h>
+#include <c10/util/Float8_e4m3fn.h>
+#include <c10/util/Float8_e5m2.h>
 #include <c10/util/Half.h>
 
 #include <algorithm>
 #include <cmath>
 #include <cstring>
+#include <type_traits>
 
 static inline float to_float(float x) { return x; }
 static inline float to_float(c10::Half x) { return static_cast<float>(x); }
@@ -14,6 +18,22 @@ static inline float to_float(c10::BFloat16 x) {  // a shift the compiler vectori
   float f;
   std::memcpy(&f, &bits, sizeof f);
   return f;
+}
+
+// An 8-bit KV cache's values, exact: the byte's exponent and mantissa placed under a float's, the exponent bias made up
+// by one multiplication (a subnormal too: a float subnormal times 2^120 is the number it stands for); integer shifts
+// the compiler vectorizes.
+static inline float to_float(c10::Float8_e4m3fn x) {
+  const uint32_t bits = (static_cast<uint32_t>(x.x & 0x80u) << 24) | (static_cast<uint32_t>(x.x & 0x7Fu) << 20);
+  float f;
+  std::memcpy(&f, &bits, sizeof f);
+  return f * 0x1p120f;
+}
+static inline float to_float(c10::Float8_e5m2 x) {
+  const uint32_t bits = (static_cast<uint32_t>(x.x & 0x80u) << 24) | (static_cast<uint32_t>(x.x & 0x7Fu) << 21);
+  float f;
+  std::memcpy(&f, &bits, sizeof f);
+  return f * 0x1p112f;
 }
 
 // x stored as T, rounded to nearest even as torch rounds an op's float result; for bfloat16 in integer arithmetic the
@@ -31,9 +51,41 @@ inline c10::BFloat16 from_float<c10::BFloat16>(float x) {
   return c10::BFloat16(static_cast<uint16_t>(nan ? 0x7FC0u : rounded), c10::BFloat16::from_bits());
 }
 
+// 8-bit K/V as torch converts them, saturated at the format's largest finite value first (torch would make NaN or
+// infinity of a value beyond it), as `nanovllm.kernels.attention.kv_quant` stores them.
+template <>
+inline c10::Float8_e4m3fn from_float<c10::Float8_e4m3fn>(float x) {
+  return c10::Float8_e4m3fn(std::min(std::max(x, -448.f), 448.f));
+}
+template <>
+inline c10::Float8_e5m2 from_float<c10::Float8_e5m2>(float x) {
+  return c10::Float8_e5m2(std::min(std::max(x, -57344.f), 57344.f));
+}
+
 template <typename T>
 static inline float round_to(float x) {
   return to_float(from_float<T>(x));
+}
+
+// n values of a K/V row stored as the cache's type C: T itself (copied), or an 8-bit float.
+template <typename T, typename C>
+static inline void store_row(const T* x, C* out, int64_t n) {
+  if constexpr (std::is_same_v<T, C>) {
+    std::memcpy(out, x, n * sizeof(T));
+  } else {
+    for (int64_t i = 0; i < n; ++i) out[i] = from_float<C>(to_float(x[i]));
+  }
+}
+
+// fn(C{}) with C the KV cache's element type for activations of type T: `cache` is T's own, or an 8-bit float.
+template <typename T, typename F>
+static inline void with_cache_type(c10::ScalarType cache, const F& fn) {
+  if (cache == c10::ScalarType::Float8_e4m3fn)
+    fn(c10::Float8_e4m3fn{});
+  else if (cache == c10::ScalarType::Float8_e5m2)
+    fn(c10::Float8_e5m2{});
+  else
+    fn(T{});
 }
 
 // exp(x) as 2^n * p(r), r = x - n ln2 in [-ln2/2, ln2/2]: a polynomial the compiler vectorizes (std::exp it calls

@@ -103,12 +103,14 @@ class DecoderStack : public torch::CustomClassHolder {
     TORCH_CHECK(k_cache.is_contiguous() && v_cache.is_contiguous() && k_cache.dim() == 4 &&
                     k_cache.sizes() == v_cache.sizes() && k_cache.size(2) == kv_heads_ && k_cache.size(3) == head_dim_,
                 "DecoderStack: the caches must be contiguous [blocks, block_size, kv_heads, head_dim]");
-    const auto dtype = k_cache.scalar_type();
+    const auto dtype = final_norm_.scalar_type(), cache = k_cache.scalar_type();
     bool same = input_norm.scalar_type() == dtype && post_norm.scalar_type() == dtype &&
-                final_norm_.scalar_type() == dtype;
+                v_cache.scalar_type() == cache && (layers_.empty() || layers_[0].k_cache.scalar_type() == cache) &&
+                (cache == dtype || cache == at::kFloat8_e4m3fn || cache == at::kFloat8_e5m2);
     for (const auto* linear : {qkv.get(), o.get(), gate_up.get(), down.get()})
       same = same && (!linear->bias || linear->bias->scalar_type() == dtype);
-    TORCH_CHECK(same, "DecoderStack: the norms, biases and caches must share the activations' dtype");
+    TORCH_CHECK(same, "DecoderStack: the norms and biases must share the activations' dtype, the caches hold it (or "
+                "8-bit floats, in every layer)");
     layers_.push_back({input_norm.contiguous(), post_norm.contiguous(), k_cache, v_cache, qkv, o, gate_up, down});
     mlp_ = std::max(mlp_, gate_up->out_features);
     for (const auto* linear : {qkv.get(), o.get(), gate_up.get(), down.get()})
@@ -137,9 +139,12 @@ class DecoderStack : public torch::CustomClassHolder {
     auto workspace = hidden.new_empty({M * offset(WORKSPACE)});
     auto run = [&](auto zero) {
       using T = decltype(zero);
-      step<T>(hidden.const_data_ptr<T>(), M, positions.const_data_ptr<int64_t>(),
-              slot_mapping.const_data_ptr<int64_t>(), block_tables.const_data_ptr<int32_t>(), block_tables.size(1),
-              context_lens.const_data_ptr<int32_t>(), out.data_ptr<T>(), workspace.data_ptr<T>());
+      with_cache_type<T>(layers_[0].k_cache.scalar_type(), [&](auto cache_zero) {
+        step<T, decltype(cache_zero)>(hidden.const_data_ptr<T>(), M, positions.const_data_ptr<int64_t>(),
+                                      slot_mapping.const_data_ptr<int64_t>(), block_tables.const_data_ptr<int32_t>(),
+                                      block_tables.size(1), context_lens.const_data_ptr<int32_t>(), out.data_ptr<T>(),
+                                      workspace.data_ptr<T>());
+      });
     };
     switch (hidden.scalar_type()) {
       case at::kFloat: run(float{}); break;
@@ -163,7 +168,7 @@ class DecoderStack : public torch::CustomClassHolder {
     return total;
   }
 
-  template <typename T>
+  template <typename T, typename C>
   void step(const T* hidden, int64_t M, const int64_t* positions, const int64_t* slots, const int32_t* tables,
             int64_t table_width, const int32_t* context_lens, T* out, T* workspace) {
     const int64_t H = hidden_, D = head_dim_, q = heads_ * D, kv = kv_heads_ * D, qkv_width = q + 2 * kv;
@@ -192,12 +197,12 @@ class DecoderStack : public torch::CustomClassHolder {
         for (int64_t h = 0; h < kv_heads_; ++h)
           nanovllm::rotary_row(row + q + h * D, k_rot + m * kv + h * D, table, D / 2);
       });
-      T* k_cache = l.k_cache.data_ptr<T>();
-      T* v_cache = l.v_cache.data_ptr<T>();
+      C* k_cache = l.k_cache.data_ptr<C>();
+      C* v_cache = l.v_cache.data_ptr<C>();
       for (int64_t m = 0; m < M; ++m) {
         if (slots[m] < 0) continue;
-        std::memcpy(k_cache + slots[m] * kv, k_rot + m * kv, kv * sizeof(T));
-        std::memcpy(v_cache + slots[m] * kv, qkv + m * qkv_width + q + kv, kv * sizeof(T));
+        store_row(k_rot + m * kv, k_cache + slots[m] * kv, kv);
+        store_row(qkv + m * qkv_width + q + kv, v_cache + slots[m] * kv, kv);
       }
       for (int64_t m = 0; m < M; ++m)  // a row that attends to nothing is zeros, as paged_decode returns it
         if (context_lens[m] <= 0) std::fill(attn + m * q, attn + (m + 1) * q, from_float<T>(0.f));

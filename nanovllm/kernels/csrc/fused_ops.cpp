@@ -187,10 +187,14 @@ at::Tensor silu_and_mul(at::Tensor x) {
 }
 
 // Each token's K and V `[tokens, kv_heads, head_dim]` into its cache slot (`slot_mapping`, -1: not stored) of
-// caches `[blocks, block_size, kv_heads, head_dim]`.
+// caches `[blocks, block_size, kv_heads, head_dim]` that hold the keys' dtype, or 8-bit floats (rounded as torch
+// rounds, saturated: `store_row`).
 void store_kvcache(at::Tensor k, at::Tensor v, at::Tensor k_cache, at::Tensor v_cache, at::Tensor slot_mapping) {
-  TORCH_CHECK(k_cache.is_contiguous() && v_cache.is_contiguous() && k.scalar_type() == k_cache.scalar_type(),
-              "the caches must be contiguous and share the keys' dtype");
+  const auto cache = k_cache.scalar_type();
+  TORCH_CHECK(k_cache.is_contiguous() && v_cache.is_contiguous() && v_cache.scalar_type() == cache &&
+                  v.scalar_type() == k.scalar_type() &&
+                  (cache == k.scalar_type() || cache == at::kFloat8_e4m3fn || cache == at::kFloat8_e5m2),
+              "the caches must be contiguous and hold the keys' dtype or 8-bit floats");
   const int64_t width = k_cache.size(2) * k_cache.size(3), tokens = k.size(0);
   auto rows = [&](at::Tensor x) {  // one token's heads adjacent, as in the cache
     return x.stride(2) == 1 && x.stride(1) == x.size(2) ? x : x.contiguous();
@@ -199,17 +203,20 @@ void store_kvcache(at::Tensor k, at::Tensor v, at::Tensor k_cache, at::Tensor v_
   v = rows(v);
   slot_mapping = slot_mapping.to(at::kLong).contiguous();
   const int64_t* slots = slot_mapping.data_ptr<int64_t>();
-  const int64_t bytes = width * k.element_size();
-  auto* k_src = static_cast<const char*>(k.data_ptr());
-  auto* v_src = static_cast<const char*>(v.data_ptr());
-  auto* k_dst = static_cast<char*>(k_cache.data_ptr());
-  auto* v_dst = static_cast<char*>(v_cache.data_ptr());
-  const int64_t k_stride = k.stride(0) * k.element_size(), v_stride = v.stride(0) * v.element_size();
-  at::parallel_for(0, tokens, grain(width), [&](int64_t begin, int64_t end) {
-    for (int64_t t = begin; t < end; ++t) {
-      if (slots[t] < 0) continue;
-      std::memcpy(k_dst + slots[t] * bytes, k_src + t * k_stride, bytes);
-      std::memcpy(v_dst + slots[t] * bytes, v_src + t * v_stride, bytes);
-    }
+  AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, k.scalar_type(), "store_kvcache", [&] {
+    with_cache_type<scalar_t>(cache, [&](auto zero) {
+      using C = decltype(zero);
+      const scalar_t* k_src = k.const_data_ptr<scalar_t>();
+      const scalar_t* v_src = v.const_data_ptr<scalar_t>();
+      C* k_dst = k_cache.data_ptr<C>();
+      C* v_dst = v_cache.data_ptr<C>();
+      at::parallel_for(0, tokens, grain(width), [&](int64_t begin, int64_t end) {
+        for (int64_t t = begin; t < end; ++t) {
+          if (slots[t] < 0) continue;
+          store_row(k_src + t * k.stride(0), k_dst + slots[t] * width, width);
+          store_row(v_src + t * v.stride(0), v_dst + slots[t] * width, width);
+        }
+      });
+    });
   });
 }

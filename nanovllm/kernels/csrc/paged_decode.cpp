@@ -4,7 +4,8 @@
 // read), scores in float32, capped by softcap * tanh(score / softcap) where softcap > 0, a max-subtracted softmax and
 // the weighted sum of V; then each head's chunks are merged as flash-decoding merges them. A row's result depends only
 // on its own query, its own cached K/V and this binary's fixed operation order: not on its batch, nor on threads.
-// Common head sizes are compiled with head_dim as a constant, which the compiler unrolls (about 2x faster).
+// Common head sizes are compiled with head_dim as a constant, which the compiler unrolls (about 2x faster). The cache
+// holds the queries' dtype T, or 8-bit floats C (`kv_cache_dtype="fp8"`), each value read back exactly as it is loaded.
 #include <ATen/Dispatch.h>
 #include <ATen/Parallel.h>
 #include <ATen/core/Tensor.h>
@@ -46,8 +47,8 @@ static inline f32x16 lane_sums(const f32x16 v[16]) {
 
 // scores[h * length + t] = query_h . key_(first + t) for the group's heads and the `length` keys from `first`, 16 keys
 // per tile (a short last tile padded with 0).
-template <typename T, int64_t HEAD_DIM>
-static void tiled_scores(const float* query, const T* k_cache, const int32_t* table, int64_t first, int64_t length,
+template <typename C, int64_t HEAD_DIM>
+static void tiled_scores(const float* query, const C* k_cache, const int32_t* table, int64_t first, int64_t length,
                          int64_t group, int64_t block_size, int64_t block_stride, int64_t token_stride,
                          int64_t head_offset, float* scores) {
   constexpr int64_t CHUNKS = HEAD_DIM / 16;
@@ -60,7 +61,7 @@ static void tiled_scores(const float* query, const T* k_cache, const int32_t* ta
         for (int64_t d = 0; d < HEAD_DIM; ++d) keys[j][d] = 0.f;
         continue;
       }
-      const T* k = k_cache + table[block] * block_stride + offset * token_stride + head_offset;
+      const C* k = k_cache + table[block] * block_stride + offset * token_stride + head_offset;
 #pragma omp simd
       for (int64_t d = 0; d < HEAD_DIM; ++d) keys[j][d] = to_float(k[d]);
       if (++offset == block_size) ++block, offset = 0;
@@ -88,8 +89,8 @@ constexpr int64_t CHUNK = 256;
 
 // One work item: the group's query heads of one row against the keys [from, to) of one KV head. Per head it leaves
 // the unnormalized weighted sum of V (head_dim floats), then the scores' maximum and the sum of their exponentials.
-template <typename T, int64_t HEAD_DIM>
-static void decode_chunk(const T* q, const T* k_cache, const T* v_cache, const int32_t* table, int64_t row,
+template <typename T, typename C, int64_t HEAD_DIM>
+static void decode_chunk(const T* q, const C* k_cache, const C* v_cache, const int32_t* table, int64_t row,
                          int64_t g, int64_t from, int64_t to, int64_t heads, int64_t group, int64_t head_dim,
                          int64_t block_size, int64_t block_stride, int64_t token_stride, float scale, float softcap,
                          std::vector<float>& query, std::vector<float>& scores, std::vector<float>& key,
@@ -100,14 +101,14 @@ static void decode_chunk(const T* q, const T* k_cache, const T* v_cache, const i
       query[h * head_dim + d] = to_float(q[(row * heads + g * group + h) * head_dim + d]) * scale;
 #ifdef NANOVLLM_TILED_SCORES
   if constexpr (HEAD_DIM % 16 == 0 && HEAD_DIM > 0) {
-    tiled_scores<T, HEAD_DIM>(query.data(), k_cache, table, from, length, group, block_size, block_stride,
+    tiled_scores<C, HEAD_DIM>(query.data(), k_cache, table, from, length, group, block_size, block_stride,
                               token_stride, g * head_dim, scores.data());
   } else
 #endif
   for (int64_t t0 = from - from % block_size; t0 < to; t0 += block_size) {
-    const T* block = k_cache + table[t0 / block_size] * block_stride + g * head_dim;
+    const C* block = k_cache + table[t0 / block_size] * block_stride + g * head_dim;
     for (int64_t t = std::max(t0, from); t < std::min(t0 + block_size, to); ++t) {
-      const T* k = block + (t - t0) * token_stride;
+      const C* k = block + (t - t0) * token_stride;
 #pragma omp simd
       for (int64_t d = 0; d < head_dim; ++d) key[d] = to_float(k[d]);
       for (int64_t h = 0; h < group; ++h) {
@@ -131,9 +132,9 @@ static void decode_chunk(const T* q, const T* k_cache, const T* v_cache, const i
     for (int64_t t = 0; t < length; ++t) total += p[t];
     float acc[HEAD_DIM ? HEAD_DIM : MAX_HEAD_DIM] = {};  // in registers when HEAD_DIM is a constant
     for (int64_t t0 = from - from % block_size; t0 < to; t0 += block_size) {
-      const T* block = v_cache + table[t0 / block_size] * block_stride + g * head_dim;
+      const C* block = v_cache + table[t0 / block_size] * block_stride + g * head_dim;
       for (int64_t t = std::max(t0, from); t < std::min(t0 + block_size, to); ++t) {
-        const T* v = block + (t - t0) * token_stride;
+        const C* v = block + (t - t0) * token_stride;
 #pragma omp simd
         for (int64_t d = 0; d < head_dim; ++d) acc[d] += p[t - from] * to_float(v[d]);
       }
@@ -145,8 +146,8 @@ static void decode_chunk(const T* q, const T* k_cache, const T* v_cache, const i
   }
 }
 
-template <typename T, int64_t HEAD_DIM>
-static void decode_rows(const T* q, const T* k_cache, const T* v_cache, const int32_t* block_tables,
+template <typename T, typename C, int64_t HEAD_DIM>
+static void decode_rows(const T* q, const C* k_cache, const C* v_cache, const int32_t* block_tables,
                         const int32_t* context_lens, T* out, int64_t rows, int64_t heads, int64_t kv_heads,
                         int64_t runtime_head_dim, int64_t block_size, int64_t table_width, float scale,
                         int64_t window, float softcap) {
@@ -170,7 +171,7 @@ static void decode_rows(const T* q, const T* k_cache, const T* v_cache, const in
       const int64_t row = std::upper_bound(item_start.begin(), item_start.end(), item) - item_start.begin() - 1;
       const int64_t g = (item - item_start[row]) / chunks[row], c = (item - item_start[row]) % chunks[row];
       const int64_t from = first[row] + c * CHUNK, to = std::min<int64_t>(from + CHUNK, context_lens[row]);
-      decode_chunk<T, HEAD_DIM>(q, k_cache, v_cache, block_tables + row * table_width, row, g, from, to, heads,
+      decode_chunk<T, C, HEAD_DIM>(q, k_cache, v_cache, block_tables + row * table_width, row, g, from, to, heads,
                                 group, head_dim, block_size, block_stride, token_stride, scale, softcap, query,
                                 scores, key, partials.data() + item * stride);
     }
@@ -201,41 +202,52 @@ static void decode_rows(const T* q, const T* k_cache, const T* v_cache, const in
   });
 }
 
-template <typename T>
-void nanovllm::paged_decode_rows(const T* q, const T* k_cache, const T* v_cache, const int32_t* block_tables,
+template <typename T, typename C>
+void nanovllm::paged_decode_rows(const T* q, const C* k_cache, const C* v_cache, const int32_t* block_tables,
                                  const int32_t* context_lens, T* out, int64_t rows, int64_t heads, int64_t kv_heads,
                                  int64_t head_dim, int64_t block_size, int64_t table_width, float scale,
                                  int64_t window, float softcap) {
   TORCH_CHECK(head_dim <= MAX_HEAD_DIM, "head_dim above ", MAX_HEAD_DIM);
-  auto run = head_dim == 64 ? decode_rows<T, 64> : head_dim == 128 ? decode_rows<T, 128> : decode_rows<T, 0>;
+  auto run = head_dim == 64 ? decode_rows<T, C, 64> : head_dim == 128 ? decode_rows<T, C, 128> : decode_rows<T, C, 0>;
   run(q, k_cache, v_cache, block_tables, context_lens, out, rows, heads, kv_heads, head_dim, block_size, table_width,
       scale, window, softcap);
 }
 
-#define NANOVLLM_PAGED_DECODE(T)                                                                                  \
-  template void nanovllm::paged_decode_rows<T>(const T*, const T*, const T*, const int32_t*, const int32_t*, T*, \
-                                               int64_t, int64_t, int64_t, int64_t, int64_t, int64_t, float,     \
-                                               int64_t, float);
-NANOVLLM_PAGED_DECODE(float)
-NANOVLLM_PAGED_DECODE(c10::BFloat16)
-NANOVLLM_PAGED_DECODE(c10::Half)
+#define NANOVLLM_PAGED_DECODE(T, C)                                                                                \
+  template void nanovllm::paged_decode_rows<T, C>(const T*, const C*, const C*, const int32_t*, const int32_t*, T*, \
+                                                  int64_t, int64_t, int64_t, int64_t, int64_t, int64_t, float,     \
+                                                  int64_t, float);
+#define NANOVLLM_PAGED_DECODE_CACHES(T) \
+  NANOVLLM_PAGED_DECODE(T, T)           \
+  NANOVLLM_PAGED_DECODE(T, c10::Float8_e4m3fn) NANOVLLM_PAGED_DECODE(T, c10::Float8_e5m2)
+NANOVLLM_PAGED_DECODE_CACHES(float)
+NANOVLLM_PAGED_DECODE_CACHES(c10::BFloat16)
+NANOVLLM_PAGED_DECODE_CACHES(c10::Half)
+#undef NANOVLLM_PAGED_DECODE_CACHES
 #undef NANOVLLM_PAGED_DECODE
 
 at::Tensor paged_decode(at::Tensor q, at::Tensor k_cache, at::Tensor v_cache, at::Tensor block_tables,
                         at::Tensor context_lens, double scale, int64_t window, double softcap) {
   TORCH_CHECK(q.dim() == 3 && k_cache.dim() == 4 && v_cache.sizes() == k_cache.sizes(), "bad shapes");
   TORCH_CHECK(k_cache.is_contiguous() && v_cache.is_contiguous(), "the caches must be contiguous");
-  TORCH_CHECK(q.scalar_type() == k_cache.scalar_type(), "q and the caches must share a dtype");
+  const auto cache = k_cache.scalar_type();
+  TORCH_CHECK(v_cache.scalar_type() == cache && (cache == q.scalar_type() || cache == at::kFloat8_e4m3fn ||
+                                                 cache == at::kFloat8_e5m2),
+              "the caches must hold q's dtype or 8-bit floats (float8_e4m3fn, float8_e5m2)");
   q = q.contiguous();
   block_tables = block_tables.to(at::kInt).contiguous();
   context_lens = context_lens.to(at::kInt).contiguous();
   auto out = q.new_zeros(q.sizes());
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, q.scalar_type(), "paged_decode", [&] {
-    nanovllm::paged_decode_rows(q.data_ptr<scalar_t>(), k_cache.data_ptr<scalar_t>(), v_cache.data_ptr<scalar_t>(),
-                                block_tables.data_ptr<int32_t>(), context_lens.data_ptr<int32_t>(),
-                                out.data_ptr<scalar_t>(), q.size(0), q.size(1), k_cache.size(2), q.size(2),
-                                k_cache.size(1), block_tables.size(1), static_cast<float>(scale), window,
-                                static_cast<float>(softcap));
+    auto run = [&](auto zero) {
+      using C = decltype(zero);
+      nanovllm::paged_decode_rows(q.data_ptr<scalar_t>(), k_cache.const_data_ptr<C>(), v_cache.const_data_ptr<C>(),
+                                  block_tables.data_ptr<int32_t>(), context_lens.data_ptr<int32_t>(),
+                                  out.data_ptr<scalar_t>(), q.size(0), q.size(1), k_cache.size(2), q.size(2),
+                                  k_cache.size(1), block_tables.size(1), static_cast<float>(scale), window,
+                                  static_cast<float>(softcap));
+    };
+    with_cache_type<scalar_t>(cache, run);
   });
   return out;
 }

@@ -1,0 +1,100 @@
+"""The 8-bit KV cache (`kv_cache_dtype="fp8"`) through the engine: twice the blocks of a 16-bit cache in the same
+memory (four times float32's); a request's greedy tokens do not depend on its batch, a prefix-cache hit, preemption
+or speculation; and on the default model its distributions stay close to the full-precision cache's (teacher-forced)."""
+import pytest
+import torch
+from test_speculative import grounded_prompts, spec_llm
+
+from nanovllm import LLM, SamplingParams
+from nanovllm.config import Config
+
+GREEDY = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
+
+
+def fp8_llm(path: str, **settings) -> LLM:
+    return LLM(path, **dict(dict(device="cpu", dtype="float32", kv_cache_dtype="fp8", kvcache_block_size=16,
+                                 max_model_len=256), **settings))
+
+
+def test_unknown_kv_cache_dtypes_are_refused():
+    with pytest.raises(ValueError, match=r"kv_cache_dtype must be one of \['auto', 'fp8', 'fp8_e4m3', 'fp8_e5m2'\], "
+                                         "got 'int8'"):
+        Config("model", kv_cache_dtype="int8")
+
+
+@pytest.mark.parametrize("dtype, ratio", [("float32", 4), ("bfloat16", 2)])
+def test_the_same_memory_holds_more_blocks(tied_model, dtype, ratio):
+    def blocks(kv_cache_dtype: str) -> int:
+        with LLM(tied_model, device="cpu", dtype=dtype, kv_cache_dtype=kv_cache_dtype, max_model_len=256,
+                 kvcache_block_size=16, cpu_kvcache_gib=0.0005, max_num_seqs=64) as llm:
+            cache = llm.engine.model_runner.kv_cache
+            assert cache.tensor.dtype == (torch.float8_e4m3fn if kv_cache_dtype == "fp8" else
+                                          torch.float8_e5m2 if kv_cache_dtype == "fp8_e5m2" else cache.tensor.dtype)
+            return cache.num_blocks
+
+    full, fp8 = blocks("auto"), blocks("fp8")
+    assert fp8 == blocks("fp8_e5m2") and ratio * full <= fp8 < ratio * (full + 1)  # the budget // a block's bytes
+
+
+@pytest.mark.parametrize("kv_cache_dtype", ["fp8_e4m3", "fp8_e5m2"])
+def test_greedy_tokens_do_not_depend_on_the_batch_the_prefix_cache_or_preemption(tied_model, kv_cache_dtype):
+    prompts = grounded_prompts([10, 17, 6, 15, 20, 4], seed=4)
+    prompts[3] = prompts[1][:32] + prompts[3]  # shares two blocks with prompts[1]: a prefix-cache hit
+    with fp8_llm(tied_model, kv_cache_dtype=kv_cache_dtype) as llm:
+        alone = [llm.generate([p], GREEDY, use_tqdm=False)[0]["token_ids"] for p in prompts]
+        assert [o["token_ids"] for o in llm.generate(prompts, GREEDY, use_tqdm=False)] == alone
+    with fp8_llm(tied_model, kv_cache_dtype=kv_cache_dtype, num_kvcache_blocks=16,
+                 max_num_batched_tokens=32) as llm:
+        assert [o["token_ids"] for o in llm.generate(prompts, GREEDY, use_tqdm=False)] == alone
+        stats = llm.stats()
+        assert stats["num_preemptions"] > 0 and stats["num_chunked_steps"] > 0
+    with LLM(tied_model, device="cpu", dtype="float32", kvcache_block_size=16, max_model_len=256) as llm:
+        full = [o["token_ids"] for o in llm.generate(prompts, GREEDY, use_tqdm=False)]
+    assert full != alone, "the 8-bit cache changes some token of this random model: the cache was really 8-bit"
+
+
+def test_speculation_is_token_identical_over_an_8bit_cache(tied_model):
+    prompts = grounded_prompts([10, 17, 6, 15], seed=5)
+    with fp8_llm(tied_model) as llm:
+        expected = [o["token_ids"] for o in llm.generate(prompts, GREEDY, use_tqdm=False)]
+    with spec_llm(tied_model, kv_cache_dtype="fp8", max_model_len=256) as llm:
+        assert [o["token_ids"] for o in llm.generate(prompts, GREEDY, use_tqdm=False)] == expected
+        assert llm.stats()["num_accepted_tokens"] > 0
+
+
+def teacher_forced_logits(llm: LLM, token_ids: list[int]) -> torch.Tensor:
+    """The logits at every position of `token_ids`, each predicting the next from the ones before (a prompt's
+    logprobs make the engine compute them all)."""
+    model, logits = llm.engine.model_runner.model, []
+    compute_logits = model.compute_logits
+    model.compute_logits = lambda hidden_states: logits.append(compute_logits(hidden_states)) or logits[-1]
+    try:
+        llm.generate([token_ids], SamplingParams(max_tokens=1, prompt_logprobs=0), use_tqdm=False)
+    finally:
+        model.compute_logits = compute_logits
+    return logits[0].float()
+
+
+def test_the_default_model_s_distributions_stay_close_to_the_full_precision_cache():
+    """SmolLM2-135M-Instruct (Q4_1), float32, teacher-forced over its own greedy essay: fp8 (e4m3) against the float32
+    cache. Measured over 1,000 tokens: top-1 95.5%, mean KL 0.0089 (a float16 cache itself agrees on 97% of the
+    top-1 tokens of README text: this model's distributions are flat); CI runs 256."""
+    nanovllm = pytest.importorskip("nanovllm")
+    try:
+        model = nanovllm.default_model()
+    except (ModuleNotFoundError, FileNotFoundError) as e:
+        pytest.skip(str(e))
+    settings = dict(device="cpu", dtype="float32", max_model_len=1024, enable_prefix_caching=False)
+    with LLM(model, **settings) as llm:
+        prompt = llm.get_tokenizer().encode(llm.get_tokenizer().apply_chat_template(
+            [{"role": "user", "content": "Write a long essay on the history of the printing press."}],
+            add_generation_prompt=True, tokenize=False))
+        essay = llm.generate([prompt], SamplingParams(temperature=0, max_tokens=256, ignore_eos=True,
+                                                      repetition_penalty=1.1), use_tqdm=False)[0]["token_ids"]
+        full = teacher_forced_logits(llm, prompt + essay)
+    with LLM(model, kv_cache_dtype="fp8", **settings) as llm:
+        fp8 = teacher_forced_logits(llm, prompt + essay)
+    full, fp8 = full[len(prompt) - 1:], fp8[len(prompt) - 1:]  # the essay's tokens
+    kl = (full.softmax(-1) * (full.log_softmax(-1) - fp8.log_softmax(-1))).sum(-1)
+    top1 = (full.argmax(-1) == fp8.argmax(-1)).float().mean().item()
+    assert top1 >= 0.95 and kl.mean().item() < 0.01, (top1, kl.mean().item())

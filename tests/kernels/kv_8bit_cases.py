@@ -1,0 +1,52 @@
+"""Triton's readers and writer of an 8-bit KV cache under TRITON_INTERPRET=1 (run by test_kv_cache_8bit.py in a fresh
+interpreter; it prints its results as JSON): attention over an 8-bit cache is bitwise attention over the same values
+upcast (every 8-bit float is a float32, float16 and bfloat16 value), for decodes (split keys) and mixed steps, with
+the torch backend as the reference; the store writes what `to_cache_dtype` makes, byte for byte."""
+import json
+
+import torch
+from triton_attention_cases import PAD, make_batch
+
+from nanovllm.kernels.attention.kv_quant import to_cache_dtype
+from nanovllm.kernels.attention.torch_backend import TorchBackend
+from nanovllm.kernels.attention.triton_backend import TritonBackend
+
+STEPS = {"decode": [(1, 700, 1), (1, 33, 2), PAD], "mixed": [(5, 40, 3), (1, 300, 4), (20, 20, 5)]}
+CACHES = {"fp8_e4m3": torch.float8_e4m3fn, "fp8_e5m2": torch.float8_e5m2}
+
+
+def attend(backend, batch, k_cache, v_cache) -> torch.Tensor:
+    return backend.attend(batch.q, k_cache, v_cache, batch.ctx, batch.scale)
+
+
+def main() -> None:
+    results = {}
+    for dtype in (torch.float32, torch.bfloat16):
+        for step, seqs in STEPS.items():
+            batch = make_batch(seqs, dtype=dtype)
+            for name, cache_dtype in CACHES.items():
+                k8, v8 = (to_cache_dtype(c * 4, cache_dtype) for c in (batch.k_cache, batch.v_cache))
+                upcast = k8.to(dtype), v8.to(dtype)
+                out = attend(TritonBackend, batch, k8, v8)
+                results[f"{dtype}/{step}/{name}"] = {
+                    "triton_exact": torch.equal(out, attend(TritonBackend, batch, *upcast)),
+                    "torch_exact": torch.equal(attend(TorchBackend, batch, k8, v8), attend(TorchBackend, batch,
+                                                                                           *upcast)),
+                    "error_vs_torch": (out.float() - attend(TorchBackend, batch, k8, v8).float()).abs().max().item()}
+    stores = {}
+    for name, cache_dtype in CACHES.items():
+        k = torch.randn(40, 2, 16) * torch.logspace(-4, 5, 40)[:, None, None]  # subnormals to beyond the largest
+        v = -k
+        k_cache, v_cache = torch.zeros(2, 5, 16, 2, 16, dtype=cache_dtype)
+        slots = torch.randperm(80)[:40]
+        slots[::7] = -1
+        TritonBackend.store_kvcache(k, v, k_cache, v_cache, slots)
+        valid = slots >= 0
+        stores[name] = all(torch.equal(cache.view(80, 2, 16)[slots[valid]].view(torch.uint8),
+                                       to_cache_dtype(x[valid], cache_dtype).view(torch.uint8))
+                           for cache, x in ((k_cache, k), (v_cache, v)))
+    print(json.dumps({"attention": results, "store": stores}))
+
+
+if __name__ == "__main__":
+    main()

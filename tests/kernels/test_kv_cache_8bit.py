@@ -1,0 +1,102 @@
+"""The 8-bit KV cache's kernels (`kv_cache_dtype="fp8"`): the compiled CPU store rounds as torch rounds and saturates
+(`to_cache_dtype`), and `paged_decode` over an 8-bit cache computes exactly what it computes over the same values
+upcast to the queries' dtype (each value read back exactly), on the unrolled-tile path (head_dim 64) and the runtime
+head_dim path (32), against a float64 reference too; Triton's attention and store under the interpreter likewise
+(`kv_8bit_cases.py`)."""
+import pytest
+import torch
+from interpreted import run_interpreted
+from test_cpu_kernels import make_case, needs_compiler, reference
+
+from nanovllm.kernels.attention.kv_quant import to_cache_dtype
+from nanovllm.kernels.attention.selection import Platform, select_backend, unsupported
+from nanovllm.kernels.cpu import cpu_kernels, paged_decode
+
+CACHES = [torch.float8_e4m3fn, torch.float8_e5m2]
+DTYPES = [torch.float32, torch.bfloat16, torch.float16]
+
+
+def every_finite_value(dtype: torch.dtype, shape: tuple[int, ...], seed: int) -> torch.Tensor:
+    """A cache of `shape` drawn from every finite value of the 8-bit `dtype` (subnormals and the largest included)."""
+    values = torch.arange(256, dtype=torch.uint8).view(dtype)
+    values = values[values.float().isfinite()]
+    return values[torch.randint(len(values), shape, generator=torch.Generator().manual_seed(seed))]
+
+
+def test_to_cache_dtype_saturates_and_keeps_its_own_dtype():
+    x = torch.tensor([1e6, -1e6, 0.3, 1e-9])
+    for dtype in CACHES:
+        stored = to_cache_dtype(x, dtype)
+        assert stored.float()[:2].tolist() == [torch.finfo(dtype).max, -torch.finfo(dtype).max]
+        assert torch.equal(stored[2:], x[2:].to(dtype))
+    assert to_cache_dtype(x, torch.float32) is x
+
+
+@needs_compiler
+@pytest.mark.parametrize("cache_dtype", CACHES)
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_the_compiled_store_writes_what_torch_converts(dtype, cache_dtype):
+    k = (torch.randn(40, 2, 32) * torch.logspace(-4, 5, 40)[:, None, None]).to(dtype)  # subnormals to saturation
+    v = -k.flip(0)
+    k_cache, v_cache = torch.zeros(2, 5, 16, 2, 32, dtype=cache_dtype)
+    slots = torch.randperm(80)[:40]
+    slots[::7] = -1
+    cpu_kernels().store_kvcache(k, v, k_cache, v_cache, slots)
+    valid = slots >= 0
+    for cache, x in ((k_cache, k), (v_cache, v)):
+        assert torch.equal(cache.view(80, 2, 32)[slots[valid]].view(torch.uint8),
+                           to_cache_dtype(x[valid], cache_dtype).view(torch.uint8))
+    untouched = torch.ones(80, dtype=torch.bool)
+    untouched[slots[valid]] = False
+    assert not k_cache.view(80, 2, 32)[untouched].view(torch.uint8).any()
+
+
+@needs_compiler
+@pytest.mark.parametrize("head_dim", [64, 32])
+@pytest.mark.parametrize("cache_dtype", CACHES)
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_decode_over_an_8bit_cache_is_decode_over_its_values_upcast(dtype, cache_dtype, head_dim):
+    q, k_cache, _, tables, lens = make_case([1, 7, 17, 300, 513], 16, 4, 2, head_dim, dtype)
+    k8, v8 = every_finite_value(cache_dtype, k_cache.shape, 1), every_finite_value(cache_dtype, k_cache.shape, 2)
+    scale = 0.001  # the largest values (448, 57344) would otherwise leave one key per row
+    out = paged_decode(q, k8, v8, tables, lens, scale)
+    assert out.dtype == dtype
+    assert torch.equal(out, paged_decode(q, k8.to(dtype), v8.to(dtype), tables, lens, scale))
+    expected = reference(q, k8.double(), v8.double(), tables, lens, scale)
+    tolerance = 1e-5 if dtype == torch.float32 else 1e-2  # of the largest output (values reach 448 and 57344)
+    torch.testing.assert_close(out.double(), expected, rtol=0, atol=tolerance * expected.abs().max().item())
+
+
+@needs_compiler
+def test_decode_over_an_8bit_cache_with_a_window_and_capped_scores():
+    q, k_cache, v_cache, tables, lens = make_case([1, 17, 300, 513], 16, 4, 2, 64, torch.float32)
+    k8, v8 = (to_cache_dtype(c, torch.float8_e4m3fn) for c in (k_cache, v_cache))
+    out = paged_decode(q, k8, v8, tables, lens, 0.125, 40, 1.5)
+    assert torch.equal(out, paged_decode(q, k8.float(), v8.float(), tables, lens, 0.125, 40, 1.5))
+    torch.testing.assert_close(out.double(), reference(q, k8.double(), v8.double(), tables, lens, 0.125, 40, 1.5),
+                               atol=1e-5, rtol=0)
+
+
+def test_backends_that_cannot_read_an_8bit_cache_are_passed_over_or_refused():
+    gpu = Platform("cuda", (9, 0), lambda name: True)
+    assert select_backend("auto", gpu, torch.bfloat16, 256, 128, torch.float8_e4m3fn)[0] == "triton"
+    assert select_backend("auto", gpu, torch.bfloat16, 256, 128, torch.bfloat16)[0] == "flash-attn"
+    with pytest.raises(ValueError, match="flash-attn cannot read an 8-bit KV cache.*kv_cache_dtype='auto'"):
+        select_backend("flash-attn", gpu, torch.bfloat16, 256, 128, torch.float8_e5m2)
+    assert unsupported("torch", Platform("cpu"), torch.float32, 16, 64, torch.float8_e4m3fn) is None
+
+
+@pytest.fixture(scope="module")
+def interpreted() -> dict:
+    pytest.importorskip("triton")
+    return run_interpreted("kv_8bit_cases.py", timeout=600)
+
+
+def test_triton_attention_over_an_8bit_cache_is_attention_over_its_values_upcast(interpreted):
+    for name, result in interpreted["attention"].items():
+        assert result["triton_exact"] and result["torch_exact"], name
+        assert result["error_vs_torch"] <= (0.07 if "bfloat16" in name else 1e-5), (name, result)
+
+
+def test_triton_store_writes_what_torch_converts(interpreted):
+    assert all(interpreted["store"].values()), interpreted["store"]
