@@ -18,11 +18,6 @@ from gguf_files import write_gguf, write_gguf_lora  # noqa: E402
 ALL = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
 
 
-@pytest.fixture(autouse=True)
-def cache(tmp_path, monkeypatch):
-    monkeypatch.setenv("NANOVLLM_CACHE", str(tmp_path / "cache"))
-
-
 def adapter_pair(base: str, root: str, **settings) -> tuple[str, str]:
     """A PEFT adapter on `base` and its GGUF file, in a directory of its own."""
     peft_dir = make_adapter(base, os.path.join(root, "peft"), 7, **settings)
@@ -30,29 +25,34 @@ def adapter_pair(base: str, root: str, **settings) -> tuple[str, str]:
     return peft_dir, write_gguf_lora(os.path.join(root, "gguf", "adapter.gguf"), peft_dir, base)
 
 
-@pytest.mark.parametrize("family", ["llama", "phi3"])
+@pytest.mark.parametrize("family", ["llama", "phi3", "gpt_neox"])
 def test_gguf_adapter_equals_its_peft_source(tmp_path, family):
     """Llama (q/k rows permuted by the converter, grouped-query attention) with every projection, ranks from
-    `rank_pattern`; Phi-3's fused qkv_proj and gate_up_proj. The file, and the directory holding it, give PEFT's
-    tokens."""
+    `rank_pattern`; Phi-3's fused qkv_proj and gate_up_proj; GPT-NeoX's attention (its per-head q/k/v regrouped by
+    the converter). The file, and the directory holding it, give PEFT's tokens, as the PEFT directory does (but
+    GPT-NeoX's, whose module names nanovllm's PEFT reader does not know)."""
+    targets = {"llama": ALL, "phi3": ["qkv_proj", "o_proj", "gate_up_proj", "down_proj"],
+               "gpt_neox": ["query_key_value", "dense"]}[family]
+    settings = dict(r=4, lora_alpha=8, target_modules=targets)
     if family == "llama":
         base = make_checkpoint(str(tmp_path / "base"), family="llama", seed=5, attention_bias=True, mlp_bias=True)
-        settings = dict(r=4, lora_alpha=8, target_modules=ALL, rank_pattern={"k_proj": 2, "down_proj": 3})
+        settings["rank_pattern"] = {"k_proj": 2, "down_proj": 3}
     else:
         base = make_family_checkpoint(str(tmp_path / "base"), family, seed=5)
-        settings = dict(r=4, lora_alpha=8, target_modules=["qkv_proj", "o_proj", "gate_up_proj", "down_proj"])
     peft_dir, gguf_file = adapter_pair(base, str(tmp_path), **settings)
     expected = peft_greedy(base, peft_dir, PROMPTS)
     assert expected != peft_greedy(base, None, PROMPTS)
+    paths = (gguf_file, os.path.dirname(gguf_file)) + ((peft_dir,) if family != "gpt_neox" else ())
     with engine(base, max_lora_rank=4) as llm:
-        for i, path in enumerate((gguf_file, os.path.dirname(gguf_file), peft_dir)):
+        for i, path in enumerate(paths):
             assert tokens(llm.generate(PROMPTS, GREEDY, lora_request=LoRARequest(f"{i}", i + 1, path),
                                        use_tqdm=False)) == expected, path
 
 
-def test_gguf_adapter_on_a_gguf_base(tmp_path):
+def test_gguf_adapter_on_a_gguf_base(tmp_path, monkeypatch):
     """On a float32 GGUF base: PEFT's tokens on the original checkpoint. On Q8_0 blocks with the float adapter: the
     PEFT directory's tokens on the same blocks, which are not the blocks' own."""
+    monkeypatch.setenv("NANOVLLM_CACHE", str(tmp_path / "cache"))  # the base files' metadata
     base = make_checkpoint(str(tmp_path / "base"), family="llama", seed=9)
     peft_dir, gguf_file = adapter_pair(base, str(tmp_path), r=4, lora_alpha=16, target_modules=ALL)
     expected = peft_greedy(base, peft_dir, PROMPTS)
