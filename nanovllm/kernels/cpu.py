@@ -3,8 +3,9 @@ the CPU, into nanovllm's cache directory, per torch version, CPU (`-march=native
 and source: `paged_decode`, every single-query row of a step in one call, and the decoder's small ops fused
 (`csrc/fused_ops.cpp`: RMSNorm with the residual add, rotary, SiLU-and-mul, the KV-cache store; the layers reach
 them through `kernels.fused.fused_op`), matmuls over GGML-quantized weights (`csrc/ggml_quant.cpp`, reached through
-`kernels.ggml`), and the whole decode step of a standard decoder in one call (`csrc/decoder_stack.cpp`, reached
-through `execution.cpu_decode`).
+`kernels.ggml`), the whole decode step of a standard decoder in one call (`csrc/decoder_stack.cpp`, reached
+through `execution.cpu_decode`), and LoRA deltas, each row its own adapter's (`csrc/lora_ops.cpp`, reached through
+`layers.lora`).
 
 They are torch operators (`torch.ops.nanovllm.*`, registered by `csrc/module.cpp`) in a plain shared library, not a
 Python extension module: the sources include only ATen's headers, not `<torch/extension.h>` with pybind11 and the C++
@@ -35,7 +36,7 @@ logger = logging.getLogger("nanovllm")
 NAME = "nanovllm_cpu_kernels"
 CSRC = Path(__file__).with_name("csrc")
 SOURCES = [CSRC / "module.cpp", CSRC / "paged_decode.cpp", CSRC / "fused_ops.cpp", CSRC / "ggml_quant.cpp",
-           CSRC / "decoder_stack.cpp"]
+           CSRC / "decoder_stack.cpp", CSRC / "lora_ops.cpp"]
 CFLAGS = ["-O3", "-march=native", "-fopenmp"]
 BUILD_WAIT_S = 600.0
 PROGRESS_EVERY_S = 10.0

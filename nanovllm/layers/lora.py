@@ -1,24 +1,25 @@
 """LoRA without merging: a linear layer's output plus, for each token, `scale * B @ (A @ x)` of that token's adapter.
 
-A step's tokens are mapped to adapters once (`set_lora_step`), in one of two ways, whichever costs less:
+A step's tokens are mapped to adapters once (`set_lora_step`). On the CPU (its kernels built) one call per layer,
+`lora_add` (`kernels/csrc/lora_ops.cpp`), gives every row its own adapter's delta, computing no other adapter's
+products: the layer keeps the step's adapters packed for it (A stacked, each slice's B transposed, a table of slices).
+Elsewhere, whichever costs less:
 - small steps (decodes, short chunks: at most `STACKED_ROWS` rows) are stacked: each layer keeps, for the step's
   adapters, their A matrices stacked and their B matrices side by side (zero where a slice does not reach), so one
   shrink matmul over every row, a 0/1 mask keeping each row's own adapter's columns, one expand matmul and each
   row's output scales give every row its delta in the same seven operations however many adapters and slices there
-  are (the extra products with other adapters' columns are cheap at these sizes, the Python per operation is not).
-  On the CPU the stacked matrices are prepacked for oneDNN, as the base weights are, and the products run on one
-  thread: a parallel region costs more than a product this small (at 32 rows of SmolLM2's q/k/v with 4 rank-16
-  adapters on 2 cores, 61 us on two threads against 21 us on one);
+  are (the extra products with other adapters' columns are cheap at these sizes, the Python per operation is not);
 - larger steps are grouped: per adapter, one shrink matmul over its rows (gathered by index) and one expand per
   output slice, added into those rows, so no row pays for another adapter's rank.
-Tokens of the base model (adapter 0) get nothing. The base linear is untouched, so a float, prepacked or
-GGML-quantized weight is the same.
+Tokens of the base model get nothing. The base linear is untouched, so a float, prepacked or GGML-quantized weight
+is the same.
 """
-from contextlib import contextmanager
 from dataclasses import dataclass, field
 
 import torch
 import torch.nn.functional as F
+
+from nanovllm.kernels.cpu import cpu_kernels
 
 STACKED_ROWS = 256
 
@@ -72,18 +73,31 @@ class Stacked:
     scales_key: tuple
 
 
+@dataclass
+class Packed:
+    """A layer's adapters as `lora_add` takes them: A stacked (their ranks' sum x in), every slice's B transposed
+    (rank x its size) one after another, flat, and a row per slice (adapter slot, first A row, rank, output offset,
+    size, where its B starts) with its scale; slot i's slices are rows `slot_slices[i]..slot_slices[i + 1]`."""
+
+    a: torch.Tensor
+    bt: torch.Tensor
+    slices: torch.Tensor
+    scales: torch.Tensor
+    slot_slices: torch.Tensor
+
+
 class LoRALayer:
     """The adapters a linear layer carries (adapter id -> weights), for `LinearBase.forward` to add to its output.
     A plain object, not a module: adapters are no parameters of the model (`load_weights`, sleep mode and the
     state dict never see them)."""
 
-    def __init__(self, in_features: int, out_features: int, prepack: bool = False):
-        """`prepack`: lay the stacked matrices out for oneDNN (a CPU dtype it runs, see `nanovllm.layers.prepack`)."""
+    def __init__(self, in_features: int, out_features: int, kernel: bool = False):
+        """`kernel`: add the deltas with the CPU kernel `lora_add` (see `uses_kernel`)."""
         self.in_features = in_features
         self.out_features = out_features
-        self.prepack = prepack
+        self.kernel = kernel
         self.adapters: dict[int, LoRAWeights] = {}
-        self._stacked: tuple[tuple[int, ...], Stacked | None] | None = None  # the last step's adapters, stacked
+        self._stacked: tuple[tuple[int, ...], Stacked | Packed | None] | None = None  # the last step's adapters
 
     def add_adapter(self, adapter_id: int, weights: LoRAWeights) -> None:
         self.adapters[adapter_id] = weights
@@ -96,19 +110,21 @@ class LoRALayer:
     def add_to(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
         """`y` (the base output for input `x`) with each token's adapter delta added, in place."""
         step = _step
+        if self.kernel:
+            if step.adapters and (packed := self._stack(step.adapters)) is not None:
+                cpu_kernels().lora_add(y, x.reshape(-1, self.in_features), packed.a, packed.bt, packed.slices,
+                                       packed.scales, step.token_index, packed.slot_slices)
+            return y
         if step.adapters:
             stacked = self._stack(step.adapters)
             if stacked is not None:
-                with _one_thread(x):
-                    own = step.masks.get(stacked.owner_key)
-                    if own is None:
-                        own = step.masks[stacked.owner_key] = \
-                            (step.token_index.unsqueeze(1) == stacked.owner).to(x.dtype)
-                    scales = step.row_scales.get(stacked.scales_key)
-                    if scales is None:
-                        scales = step.row_scales[stacked.scales_key] = \
-                            stacked.scales.index_select(0, step.token_index)
-                    y += _linear(_linear(x, stacked.a) * own, stacked.b) * scales
+                own = step.masks.get(stacked.owner_key)
+                if own is None:
+                    own = step.masks[stacked.owner_key] = (step.token_index.unsqueeze(1) == stacked.owner).to(x.dtype)
+                scales = step.row_scales.get(stacked.scales_key)
+                if scales is None:
+                    scales = step.row_scales[stacked.scales_key] = stacked.scales.index_select(0, step.token_index)
+                y += F.linear(F.linear(x, stacked.a) * own, stacked.b) * scales
             return y
         for adapter_id, rows in step.groups:
             weights = self.adapters.get(adapter_id)
@@ -124,53 +140,52 @@ class LoRALayer:
                     y[:, s.offset:s.offset + s.size].index_add_(0, rows, delta)
         return y
 
-    def _stack(self, adapters: tuple[int, ...]) -> Stacked | None:
-        """This layer's weights of `adapters` stacked (None when none of them adapts it), kept until the step's
-        adapters or this layer's change."""
+    def _stack(self, adapters: tuple[int, ...]) -> Stacked | Packed | None:
+        """This layer's weights of `adapters` stacked, or packed for the kernel (None when none of them adapts it),
+        kept until the step's adapters or this layer's change."""
         if self._stacked is not None and self._stacked[0] == adapters:
             return self._stacked[1]
-        a, b, owner, scale_layout = [], [], [], []
         present = [(i, self.adapters[adapter_id]) for i, adapter_id in enumerate(adapters)
                    if adapter_id in self.adapters]
-        stacked = None
-        if present:
-            reference = present[0][1].a
-            scales = torch.zeros(len(adapters) + 1, self.out_features, dtype=reference.dtype, device=reference.device)
-            for i, weights in present:
-                side = torch.zeros(self.out_features, weights.a.size(0), dtype=reference.dtype, device=reference.device)
-                for s in weights.slices:
-                    side[s.offset:s.offset + s.size, s.rank_from:s.rank_to] = s.b
-                    scales[i, s.offset:s.offset + s.size] = s.scale
-                    scale_layout.append((i, s.offset, s.size, s.scale))
-                a.append(weights.a)
-                b.append(side)
-                owner += [i] * weights.a.size(0)
-            a, b = torch.cat(a), torch.cat(b, dim=1)
-            if self.prepack:
-                a, b = torch.ops.mkldnn._reorder_linear_weight(a), torch.ops.mkldnn._reorder_linear_weight(b)
-            stacked = Stacked(a, b, torch.tensor(owner, device=reference.device), scales, tuple(owner),
-                              (self.out_features, tuple(scale_layout)))
+        stacked = (_pack if self.kernel else _stack)(present, len(adapters), self.out_features) if present else None
         self._stacked = adapters, stacked
         return stacked
 
 
-def _linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
-    if weight.is_mkldnn:
-        return torch.ops.mkldnn._linear_pointwise(x, weight, None, "none", [], "")
-    return F.linear(x, weight)
+def _pack(present: list[tuple[int, LoRAWeights]], slots: int, out_features: int) -> Packed:
+    """`Packed` for the adapters `present` (slot, weights) of a step's `slots`."""
+    a, bt, rows, scales, slot_slices = [], [], [], [], [0] * (slots + 1)
+    first_row = first_b = 0
+    for slot, weights in present:
+        a.append(weights.a)
+        for s in weights.slices:
+            rank = s.rank_to - s.rank_from
+            rows.append([slot, first_row + s.rank_from, rank, s.offset, s.size, first_b])
+            bt.append(s.b.t().reshape(-1))
+            scales.append(s.scale)
+            first_b += rank * s.size
+        first_row += weights.a.size(0)
+        slot_slices[slot + 1:] = [len(rows)] * (slots - slot)
+    return Packed(torch.cat(a), torch.cat(bt), torch.tensor(rows, dtype=torch.int64),
+                  torch.tensor(scales, dtype=torch.float32), torch.tensor(slot_slices, dtype=torch.int64))
 
 
-@contextmanager
-def _one_thread(x: torch.Tensor):
-    """On the CPU, torch on one thread for the block (the thread count as it was after)."""
-    threads = torch.get_num_threads() if x.device.type == "cpu" else 1
-    if threads > 1:
-        torch.set_num_threads(1)
-    try:
-        yield
-    finally:
-        if threads > 1:
-            torch.set_num_threads(threads)
+def _stack(present: list[tuple[int, LoRAWeights]], slots: int, out_features: int) -> Stacked:
+    """`Stacked` for the adapters `present` (slot, weights) of a step's `slots`."""
+    a, b, owner, scale_layout = [], [], [], []
+    reference = present[0][1].a
+    scales = torch.zeros(slots + 1, out_features, dtype=reference.dtype, device=reference.device)
+    for i, weights in present:
+        side = torch.zeros(out_features, weights.a.size(0), dtype=reference.dtype, device=reference.device)
+        for s in weights.slices:
+            side[s.offset:s.offset + s.size, s.rank_from:s.rank_to] = s.b
+            scales[i, s.offset:s.offset + s.size] = s.scale
+            scale_layout.append((i, s.offset, s.size, s.scale))
+        a.append(weights.a)
+        b.append(side)
+        owner += [i] * weights.a.size(0)
+    return Stacked(torch.cat(a), torch.cat(b, dim=1), torch.tensor(owner, device=reference.device), scales,
+                   tuple(owner), (out_features, tuple(scale_layout)))
 
 
 _step = LoRAStep()

@@ -9,8 +9,8 @@ from torch import nn
 from transformers import PretrainedConfig
 
 from nanovllm.distributed.process_group import tp_rank_and_size
+from nanovllm.kernels.cpu import cpu_kernels
 from nanovllm.layers.lora import STACKED_ROWS, LoRALayer, LoRAStep, LoRAWeights, clear_lora_step, set_lora_step
-from nanovllm.layers.prepack import can_prepack
 from nanovllm.lora.gguf_adapter import gguf_adapter_file, read_gguf_adapter
 from nanovllm.lora.peft import PeftAdapter, read_peft_adapter
 from nanovllm.lora.request import LoRARequest
@@ -29,7 +29,8 @@ class LoRAManager:
     def __init__(self, model: nn.Module, hf_config: PretrainedConfig, max_cpu_loras: int, max_lora_rank: int,
                  dtype: torch.dtype, device: torch.device):
         self.model, self.hf_config = model, hf_config
-        self.layers = attach_lora_layers(model, device.type == "cpu" and can_prepack(dtype))
+        self.kernel = device.type == "cpu" and cpu_kernels() is not None
+        self.layers = attach_lora_layers(model, self.kernel)
         self.capacity, self.max_rank, self.dtype, self.device = max_cpu_loras, max_lora_rank, dtype, device
         self.requests: dict[int, LoRARequest] = {}
         self.loaded: OrderedDict[int, dict[LoRALayer, LoRAWeights]] = OrderedDict()  # least recently used first
@@ -107,9 +108,9 @@ class LoRAManager:
         return set(self.loaded)
 
     def start_step(self, rows: list[tuple[int, int]]) -> None:
-        """Map the step's rows to adapters (`nanovllm.layers.lora.LoRAStep`, stacked or grouped by its size): `rows`
-        is each sequence's (adapter id, 0 for the base; its row count), in the order its rows are packed. The step's
-        adapters are loaded first (read again if the LRU dropped them)."""
+        """Map the step's rows to adapters (`nanovllm.layers.lora.LoRAStep`: by slot for the CPU kernel, else stacked
+        or grouped by the step's size): `rows` is each sequence's (adapter id, 0 for the base; its row count), in the
+        order its rows are packed. The step's adapters are loaded first (read again if the LRU dropped them)."""
         ids = {lora_id for lora_id, _ in rows if lora_id}
         for lora_id in ids & self.loaded.keys():
             self.loaded.move_to_end(lora_id)
@@ -119,7 +120,7 @@ class LoRAManager:
         total = sum(count for _, count in rows)
         if not adapters:
             step = LoRAStep()
-        elif total <= STACKED_ROWS:
+        elif self.kernel or total <= STACKED_ROWS:
             position = {lora_id: i for i, lora_id in enumerate(adapters)}
             index = [position.get(lora_id, len(adapters)) for lora_id, count in rows for _ in range(count)]
             step = LoRAStep(adapters, torch.tensor(index, dtype=torch.int64, device=self.device))

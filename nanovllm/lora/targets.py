@@ -20,9 +20,9 @@ PROJECTIONS = {"q_proj": ("self_attn", "qkv_proj"), "k_proj": ("self_attn", "qkv
                "down_proj": ("mlp", "down_proj")}
 
 
-def attach_lora_layers(model: nn.Module, prepack: bool) -> dict[tuple[int, str, str], LoRALayer]:
+def attach_lora_layers(model: nn.Module, kernel: bool) -> dict[tuple[int, str, str], LoRALayer]:
     """Give every decoder layer's projections (those the model has: a mixture of experts has no dense MLP) a
-    `LoRALayer` (`prepack`: its stacked adapters laid out for oneDNN); returns them by (layer, block, nanovllm's
+    `LoRALayer` (`kernel`: adding its deltas with the CPU kernel); returns them by (layer, block, nanovllm's
     projection name)."""
     found = {}
     for index, layer in enumerate(model.model.layers):
@@ -31,7 +31,7 @@ def attach_lora_layers(model: nn.Module, prepack: bool) -> dict[tuple[int, str, 
                 linear = getattr(getattr(layer, block, None), name, None)
                 if isinstance(linear, LinearBase):
                     out_features, in_features = _shape(linear)
-                    linear.lora = LoRALayer(in_features, out_features, prepack)
+                    linear.lora = LoRALayer(in_features, out_features, kernel)
                     found[index, block, name] = linear.lora
     return found
 

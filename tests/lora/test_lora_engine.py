@@ -72,20 +72,26 @@ def test_each_adapter_alone_equals_peft(qwen3):
 
 
 @pytest.mark.parametrize("settings", [dict(), dict(max_num_batched_tokens=24, max_num_seqs=4),
-                                      dict(num_kvcache_blocks=6, max_num_batched_tokens=32), dict(grouped=True)],
-                         ids=["one-step", "chunked", "preempted", "grouped"])
+                                      dict(num_kvcache_blocks=6, max_num_batched_tokens=32), dict(path="stacked"),
+                                      dict(path="grouped")],
+                         ids=["one-step", "chunked", "preempted", "stacked", "grouped"])
 def test_mixed_batch_beyond_max_loras(qwen3, settings, monkeypatch):
     """Three adapters and the base, each prompt under each, in one call with max_loras=2: every output is its
-    adapter's alone (PEFT's), with prompts chunked, or with too few KV blocks for all (preemption); and with every
-    step's rows grouped by adapter, as steps of more than `STACKED_ROWS` rows are, instead of stacked."""
+    adapter's alone (PEFT's), with prompts chunked, or with too few KV blocks for all (preemption); and through
+    torch's operators instead of the CPU kernel (as without a compiler, or on CUDA), every step's rows stacked, or
+    grouped by adapter as steps of more than `STACKED_ROWS` rows are."""
     settings = dict(settings)
-    if settings.pop("grouped", False):
+    path = settings.pop("path", None)
+    if path is not None:
+        monkeypatch.setattr("nanovllm.lora.manager.cpu_kernels", lambda: None)
+    if path == "grouped":
         monkeypatch.setattr("nanovllm.lora.manager.STACKED_ROWS", 0)
     names = [None, "a", "b", "c"]
     prompts = [prompt for _ in names for prompt in PROMPTS]
     loras = [qwen3["requests"].get(name) for name in names for _ in PROMPTS]
     with engine(qwen3["base"], max_loras=2, max_lora_rank=8, **settings) as llm:
         manager, steps = llm.engine.model_runner.loras, []
+        assert manager.kernel == (path is None)
         start_step = manager.start_step
         manager.start_step = lambda rows: (steps.append({i for i, _ in rows if i}), start_step(rows))[1]
         outputs = llm.generate(prompts, GREEDY, lora_request=loras, use_tqdm=False)

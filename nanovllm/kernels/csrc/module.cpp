@@ -1,4 +1,4 @@
-// nanovllm's CPU kernels (paged_decode.cpp, fused_ops.cpp, ggml_quant.cpp) as torch operators,
+// nanovllm's CPU kernels (paged_decode.cpp, fused_ops.cpp, ggml_quant.cpp, lora_ops.cpp) as torch operators,
 // `torch.ops.nanovllm.*`: a plain shared library that torch.ops.load_library loads, with no pybind11 and no Python
 // headers to compile.
 #include <ATen/core/Tensor.h>
@@ -16,6 +16,8 @@ int64_t ggml_isa();
 at::Tensor ggml_linear(at::Tensor x, at::Tensor weight, int64_t qtype, int64_t in_features,
                        std::optional<at::Tensor> bias, int64_t isa);
 at::Tensor ggml_embedding(at::Tensor weight, at::Tensor ids, int64_t qtype, int64_t in_features, at::ScalarType dtype);
+void lora_add(at::Tensor y, at::Tensor x, at::Tensor a, at::Tensor bt, at::Tensor slices, at::Tensor scales,
+              at::Tensor row_slot, at::Tensor slot_slices);
 
 TORCH_LIBRARY(nanovllm, m) {
   m.def("paged_decode(Tensor q, Tensor k_cache, Tensor v_cache, Tensor block_tables, Tensor context_lens, "
@@ -32,4 +34,6 @@ TORCH_LIBRARY(nanovllm, m) {
         &ggml_linear);
   m.def("ggml_embedding(Tensor weight, Tensor ids, int qtype, int in_features, ScalarType dtype) -> Tensor",
         &ggml_embedding);
+  m.def("lora_add(Tensor(a!) y, Tensor x, Tensor a, Tensor bt, Tensor slices, Tensor scales, Tensor row_slot, "
+        "Tensor slot_slices) -> ()", &lora_add);
 }
