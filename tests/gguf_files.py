@@ -20,7 +20,10 @@ ARCH = {"LlamaForCausalLM": "LLAMA", "MistralForCausalLM": "LLAMA", "MixtralForC
         "GraniteForCausalLM": "GRANITE", "GemmaForCausalLM": "GEMMA", "Gemma2ForCausalLM": "GEMMA2",
         "Gemma3ForCausalLM": "GEMMA3", "Phi3ForCausalLM": "PHI3", "Olmo2ForCausalLM": "OLMO2",
         "StableLmForCausalLM": "STABLELM", "GPTNeoXForCausalLM": "GPTNEOX", "Qwen2MoeForCausalLM": "QWEN2MOE",
-        "Qwen3MoeForCausalLM": "QWEN3MOE"}
+        "Qwen3MoeForCausalLM": "QWEN3MOE", "Qwen2ForCausalLM": "QWEN2", "Qwen2Model": "QWEN2",
+        "Qwen3ForCausalLM": "QWEN3", "Qwen3Model": "QWEN3", "BertModel": "BERT"}
+# sentence-transformers' pooling modes as the converter's `_try_set_pooling_type` writes them
+POOLING_TYPES = {"mean": gguf.PoolingType.MEAN, "cls": gguf.PoolingType.CLS, "lasttoken": gguf.PoolingType.LAST}
 EXPERT = re.compile(r"^model\.layers\.(\d+)\.(block_sparse_moe|mlp)\.experts\.(\d+)\.(\w+)\.weight$")
 HEAD_NORM = re.compile(r"^model\.layers\.(\d+)\.self_attn\.([qk])_layernorm\.norms\.(\d+)\.weight$")
 
@@ -48,8 +51,10 @@ def _metadata(w: gguf.GGUFWriter, arch: str, config: dict) -> None:
     w.add_embedding_length(hidden)
     w.add_feed_forward_length(config["intermediate_size"])
     w.add_head_count(heads)
-    if arch not in ("GPTNEOX",):
+    if arch not in ("GPTNEOX", "BERT"):
         w.add_head_count_kv(config.get("num_key_value_heads") or heads)
+    if arch == "BERT":
+        w.add_causal_attention(False)
     if config.get("rms_norm_eps") is not None:
         w.add_layer_norm_rms_eps(config["rms_norm_eps"])
     if config.get("layer_norm_eps") is not None:
@@ -107,6 +112,41 @@ def _metadata(w: gguf.GGUFWriter, arch: str, config: dict) -> None:
             w.add_expert_shared_feed_forward_length(config["shared_expert_intermediate_size"])
 
 
+def _pooling(w: gguf.GGUFWriter, model_dir: str) -> None:
+    """`_try_set_pooling_type`: a sentence-transformers directory's Pooling mode as `{arch}.pooling_type`."""
+    modules_file = os.path.join(model_dir, "modules.json")
+    if not os.path.isfile(modules_file):
+        return
+    with open(modules_file) as f:
+        folder = next(m["path"] for m in json.load(f) if m["type"].endswith("Pooling"))
+    with open(os.path.join(model_dir, folder, "config.json")) as f:
+        pooling = json.load(f)
+    flags = {"pooling_mode_mean_tokens": "mean", "pooling_mode_cls_token": "cls", "pooling_mode_lasttoken": "lasttoken"}
+    mode = next((mode for flag, mode in flags.items() if pooling.get(flag)), pooling.get("pooling_mode"))
+    w.add_pooling_type(POOLING_TYPES[mode])
+
+
+def add_wordpiece_vocab(w: gguf.GGUFWriter, model_dir: str, config: dict) -> int:
+    """`BertModel.set_vocab`: the WordPiece vocabulary with a word's first piece spelled "\u2581piece" and its
+    continuations bare ("##piece" -> "piece"), special tokens as control tokens, the token type count, and the
+    special token ids (CLS as BOS, SEP as EOS, as `gguf.SpecialVocab` writes them)."""
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(model_dir)
+    vocab = tokenizer.get_vocab()
+    tokens = sorted(vocab, key=vocab.get)
+    special = set(tokenizer.all_special_tokens)
+    w.add_token_type_count(config.get("type_vocab_size", 1))
+    w.add_tokenizer_model("bert")
+    w.add_token_list([t if t in special else t[2:] if t.startswith("##") else "\u2581" + t for t in tokens])
+    w.add_token_types([gguf.TokenType.CONTROL if t in special else gguf.TokenType.NORMAL for t in tokens])
+    for add, token in ((w.add_bos_token_id, tokenizer.cls_token), (w.add_eos_token_id, tokenizer.sep_token),
+                       (w.add_unk_token_id, tokenizer.unk_token), (w.add_sep_token_id, tokenizer.sep_token),
+                       (w.add_pad_token_id, tokenizer.pad_token), (w.add_mask_token_id, tokenizer.mask_token)):
+        add(vocab[token])
+    return len(tokens)
+
+
 def _permute(weights: torch.Tensor, heads: int) -> torch.Tensor:
     """`LlamaModel.permute`: each head's rotary halves interleaved."""
     return weights.reshape(heads, 2, weights.shape[0] // heads // 2, *weights.shape[1:]).swapaxes(1, 2) \
@@ -121,6 +161,8 @@ def _tensors(arch: str, config: dict, weights: dict[str, torch.Tensor], vocab: i
     for name, tensor in weights.items():
         if arch in ("GEMMA", "GEMMA2") and name == "lm_head.weight":
             continue
+        if arch == "BERT" and name.startswith(("pooler.", "embeddings.position_ids")):
+            continue  # BertModel.filter_tensors: BERT is converted for embeddings, without its pooler
         if arch == "GEMMA3" and "embed_tokens.weight" in name:
             tensor = tensor[:vocab]  # out-of-vocabulary rows removed
         if arch.startswith("GEMMA") and name.endswith("norm.weight"):
@@ -161,16 +203,23 @@ def _quantizable(gguf_name: str) -> bool:
     return not any(s in gguf_name for s in ("_norm", "ffn_gate_inp", "rope_factors"))
 
 
-def write_gguf(path: str, model_dir: str, qtype: str = "F32") -> str:
-    """Write the checkpoint in `model_dir` (a `checkpoints.py` model: safetensors, a byte-level BPE tokenizer) as a
-    GGUF file at `path`, every matrix but norms and routers in `qtype` (F32, or a type gguf-py quantizes)."""
+def write_gguf(path: str, model_dir: str, qtype: str = "F32", pooling_type: int | None = None) -> str:
+    """Write the checkpoint in `model_dir` (a `checkpoints.py` model: safetensors, a byte-level BPE tokenizer; or a
+    sentence-transformers embedder, its pooling written as `pooling_type`, a BERT one with its WordPiece vocabulary)
+    as a GGUF file at `path`, every matrix but norms and routers in `qtype` (F32, or a type gguf-py quantizes).
+    `pooling_type` is written instead of the directory's pooling (for files llama.cpp's converter would not write)."""
     with open(os.path.join(model_dir, "config.json")) as f:
         config = json.load(f)
     arch = ARCH[config["architectures"][0]]
     names = gguf.get_tensor_name_map(gguf.MODEL_ARCH[arch], config["num_hidden_layers"])
     writer = gguf.GGUFWriter(path, gguf.MODEL_ARCH_NAMES[gguf.MODEL_ARCH[arch]])
     _metadata(writer, arch, config)
-    vocab = add_bpe_vocab(writer, model_dir, config["eos_token_id"])
+    if pooling_type is None:
+        _pooling(writer, model_dir)
+    else:
+        writer.add_uint32(gguf.Keys.LLM.POOLING_TYPE.format(arch=writer.arch), pooling_type)
+    vocab = add_wordpiece_vocab(writer, model_dir, config) if arch == "BERT" else \
+        add_bpe_vocab(writer, model_dir, config["eos_token_id"])
     weights = load_file(os.path.join(model_dir, "model.safetensors"))
     if config.get("tie_word_embeddings"):
         weights.pop("lm_head.weight", None)

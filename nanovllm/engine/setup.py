@@ -104,13 +104,14 @@ def _without_inert_settings(settings: dict) -> dict:
 
 def _resolve_runner(config: Config) -> None:
     """runner "auto" as vLLM picks it: "pooling" for an architecture without an LM head (a classifier, a base model)
-    and for a sentence-transformers directory, else "generate"; the pooling runner's `PoolerConfig`. A ValueError
-    for a model without an LM head asked to generate, or speculative decoding or custom logits processors beside
-    pooling."""
+    and for a sentence-transformers directory (or a GGUF embedding file, whose pooling its metadata directory keeps
+    as one), else "generate"; the pooling runner's `PoolerConfig`. A ValueError for a model without an LM head asked
+    to generate, or speculative decoding or custom logits processors beside pooling."""
     architectures = getattr(config.hf_config, "architectures", None) or []
     no_lm_head = not has_lm_head(config.hf_config)
+    files = config.gguf_metadata or config.model
     if config.runner == "auto":
-        config.runner = "pooling" if no_lm_head or is_sentence_transformers(config.model) else "generate"
+        config.runner = "pooling" if no_lm_head or is_sentence_transformers(files) else "generate"
     if config.runner == "generate" and no_lm_head:
         raise ValueError(f"{config.model!r} is a {architectures[0]}, which has no LM head and cannot generate: start "
                          "it with runner='pooling' (or leave runner unset) and use LLM.embed, classify, score, reward "
@@ -121,7 +122,7 @@ def _resolve_runner(config: Config) -> None:
         if config.logits_processors:
             raise ValueError(f"{POOLING_REJECTS_LOGITS_PROCESSORS} (logits_processors="
                              f"{list(config.logits_processors)!r} with a pooling model: they act on generated tokens)")
-        config.pooler = read_pooler_config(config.model, config.hf_config)
+        config.pooler = read_pooler_config(files, config.hf_config)
     if is_encoder(config.hf_config):
         _resolve_encoder(config)
 

@@ -14,6 +14,7 @@ from transformers.activations import ACT2FN
 
 from nanovllm.config import PoolerConfig
 from nanovllm.kernels.attention.context import get_context
+from nanovllm.layers.ggml_weight import GGMLTensor
 from nanovllm.layers.linear import ReplicatedLinear
 from nanovllm.layers.pooler import Pooler
 from nanovllm.models.decoder import DecoderOptions
@@ -172,8 +173,13 @@ class BertForPooling(nn.Module):
         """No LM head: nothing to sample (the CUDA memory warm-up asks)."""
         return None
 
-    def checkpoint_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> Iterator[tuple[str, torch.Tensor]]:
+    def checkpoint_weights(self, weights: Iterable[tuple[str, torch.Tensor | GGMLTensor]]
+                           ) -> Iterator[tuple[str, torch.Tensor | GGMLTensor]]:
+        """transformers' names to the model's; a GGUF file's embedding tables (`nn.Embedding`s here) dequantized,
+        its linear weights left in their blocks."""
         for name, tensor in weights:
+            if isinstance(tensor, GGMLTensor) and "embeddings." in name:
+                tensor = tensor.dequantize()
             name = next((name.removeprefix(p) for p in _PREFIXES if name.startswith(p)), name)
             name = name.replace("encoder.layer.", "layers.")
             if name.startswith(("pooler.dense.", "classifier.dense.")):

@@ -258,7 +258,7 @@ def test_bad_gguf_inputs(gguf_file, llama_dir, tmp_path, monkeypatch, capsys):
         LLM(odd_type)
     other_arch = make_gguf(str(tmp_path / "falcon.gguf"), llama_dir, CHAT_TEMPLATE, architecture="falcon")
     with pytest.raises(ValueError, match=r"falcon.gguf: unsupported GGUF architecture 'falcon'; nanovllm runs "
-                                         r"\['gemma', 'gemma2', 'gemma3', 'gptneox', 'granite', 'llama', 'olmo2', "
+                                         r"\['bert', 'gemma', 'gemma2', 'gemma3', 'gptneox', 'granite', 'llama', 'olmo2', "
                                          r"'phi3', 'qwen2', 'qwen2moe', 'qwen3', 'qwen3moe', 'stablelm'\]"):
         LLM(other_arch)
     truncated = tmp_path / "truncated.gguf"

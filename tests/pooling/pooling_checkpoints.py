@@ -41,11 +41,37 @@ def _tokenizer(path: str, token_types: bool = True) -> None:
         json.dump(config, f, indent=2)
 
 
+def _wordpiece_tokenizer(path: str, vocab_size: int) -> None:
+    """A BERT WordPiece tokenizer (lowercasing, [CLS] text [SEP]) of `vocab_size` tokens: BERT's special tokens, the
+    characters of `TEXTS` alone and as "##" continuations, half of their words whole, then "[unused{i}]" as BERT pads
+    its vocabulary; so that words are cut into first pieces and continuations."""
+    from tokenizers import Tokenizer, decoders, models, normalizers, pre_tokenizers, processors
+    from transformers import PreTrainedTokenizerFast
+
+    words = sorted({word for text in TEXTS for word, _ in
+                    pre_tokenizers.BertPreTokenizer().pre_tokenize_str(text.lower())})
+    chars = sorted({c for word in words for c in word})
+    pieces = list(dict.fromkeys(["[PAD]", "[UNK]", "[CLS]", "[SEP]", "[MASK]", *chars, *(f"##{c}" for c in chars),
+                                 *words[::2]]))
+    vocab = {piece: i for i, piece in enumerate(pieces + [f"[unused{i}]" for i in range(vocab_size - len(pieces))])}
+    tok = Tokenizer(models.WordPiece(vocab, unk_token="[UNK]"))
+    tok.normalizer = normalizers.BertNormalizer(lowercase=True)
+    tok.pre_tokenizer = pre_tokenizers.BertPreTokenizer()
+    tok.decoder = decoders.WordPiece()
+    tok.post_processor = processors.TemplateProcessing(single="[CLS] $A [SEP]", pair="[CLS] $A [SEP] $B:1 [SEP]:1",
+                                                       special_tokens=[("[CLS]", 2), ("[SEP]", 3)])
+    PreTrainedTokenizerFast(tokenizer_object=tok, cls_token="[CLS]", sep_token="[SEP]", unk_token="[UNK]",
+                            pad_token="[PAD]", mask_token="[MASK]",
+                            model_input_names=["input_ids", "token_type_ids", "attention_mask"]).save_pretrained(path)
+
+
 def make_st_embedder(path: str, *, model_type: str = "qwen3", pooling_mode: str = "lasttoken", normalize: bool = True,
-                     dense: tuple[int, ...] = (), seed: int = 0, config_json: dict | None = None, **settings) -> str:
+                     dense: tuple[int, ...] = (), seed: int = 0, config_json: dict | None = None,
+                     wordpiece: bool = False, **settings) -> str:
     """A random base decoder (`model_type`'s `*Model`) saved by sentence-transformers with a Pooling module
     (`pooling_mode`), a Dense module per size in `dense` (Tanh), and a Normalize module when `normalize`.
-    `config_json` entries are written into config.json (e.g. Matryoshka's `matryoshka_dimensions`)."""
+    `config_json` entries are written into config.json (e.g. Matryoshka's `matryoshka_dimensions`); `wordpiece`
+    gives it a BERT WordPiece tokenizer instead of the byte-level BPE one."""
     from sentence_transformers import SentenceTransformer
     try:
         from sentence_transformers.sentence_transformer import modules as models
@@ -56,7 +82,10 @@ def make_st_embedder(path: str, *, model_type: str = "qwen3", pooling_mode: str 
     torch.manual_seed(seed)
     config = AutoConfig.for_model(model_type, **{**TINY, **settings})
     _randomized(AutoModel.from_config(config), seed).save_pretrained(base)
-    _tokenizer(base)
+    if wordpiece:
+        _wordpiece_tokenizer(base, config.vocab_size)
+    else:
+        _tokenizer(base)
     modules = [models.Transformer(base), models.Pooling(config.hidden_size, pooling_mode=pooling_mode)]
     size = config.hidden_size
     for out in dense:

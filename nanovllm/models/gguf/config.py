@@ -8,6 +8,10 @@ from collections.abc import Callable
 
 SWA_PATTERN = {"gemma2": 2, "gemma3": 6}  # llama.cpp: every n-th layer global, the others sliding
 LARGEST_GEMMA = {"gemma2": 46, "gemma3": 62}  # the 27B's layer count: its queries are scaled by hidden / heads
+# llama.cpp's `{arch}.pooling_type` (what its converter writes from a sentence-transformers Pooling module) as
+# sentence-transformers' pooling mode
+POOLING_MODES = {1: "mean", 2: "cls", 3: "lasttoken"}
+POOLING_NONE, POOLING_RANK = 0, 4
 
 
 class Metadata:
@@ -16,7 +20,7 @@ class Metadata:
 
     def __init__(self, fields: dict, tensors: dict[str, list[int]], path: str):
         self.fields, self.tensors, self.path = fields, tensors, path
-        self.arch = fields["general.architecture"]
+        self.arch = fields.get("general.architecture")
 
     def get(self, key: str, default=None):
         return self.fields.get(f"{self.arch}.{key}", default)
@@ -207,10 +211,19 @@ def _gptneox(m: Metadata) -> dict:
     return config
 
 
+def _bert(m: Metadata) -> dict:
+    """BERT (llama.cpp's `bert`: BertModel and its sentence-transformers embedders). The file keeps no activation:
+    BERT's own, erf GELU, as transformers runs the checkpoint."""
+    config = {key: value for key, value in _common(m).items() if key not in ("num_key_value_heads", "head_dim",
+                                                                           "rope_parameters", "tie_word_embeddings")}
+    return config | {"model_type": "bert", "architectures": ["BertModel"], "hidden_act": "gelu",
+                     "type_vocab_size": m.tensors["token_types.weight"][1] if "token_types.weight" in m.tensors else 1}
+
+
 CONFIGS: dict[str, Callable[..., dict]] = {
     "llama": _llama, "qwen2": _qwen2, "qwen3": _qwen3, "qwen2moe": _qwen2moe, "qwen3moe": _qwen3moe,
     "gemma": _gemma, "gemma2": _gemma2, "gemma3": _gemma3, "phi3": _phi3, "olmo2": _olmo2, "granite": _granite,
-    "stablelm": _stablelm, "gptneox": _gptneox}
+    "stablelm": _stablelm, "gptneox": _gptneox, "bert": _bert}
 
 
 def gguf_config(metadata: Metadata, rope_factors: dict[str, list[float]]) -> dict:
@@ -219,3 +232,25 @@ def gguf_config(metadata: Metadata, rope_factors: dict[str, list[float]]) -> dic
     if metadata.arch == "phi3":
         return _phi3(metadata, rope_factors)
     return CONFIGS[metadata.arch](metadata)
+
+
+def pooling_mode(metadata: Metadata) -> str | None:
+    """How an embedding file pools its hidden states (`{arch}.pooling_type`), as sentence-transformers names it;
+    None for a file that states no pooling (or llama.cpp's 0, "none", which it reads as the same: a generating model).
+    A ValueError for a reranker (4, "rank": its `cls.output` head), an unknown value, or a BERT file without one."""
+    value = metadata.get("pooling_type")
+    if value in POOLING_MODES:
+        return POOLING_MODES[value]
+    if value == POOLING_RANK:
+        raise ValueError(f"{metadata.path} is a reranker (pooling_type 4, rank: a classification head over the pooled "
+                         "state), which nanovllm does not run from GGUF files; load the model's Hugging Face "
+                         "checkpoint with runner='pooling' and use LLM.score")
+    if value not in (None, POOLING_NONE):
+        raise ValueError(f"{metadata.path}: unknown {metadata.arch}.pooling_type {value!r}; nanovllm pools GGUF "
+                         f"embedding files by llama.cpp's {POOLING_MODES} (0: none, a generating model)")
+    if metadata.arch == "bert":
+        raise ValueError(f"{metadata.path} is a BERT file that states no pooling (pooling_type "
+                         f"{'none' if value is None else value}: llama.cpp's per-token embeddings), which nanovllm "
+                         f"does not give from GGUF files; convert the model with its sentence-transformers Pooling "
+                         f"module (llama.cpp's convert_hf_to_gguf.py writes it as pooling_type {POOLING_MODES})")
+    return None

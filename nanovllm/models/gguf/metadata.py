@@ -21,8 +21,9 @@ import xxhash
 from transformers import AutoConfig, PretrainedConfig
 
 from nanovllm.cache import cache_dir
-from nanovllm.models.gguf.config import Metadata, gguf_config
+from nanovllm.models.gguf.config import Metadata, gguf_config, pooling_mode
 from nanovllm.models.gguf.weights import ROPE_FACTORS, TENSORS, tensor_table
+from nanovllm.models.sentence_transformers import write_pooling_modules
 from nanovllm.progress import Progress
 
 INSTALL_HINT = 'pip install "nanovllm[demo]" (or: pip install gguf accelerate)'
@@ -48,16 +49,21 @@ def require_gguf_support(packages: tuple[str, ...] = ("gguf", "accelerate")) -> 
         raise ModuleNotFoundError(f"reading GGUF files needs the {' and '.join(missing)} package(s): {INSTALL_HINT}")
 
 
-def read_gguf_config(reader, path: str) -> PretrainedConfig:
-    """The model config recorded in a parsed GGUF file's metadata (`nanovllm.models.gguf.config`), with its
-    `architectures`; no weight is read (but Phi-3's small LongRoPE factor tensors)."""
+def file_metadata(reader, path: str) -> Metadata:
+    """A parsed GGUF file's metadata and tensor shapes (`nanovllm.models.gguf.config.Metadata`), the vocabulary
+    left out."""
     from gguf import GGUFValueType
 
     fields = {key: field.contents() for key, field in reader.fields.items()
               if not (field.types and field.types[0] == GGUFValueType.ARRAY and key.startswith("tokenizer.ggml."))}
-    tensors = {t.name: [int(n) for n in t.shape] for t in reader.tensors}
+    return Metadata(fields, {t.name: [int(n) for n in t.shape] for t in reader.tensors}, path)
+
+
+def read_gguf_config(metadata: Metadata, reader) -> PretrainedConfig:
+    """The model config recorded in the file's metadata (`nanovllm.models.gguf.config`), with its `architectures`; no
+    weight is read (but Phi-3's small LongRoPE factor tensors)."""
     factors = {t.name: [float(x) for x in t.data] for t in reader.tensors if t.name in ROPE_FACTORS}
-    settings = gguf_config(Metadata(fields, tensors, path), factors)
+    settings = gguf_config(metadata, factors)
     return AutoConfig.for_model(settings.pop("model_type"), **settings)
 
 
@@ -117,17 +123,19 @@ def parsed_once(progress: Progress):
 HEADER_BYTES = 1 << 20
 SAMPLES, SAMPLE_BYTES = 64, 1 << 16
 SOURCES = "sources.json"
+FORMAT = 2  # of an entry's contents, part of its key: 2 added an embedding file's sentence-transformers pooling files
 
 
 def content_key(path: str) -> str:
-    """A key of the GGUF file's content: xxh64 of its size, its first MiB (the header: metadata, vocabulary and tensor
-    table) and 64 evenly spaced 64 KiB samples of the tensor data.
+    """A key of the GGUF file's content: xxh64 of the entries' `FORMAT`, the file's size, its first MiB (the header:
+    metadata, vocabulary and tensor table) and 64 evenly spaced 64 KiB samples of the tensor data. An entry written
+    in an older format is not found, and is deleted once its file reads into a new one.
 
     Not the whole file: hashing a multi-GB model on every start would cost seconds, while two different models,
     or two quantizations of one, already differ in their header or in the sampled tensor bytes.
     """
     size = os.path.getsize(path)
-    digest = xxhash.xxh64(str(size).encode())
+    digest = xxhash.xxh64(f"{FORMAT}:{size}".encode())
     with open(path, "rb") as f:
         digest.update(f.read(HEADER_BYTES))
         for i in range(SAMPLES):
@@ -195,9 +203,11 @@ def _write_metadata_into(path: str, target: Path) -> None:
         except (ValueError, IndexError, KeyError, OSError) as e:
             raise ValueError(f"{path} is not a readable GGUF file ({e}); it may be truncated or corrupt: download or "
                              "convert it again") from None
+        metadata = file_metadata(reader, path)
+        pooling = pooling_mode(metadata)  # a reranker is refused for what it is, before its head's tensors are
         table = tensor_table(reader, path)
         reject_scaled_rope(path)
-        config = read_gguf_config(reader, path)
+        config = read_gguf_config(metadata, reader)
         progress("building the tokenizer")
         tokenizer = tokenizer_of(path)
         target.parent.mkdir(parents=True, exist_ok=True)
@@ -205,6 +215,8 @@ def _write_metadata_into(path: str, target: Path) -> None:
         try:
             config.save_pretrained(tmp)
             tokenizer.save_pretrained(tmp)
+            if pooling:
+                write_pooling_modules(tmp, pooling)
             (tmp / TENSORS).write_text(json.dumps(table))
             os.rename(tmp, target)
         except OSError:
@@ -216,14 +228,59 @@ def _write_metadata_into(path: str, target: Path) -> None:
 
 def tokenizer_of(path: str):
     """The file's tokenizer, by transformers' GGUF tokenizer reader: the class transformers picks for the
-    architecture, or the plain fast tokenizer for architectures transformers does not run from GGUF files."""
+    architecture, or the plain fast tokenizer for architectures transformers does not run from GGUF files; a BERT
+    file's WordPiece vocabulary, which transformers does not read, by `wordpiece_tokenizer`."""
     from gguf import GGUFReader
     from transformers import AutoTokenizer, PreTrainedTokenizerFast
     from transformers.modeling_gguf_pytorch_utils import GGUF_SUPPORTED_ARCHITECTURES
 
     source = dict(pretrained_model_name_or_path=os.path.dirname(os.path.abspath(path)),
                   gguf_file=os.path.basename(path))
-    architecture = GGUFReader(path).fields["general.architecture"].contents()
+    fields = GGUFReader(path).fields
+    if (model := fields.get("tokenizer.ggml.model")) is not None and model.contents() == "bert":
+        return wordpiece_tokenizer(fields)
+    architecture = fields["general.architecture"].contents()
     known = architecture in GGUF_SUPPORTED_ARCHITECTURES or architecture.replace("moe", "_moe") in \
         GGUF_SUPPORTED_ARCHITECTURES
     return (AutoTokenizer if known else PreTrainedTokenizerFast).from_pretrained(**source)
+
+
+PHANTOM_SPACE = "\u2581"
+CONTROL = 3  # gguf.TokenType.CONTROL
+# a BERT vocabulary's special tokens: their ids' keys, and llama.cpp's ids where the file has none (BERT's own)
+BERT_SPECIAL = {"cls_token": ("bos_token_id", 101), "sep_token": ("seperator_token_id", 102),
+                "unk_token": ("unknown_token_id", 100), "pad_token": ("padding_token_id", 0),
+                "mask_token": ("mask_token_id", 103)}
+
+
+def wordpiece_tokenizer(fields: dict):
+    """A BERT file's WordPiece vocabulary (llama.cpp's `bert` tokenizer) as a transformers fast tokenizer that
+    tokenizes as the model's own: llama.cpp's converter spells a word's first piece with a leading "\u2581" and
+    continuations bare, so each is turned back (continuations to "##" pieces); lowercased and accents stripped unless
+    the file says otherwise (llama.cpp's defaults); "[CLS] text [SEP]", a pair's second text and its [SEP] of token
+    type 1."""
+    from tokenizers import Tokenizer, decoders, models, normalizers, pre_tokenizers, processors
+    from transformers import PreTrainedTokenizerFast
+
+    def value(key: str, default=None):
+        return fields[key].contents() if key in fields else default
+
+    tokens = zip(value("tokenizer.ggml.tokens"), value("tokenizer.ggml.token_type"))
+    pieces = [token if kind == CONTROL else token[1:] if token.startswith(PHANTOM_SPACE) else "##" + token
+              for token, kind in tokens]
+    vocab: dict[str, int] = {}
+    for index, piece in enumerate(pieces):
+        vocab.setdefault(piece, index)
+    special = {name: pieces[value(f"tokenizer.ggml.{key}", default)] for name, (key, default) in BERT_SPECIAL.items()}
+    lowercase = bool(value("tokenizer.ggml.normalizer.lowercase", True))
+    tokenizer = Tokenizer(models.WordPiece(vocab, unk_token=special["unk_token"]))
+    tokenizer.normalizer = normalizers.BertNormalizer(
+        lowercase=lowercase, strip_accents=bool(value("tokenizer.ggml.normalizer.strip_accents", lowercase)))
+    tokenizer.pre_tokenizer = pre_tokenizers.BertPreTokenizer()
+    tokenizer.decoder = decoders.WordPiece()
+    cls, sep = special["cls_token"], special["sep_token"]
+    tokenizer.post_processor = processors.TemplateProcessing(
+        single=f"{cls} $A {sep}", pair=f"{cls} $A {sep} $B:1 {sep}:1",
+        special_tokens=[(cls, vocab[cls]), (sep, vocab[sep])])
+    return PreTrainedTokenizerFast(tokenizer_object=tokenizer, **special,
+                                   model_input_names=["input_ids", "token_type_ids", "attention_mask"])

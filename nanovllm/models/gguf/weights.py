@@ -20,8 +20,9 @@ from nanovllm.kernels.ggml import BLOCK, FLOAT_TYPES, type_name
 from nanovllm.layers.ggml_weight import GGMLTensor
 from nanovllm.models.hf_config import head_dim
 
+# llama.cpp's `general.architecture` names that nanovllm runs
 ARCHITECTURES = ("llama", "qwen2", "qwen3", "qwen2moe", "qwen3moe", "gemma", "gemma2", "gemma3", "phi3", "olmo2",
-                 "granite", "stablelm", "gptneox")  # llama.cpp's `general.architecture` names that nanovllm runs
+                 "granite", "stablelm", "gptneox", "bert")
 PERMUTED_QK = ("llama", "granite")  # llama.cpp's converter interleaves these families' rotary halves
 SHIFTED_NORMS = ("gemma", "gemma2", "gemma3")  # norms stored as 1 + w (Gemma's RMSNorm scales by 1 + w)
 GLOBAL_NAMES = {"token_embd": "model.embed_tokens", "output_norm": "model.norm", "output": "lm_head"}
@@ -37,6 +38,12 @@ ARCH_LAYER_NAMES = {
     "gemma2": {"ffn_norm": "pre_feedforward_layernorm"}, "gemma3": {"ffn_norm": "pre_feedforward_layernorm"},
     "gptneox": {"ffn_up": "mlp.fc_in"}, "llama": {"ffn_gate_inp": "block_sparse_moe.gate"},
     "stablelm": {"attn_q_norm": "self_attn.q_layernorm", "attn_k_norm": "self_attn.k_layernorm"}}
+# BERT's tensors under transformers' `BertModel` names (its layers' under "encoder.layer.{n}.")
+BERT_GLOBAL_NAMES = {"token_embd": "embeddings.word_embeddings", "position_embd": "embeddings.position_embeddings",
+                     "token_types": "embeddings.token_type_embeddings", "token_embd_norm": "embeddings.LayerNorm"}
+BERT_LAYER_NAMES = {"attn_q": "attention.self.query", "attn_k": "attention.self.key", "attn_v": "attention.self.value",
+                    "attn_output": "attention.output.dense", "attn_output_norm": "attention.output.LayerNorm",
+                    "ffn_up": "intermediate.dense", "ffn_down": "output.dense", "layer_output_norm": "output.LayerNorm"}
 # 3-D tensors of every expert's projection, given to the model one expert at a time, under the family's names
 EXPERTS = {"ffn_gate_exps": "gate_proj", "ffn_up_exps": "up_proj", "ffn_down_exps": "down_proj"}
 ARCH_EXPERTS = {"llama": ("block_sparse_moe", {"ffn_gate_exps": "w1", "ffn_up_exps": "w3", "ffn_down_exps": "w2"})}
@@ -50,16 +57,21 @@ INPUT_SPLIT = ("attn_output", "ffn_down", "ffn_down_exps", "ffn_down_shexp")
 def hf_name(name: str, architecture: str) -> str | None:
     """The Hugging Face parameter name of GGUF tensor `name` in a file of `architecture` ("blk.3.attn_q.weight" ->
     "model.layers.3.self_attn.q_proj.weight"; an expert tensor's with "{expert}" in place of the expert's index, a
-    fused q/k/v's with "{qkv}" for q_proj, k_proj and v_proj), or None for a tensor the models do not have."""
+    fused q/k/v's with "{qkv}" for q_proj, k_proj and v_proj; a BERT file's as transformers' `BertModel` names them),
+    or None for a tensor the models do not have."""
     base, _, kind = name.rpartition(".")
     if kind not in ("weight", "bias"):
         return None
-    if base in GLOBAL_NAMES:
-        return f"{GLOBAL_NAMES[base]}.{kind}"
+    bert = architecture == "bert"
+    global_names = BERT_GLOBAL_NAMES if bert else GLOBAL_NAMES
+    if base in global_names:
+        return f"{global_names[base]}.{kind}"
     parts = base.split(".")
     if len(parts) != 3 or parts[0] != "blk" or not parts[1].isdigit():
         return None
     layer, tensor = parts[1], parts[2]
+    if bert:
+        return f"encoder.layer.{layer}.{BERT_LAYER_NAMES[tensor]}.{kind}" if tensor in BERT_LAYER_NAMES else None
     if tensor in EXPERTS:
         prefix, names = ARCH_EXPERTS.get(architecture, ("mlp", EXPERTS))
         return f"model.layers.{layer}.{prefix}.experts.{{expert}}.{names[tensor]}.{kind}"
