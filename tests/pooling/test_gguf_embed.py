@@ -12,6 +12,7 @@ from pooling_checkpoints import TEXTS, make_st_embedder, st_embeddings
 from transformers import AutoTokenizer
 
 from nanovllm import LLM, PoolingParams, SamplingParams
+from nanovllm.kernels.cpu import cpu_kernels
 from nanovllm.layers.ggml_weight import GGMLWeight
 from nanovllm.models.gguf import metadata
 
@@ -22,6 +23,9 @@ CPU = dict(device="cpu", dtype="float32")
 
 @pytest.fixture(autouse=True)
 def cache(tmp_path, monkeypatch):
+    """The GGUF files' metadata in the test's own cache; the CPU kernels loaded first, from the shared one (not built
+    again)."""
+    cpu_kernels()
     monkeypatch.setenv("NANOVLLM_CACHE", str(tmp_path / "cache"))
 
 
