@@ -199,8 +199,9 @@ def _tensors(arch: str, config: dict, weights: dict[str, torch.Tensor], vocab: i
 
 
 def _quantizable(gguf_name: str) -> bool:
-    """What llama.cpp's quantizer rounds: matrices, but not norms and routers."""
-    return not any(s in gguf_name for s in ("_norm", "ffn_gate_inp", "rope_factors"))
+    """What llama.cpp's quantizer rounds: matrices, but not norms and routers; nor BERT's token types, whose first
+    row llama.cpp adds as it is stored."""
+    return not any(s in gguf_name for s in ("_norm", "ffn_gate_inp", "rope_factors", "token_types"))
 
 
 def write_gguf(path: str, model_dir: str, qtype: str = "F32", pooling_type: int | None = None) -> str:
