@@ -258,8 +258,8 @@ def test_bad_gguf_inputs(gguf_file, llama_dir, tmp_path, monkeypatch, capsys):
         LLM(odd_type)
     other_arch = make_gguf(str(tmp_path / "falcon.gguf"), llama_dir, CHAT_TEMPLATE, architecture="falcon")
     with pytest.raises(ValueError, match=r"falcon.gguf: unsupported GGUF architecture 'falcon'; nanovllm runs "
-                                         r"\['bert', 'gemma', 'gemma2', 'gemma3', 'gptneox', 'granite', 'llama', 'olmo2', "
-                                         r"'phi3', 'qwen2', 'qwen2moe', 'qwen3', 'qwen3moe', 'stablelm'\]"):
+                                         r"\['bert', 'gemma', 'gemma2', 'gemma3', 'gptneox', 'granite', 'llama', "
+                                         r"'olmo2', 'phi3', 'qwen2', 'qwen2moe', 'qwen3', 'qwen3moe', 'stablelm'\]"):
         LLM(other_arch)
     truncated = tmp_path / "truncated.gguf"
     for cut in (1000, os.path.getsize(gguf_file) // 2, 100_000):
