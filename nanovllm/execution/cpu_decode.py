@@ -7,7 +7,9 @@ SiLU MLP, no multipliers) with its linear weights in GGML blocks, the model runn
 load, and decode steps run every layer in one call, through the same kernels in the same order: the hidden states
 are the layer-by-layer path's, bit for bit. So do steps whose every sequence has at most `SHORT_QUERIES` queries
 (drafts being verified: speculation, a grammar's forced tokens), each query row attending as its token's decode, as
-the layer-by-layer path computes them. Longer prompt steps, and every other model, run layer by layer.
+the layer-by-layer path computes them. Longer prompt steps, and every other model, run layer by layer. A step with
+LoRA adapters runs here too: the stack holds each projection's packed adapters (`set_lora`, again only when the
+step's adapters change) and adds each row's delta with the kernel the layers call (`nanovllm.layers.lora`).
 """
 import torch
 
@@ -17,6 +19,7 @@ from nanovllm.kernels.ggml import kernel_isa
 from nanovllm.layers.ggml_weight import GGMLWeight
 from nanovllm.layers.layernorm import RMSNorm
 from nanovllm.layers.linear import LinearBase
+from nanovllm.layers.lora import Packed, lora_step
 from nanovllm.models.decoder import DecoderForCausalLM, DecoderLayer, DecoderMLP, DecoderOptions
 
 STANDARD = DecoderOptions()
@@ -32,6 +35,8 @@ class CpuDecoder:
     def __init__(self, model: DecoderForCausalLM, stack: torch.ScriptObject):
         self.model = model.model
         self.stack = stack
+        self.adapted = any(linear.lora is not None for layer in self.model.layers for linear in _projections(layer))
+        self.packs: dict[tuple[int, int], Packed | None] = {}  # what the stack holds, by (layer, projection)
 
     @torch.inference_mode()
     def __call__(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
@@ -45,7 +50,21 @@ class CpuDecoder:
             block_tables = block_tables[torch.tensor(sequences)]
             context_lens = torch.tensor(lengths, dtype=torch.int32)
         hidden_states = self.model.embed(input_ids)
-        return self.stack.forward(hidden_states, positions, ctx.slot_mapping, block_tables, context_lens)
+        row_slots = None  # each row's LoRA adapter, when the step has any
+        if self.adapted and (step := lora_step()).adapters:
+            self._set_loras(step.adapters)
+            row_slots = step.token_index
+        return self.stack.forward(hidden_states, positions, ctx.slot_mapping, block_tables, context_lens, row_slots)
+
+    def _set_loras(self, adapters: tuple[int, ...]) -> None:
+        """Give the stack each projection's packing of `adapters` where it holds another."""
+        for i, layer in enumerate(self.model.layers):
+            for j, linear in enumerate(_projections(layer)):
+                packed = None if linear.lora is None else linear.lora.packed(adapters)
+                if self.packs.get((i, j)) is not packed:
+                    self.stack.set_lora(i, j, [] if packed is None else
+                                        [packed.a, packed.bt, packed.slices, packed.scales, packed.slot_slices])
+                    self.packs[i, j] = packed
 
 
 def cpu_decoder(model: torch.nn.Module) -> CpuDecoder | None:
@@ -69,6 +88,11 @@ def cpu_decoder(model: torch.nn.Module) -> CpuDecoder | None:
                         layer.post_attention_layernorm.weight, _linear(mlp.gate_up_proj), _linear(mlp.down_proj),
                         attention.attn.k_cache, attention.attn.v_cache)
     return CpuDecoder(model, stack)
+
+
+def _projections(layer: DecoderLayer) -> tuple[LinearBase, ...]:
+    """The layer's projections in the stack's order (QKV, O, GATE_UP, DOWN)."""
+    return layer.self_attn.qkv_proj, layer.self_attn.o_proj, layer.mlp.gate_up_proj, layer.mlp.down_proj
 
 
 def _standard(options: DecoderOptions) -> bool:

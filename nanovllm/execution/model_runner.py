@@ -103,8 +103,8 @@ class ModelRunner:
     def _build_fast_paths(self) -> None:
         """What reads the weights and the KV cache where they lie, built once they are in place (at start, and when
         the engine wakes): the one-call CPU decoder (`nanovllm.execution.cpu_decode`, a C++ object holding the
-        layers' weights and caches) and the CUDA decode graphs (which bake in every address). LoRA deltas are added
-        layer by layer: no graphs with LoRA, and the C++ decoder runs only steps without an adapter's rows."""
+        layers' weights and caches, adding LoRA deltas as the layers do) and the CUDA decode graphs (which bake in
+        every address; none with LoRA, whose deltas run eagerly)."""
         config, on_gpu = self.config, self.device.type == "cuda"
         self.cpu_decoder = None  # decode steps in one C++ call (`nanovllm.execution.cpu_decode`)
         if not on_gpu and cpu_kernels() is not None and not config.enforce_eager:
@@ -319,8 +319,7 @@ class ModelRunner:
             replay = self.graphs is not None and ctx.is_decode and ctx.rope_lengths is None
             if replay and self.graphs.fits(input_ids.size(0)):
                 hidden_states = self.graphs.run(input_ids, positions, ctx)
-            elif self.cpu_decoder is not None and ctx.max_seqlen_q <= SHORT_QUERIES and \
-                    (self.loras is None or not self.loras.step_has_adapters):
+            elif self.cpu_decoder is not None and ctx.max_seqlen_q <= SHORT_QUERIES:
                 hidden_states = self.cpu_decoder(input_ids, positions)
             elif token_type_ids is not None:
                 hidden_states = self.model(input_ids, positions, token_type_ids)

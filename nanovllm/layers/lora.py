@@ -111,7 +111,7 @@ class LoRALayer:
         """`y` (the base output for input `x`) with each token's adapter delta added, in place."""
         step = _step
         if self.kernel:
-            if step.adapters and (packed := self._stack(step.adapters)) is not None:
+            if step.adapters and (packed := self.packed(step.adapters)) is not None:
                 cpu_kernels().lora_add(y, x.reshape(-1, self.in_features), packed.a, packed.bt, packed.slices,
                                        packed.scales, step.token_index, packed.slot_slices)
             return y
@@ -139,6 +139,10 @@ class LoRALayer:
                 else:
                     y[:, s.offset:s.offset + s.size].index_add_(0, rows, delta)
         return y
+
+    def packed(self, adapters: tuple[int, ...]) -> Packed | None:
+        """This layer's weights of a step's `adapters`, packed for the CPU kernel (a layer made with `kernel`)."""
+        return self._stack(adapters)
 
     def _stack(self, adapters: tuple[int, ...]) -> Stacked | Packed | None:
         """This layer's weights of `adapters` stacked, or packed for the kernel (None when none of them adapts it),
@@ -195,6 +199,11 @@ def set_lora_step(step: LoRAStep) -> None:
     """The running step's tokens by adapter (see `LoRAStep`)."""
     global _step
     _step = step
+
+
+def lora_step() -> LoRAStep:
+    """The running step's tokens by adapter."""
+    return _step
 
 
 def clear_lora_step() -> None:

@@ -37,7 +37,6 @@ class LoRAManager:
         self.pinned: set[int] = set()
         self.num_loads = 0
         self.tp_rank, self.tp_size = tp_rank_and_size()
-        self.step_has_adapters = False  # whether the running step has rows under an adapter
 
     def add(self, request: LoRARequest) -> bool:
         """Make sure `request`'s adapter is loaded (read now unless it is); whether it was read. A ValueError or
@@ -135,8 +134,6 @@ class LoRAManager:
                                      torch.tensor(indices, dtype=torch.int64, device=self.device))
                                     for lora_id, indices in groups.items()])
         set_lora_step(step)
-        self.step_has_adapters = bool(adapters)
 
     def end_step(self) -> None:
         clear_lora_step()
-        self.step_has_adapters = False

@@ -5,9 +5,15 @@ import pytest
 import torch
 
 from nanovllm.kernels.cpu import cpu_kernels
-from nanovllm.layers.lora import LoRALayer, LoRASlice, LoRAStep, LoRAWeights, set_lora_step
+from nanovllm.layers.lora import LoRALayer, LoRASlice, LoRAStep, LoRAWeights, clear_lora_step, set_lora_step
 
 pytestmark = pytest.mark.skipif(cpu_kernels() is None, reason="the CPU kernels cannot be built here")
+
+
+@pytest.fixture(autouse=True)
+def no_step_left_behind():
+    yield
+    clear_lora_step()
 IN, OUTS = 40, (24, 8, 17)  # a fused layer of three output slices, odd sizes
 
 

@@ -28,7 +28,7 @@ def qwen2_dir(tmp_path_factory) -> str:
     return make_checkpoint(str(tmp_path_factory.mktemp("qwen2")), family="qwen2", seed=4)
 
 
-def run_both_paths(llm: LLM, prompts: list[list[int]] = PROMPTS) -> list[int]:
+def run_both_paths(llm: LLM, prompts: list[list[int]] = PROMPTS, lora_request=None) -> list[int]:
     """Generate `prompts` with every step the one-call path takes computed both ways, asserting the logits are bitwise
     equal; the number of rows of each such step."""
     runner = llm.engine.model_runner
@@ -43,7 +43,7 @@ def run_both_paths(llm: LLM, prompts: list[list[int]] = PROMPTS) -> list[int]:
 
     runner.cpu_decoder = both
     try:
-        llm.generate(prompts, GREEDY, use_tqdm=False)
+        llm.generate(prompts, GREEDY, lora_request=lora_request, use_tqdm=False)
     finally:
         runner.cpu_decoder = fused
     return rows
@@ -63,6 +63,37 @@ def test_over_an_8bit_kv_cache_too(mixed_gguf, kv_cache_dtype):
              kvcache_block_size=16) as llm:
         assert llm.engine.model_runner.cpu_decoder is not None
         assert run_both_paths(llm) == [len(PROMPTS)] * (GREEDY.max_tokens - 1)
+
+
+def test_with_lora_adapters_too(tmp_path):
+    """A batch of the base and two PEFT adapters (on every projection, and on q/v only): the one call adds each row's
+    deltas as the layers do, and the adapters change the tokens."""
+    peft = pytest.importorskip("peft")
+    from transformers import AutoModelForCausalLM
+
+    from nanovllm.lora.request import LoRARequest
+
+    source = make_checkpoint(str(tmp_path / "llama"), family="llama", tie_word_embeddings=False, seed=3)
+    adapters = []
+    for seed, targets in enumerate((["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"],
+                                    ["q_proj", "v_proj"])):
+        torch.manual_seed(seed)
+        model = AutoModelForCausalLM.from_pretrained(source, dtype=torch.float32)
+        config = peft.LoraConfig(r=4, lora_alpha=8, target_modules=targets, init_lora_weights=False)
+        peft.get_peft_model(model, config).save_pretrained(str(tmp_path / f"adapter{seed}"))
+        adapters.append(LoRARequest(f"adapter{seed}", seed + 1, str(tmp_path / f"adapter{seed}")))
+    gguf_file = make_gguf(str(tmp_path / "q4_1.gguf"), source, "", qtype="Q4_1",
+                          quantized=("attn_q", "attn_k", "attn_v", "attn_output", "ffn"))
+    prompts = PROMPTS * 3
+    loras = [None] * len(PROMPTS) + [adapters[0]] * len(PROMPTS) + [adapters[1]] * len(PROMPTS)
+    for dtype in ("float32", "bfloat16"):
+        with LLM(gguf_file, device="cpu", dtype=dtype, max_model_len=256, enable_lora=True, max_loras=2,
+                 max_lora_rank=4) as llm:
+            assert llm.engine.model_runner.cpu_decoder is not None
+            assert run_both_paths(llm, prompts, loras) == [len(prompts)] * (GREEDY.max_tokens - 1)
+            outputs = llm.generate(prompts, GREEDY, lora_request=loras, use_tqdm=False)
+            token_ids = [output.outputs[0].token_ids for output in outputs]
+            assert token_ids[:len(PROMPTS)] != token_ids[len(PROMPTS):2 * len(PROMPTS)]
 
 
 def test_verify_steps_and_short_prompts_too(mixed_gguf):

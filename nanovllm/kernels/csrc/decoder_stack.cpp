@@ -1,6 +1,7 @@
 // A decode step of the standard pre-norm decoder (Llama's layer: RMSNorm, fused QKV, rotary, paged attention, O,
-// RMSNorm, gate-up, SiLU * up, down, over GGML weights) through all its layers in one call from Python, instead of
-// about twenty torch operators and their Python glue per layer: at batch 1 that glue cost more than the matmuls.
+// RMSNorm, gate-up, SiLU * up, down, over GGML weights; each projection with its rows' LoRA deltas when a step has
+// adapters) through all its layers in one call from Python, instead of about twenty torch operators and their Python
+// glue per layer: at batch 1 that glue cost more than the matmuls.
 //
 // It chains the same kernels the operators run (`cpu_ops.h`) in the same order, on the same rows, so its result is
 // the layer-by-layer path's bit for bit; only the tensors between them are gone (one workspace per step).
@@ -75,9 +76,27 @@ struct GGMLLinear : torch::CustomClassHolder {
   }
 };
 
+// A projection's LoRA adapters for the running step, packed as `nanovllm.layers.lora.Packed` (A stacked, B
+// transposed flat, the slice table, scales, each slot's first slice); empty: none adapts it.
+struct LoRAPack {
+  std::vector<at::Tensor> tensors;
+
+  template <typename T>
+  void add(const T* x, int64_t M, int64_t in, T* y, int64_t out, const int64_t* row_slot) const {
+    if (tensors.empty() || row_slot == nullptr) return;
+    const at::Tensor& slot_slices = tensors[4];
+    nanovllm::lora_rows(x, y, tensors[0].const_data_ptr<T>(), tensors[1].const_data_ptr<T>(),
+                        tensors[2].const_data_ptr<int64_t>(), tensors[3].const_data_ptr<float>(), row_slot,
+                        slot_slices.const_data_ptr<int64_t>(), M, in, out, slot_slices.numel() - 1, out);
+  }
+};
+
+enum Projection { QKV_PROJ, O_PROJ, GATE_UP_PROJ, DOWN_PROJ, PROJECTIONS };  // the stack's order
+
 struct Layer {
   at::Tensor input_norm, post_norm, k_cache, v_cache;
   c10::intrusive_ptr<GGMLLinear> qkv, o, gate_up, down;
+  LoRAPack lora[PROJECTIONS];
 };
 
 class DecoderStack : public torch::CustomClassHolder {
@@ -111,16 +130,35 @@ class DecoderStack : public torch::CustomClassHolder {
       same = same && (!linear->bias || linear->bias->scalar_type() == dtype);
     TORCH_CHECK(same, "DecoderStack: the norms and biases must share the activations' dtype, the caches hold it (or "
                 "8-bit floats, in every layer)");
-    layers_.push_back({input_norm.contiguous(), post_norm.contiguous(), k_cache, v_cache, qkv, o, gate_up, down});
+    layers_.push_back(
+        {input_norm.contiguous(), post_norm.contiguous(), k_cache, v_cache, qkv, o, gate_up, down, {}});
     mlp_ = std::max(mlp_, gate_up->out_features);
     for (const auto* linear : {qkv.get(), o.get(), gate_up.get(), down.get()})
       if (linear->segments.size() > 1) scratch_ = std::max(scratch_, linear->widest);
   }
 
+  // Layer `layer`'s projection `projection` (a `Projection`) adds the LoRA deltas of `pack` (the five
+  // tensors of `Packed`, in the activations' dtype; empty: none) from now on, for the rows `forward` maps to slots.
+  void set_lora(int64_t layer, int64_t projection, std::vector<at::Tensor> pack) {
+    TORCH_CHECK(layer >= 0 && layer < static_cast<int64_t>(layers_.size()) && projection >= 0 &&
+                    projection < PROJECTIONS && (pack.empty() || pack.size() == 5),
+                "DecoderStack.set_lora: a layer, a projection and the five packed tensors (or none)");
+    if (!pack.empty()) {
+      const auto dtype = final_norm_.scalar_type();
+      TORCH_CHECK(pack[0].scalar_type() == dtype && pack[1].scalar_type() == dtype &&
+                      pack[2].scalar_type() == at::kLong && pack[3].scalar_type() == at::kFloat &&
+                      pack[4].scalar_type() == at::kLong,
+                  "DecoderStack.set_lora: A and B in the activations' dtype, an int64 slice table, float32 scales");
+      for (auto& t : pack) t = t.contiguous();
+    }
+    layers_[layer].lora[projection].tensors = std::move(pack);
+  }
+
   // The final norm's output [M, hidden] for M single-query rows: hidden [M, hidden] (the embeddings), their
-  // positions (int64), cache slots (int64, -1: not stored), block tables [M, width] and context lengths (int32).
+  // positions (int64), cache slots (int64, -1: not stored), block tables [M, width] and context lengths (int32);
+  // with `row_slot` (int64, each row's LoRA adapter slot), the projections add their adapters' deltas.
   at::Tensor forward(at::Tensor hidden, at::Tensor positions, at::Tensor slot_mapping, at::Tensor block_tables,
-                     at::Tensor context_lens) {
+                     at::Tensor context_lens, std::optional<at::Tensor> row_slot) {
     TORCH_CHECK(!layers_.empty() && hidden.dim() == 2 && hidden.size(1) == hidden_ &&
                     hidden.scalar_type() == final_norm_.scalar_type(),
                 "DecoderStack: hidden must be [rows, ", hidden_, "] in the activations' dtype");
@@ -135,6 +173,12 @@ class DecoderStack : public torch::CustomClassHolder {
     slot_mapping = slot_mapping.contiguous();
     block_tables = block_tables.contiguous();
     context_lens = context_lens.contiguous();
+    if (row_slot) {
+      TORCH_CHECK(row_slot->scalar_type() == at::kLong && row_slot->numel() == M,
+                  "DecoderStack: one int64 LoRA slot per row");
+      row_slot = row_slot->contiguous();
+    }
+    const int64_t* slots = row_slot ? row_slot->const_data_ptr<int64_t>() : nullptr;
     auto out = hidden.new_empty(hidden.sizes());
     auto workspace = hidden.new_empty({M * offset(WORKSPACE)});
     auto run = [&](auto zero) {
@@ -142,8 +186,8 @@ class DecoderStack : public torch::CustomClassHolder {
       with_cache_type<T>(layers_[0].k_cache.scalar_type(), [&](auto cache_zero) {
         step<T, decltype(cache_zero)>(hidden.const_data_ptr<T>(), M, positions.const_data_ptr<int64_t>(),
                                       slot_mapping.const_data_ptr<int64_t>(), block_tables.const_data_ptr<int32_t>(),
-                                      block_tables.size(1), context_lens.const_data_ptr<int32_t>(), out.data_ptr<T>(),
-                                      workspace.data_ptr<T>());
+                                      block_tables.size(1), context_lens.const_data_ptr<int32_t>(), slots,
+                                      out.data_ptr<T>(), workspace.data_ptr<T>());
       });
     };
     switch (hidden.scalar_type()) {
@@ -170,7 +214,7 @@ class DecoderStack : public torch::CustomClassHolder {
 
   template <typename T, typename C>
   void step(const T* hidden, int64_t M, const int64_t* positions, const int64_t* slots, const int32_t* tables,
-            int64_t table_width, const int32_t* context_lens, T* out, T* workspace) {
+            int64_t table_width, const int32_t* context_lens, const int64_t* lora_slots, T* out, T* workspace) {
     const int64_t H = hidden_, D = head_dim_, q = heads_ * D, kv = kv_heads_ * D, qkv_width = q + 2 * kv;
     auto buffer = [&](Buffer b) { return workspace + M * offset(b); };
     T *residual = buffer(RESIDUAL), *normed = buffer(NORMED), *block_out = buffer(BLOCK_OUT), *qkv = buffer(QKV),
@@ -190,6 +234,7 @@ class DecoderStack : public torch::CustomClassHolder {
                                      normed + m * H, residual + m * H, H, eps_);
         });
       l.qkv->run(normed, M, qkv, scratch, isa_);
+      l.lora[QKV_PROJ].add(normed, M, H, qkv, qkv_width, lora_slots);
       for_rows(M, q + kv, [&](int64_t m) {
         const T* row = qkv + m * qkv_width;
         const float* table = cos_sin + positions[m] * D;
@@ -209,16 +254,19 @@ class DecoderStack : public torch::CustomClassHolder {
       nanovllm::paged_decode_rows(q_rot, k_cache, v_cache, tables, context_lens, attn, M, heads_, kv_heads_, D,
                                   l.k_cache.size(1), table_width, scale_, 0, 0.f);
       l.o->run(attn, M, block_out, scratch, isa_);
+      l.lora[O_PROJ].add(attn, M, q, block_out, H, lora_slots);
       for_rows(M, H, [&](int64_t m) {
         nanovllm::add_rms_norm_row(block_out + m * H, residual + m * H, l.post_norm.const_data_ptr<T>(),
                                    normed + m * H, residual + m * H, H, eps_);
       });
       const int64_t width = l.gate_up->out_features, half = width / 2;
       l.gate_up->run(normed, M, gate_up, scratch, isa_);
+      l.lora[GATE_UP_PROJ].add(normed, M, H, gate_up, width, lora_slots);
       for_rows(M, width, [&](int64_t m) {
         nanovllm::silu_mul_row(gate_up + m * width, gate_up + m * width + half, act + m * half, half);
       });
       l.down->run(act, M, block_out, scratch, isa_);
+      l.lora[DOWN_PROJ].add(act, M, half, block_out, H, lora_slots);
     }
     for_rows(M, H, [&](int64_t m) {
       nanovllm::add_rms_norm_row(block_out + m * H, residual + m * H, final_norm_.const_data_ptr<T>(), out + m * H,
@@ -242,5 +290,6 @@ TORCH_LIBRARY_FRAGMENT(nanovllm, m) {
   m.class_<DecoderStack>("DecoderStack")
       .def(torch::init<int64_t, int64_t, int64_t, double, double, at::Tensor, at::Tensor, int64_t>())
       .def("add_layer", &DecoderStack::add_layer)
+      .def("set_lora", &DecoderStack::set_lora)
       .def("forward", &DecoderStack::forward);
 }

@@ -9,6 +9,7 @@
 #include <vector>
 
 #include "cpu_math.h"
+#include "cpu_ops.h"
 
 namespace {
 
@@ -63,10 +64,16 @@ void lora_tile(const T* x, T* y, const T* a, const T* bt, const int64_t* slices,
   }
 }
 
+}  // namespace
+
+namespace nanovllm {
+
 template <typename T>
 void lora_rows(const T* x, T* y, const T* a, const T* bt, const int64_t* slices, const float* scales,
                const int64_t* row_slot, const int64_t* slot_slices, int64_t rows, int64_t in, int64_t out,
-               int64_t slots, int64_t max_rank, int64_t y_stride) {
+               int64_t slots, int64_t y_stride) {
+  int64_t max_rank = 0;
+  for (int64_t s = 0; s < slot_slices[slots]; ++s) max_rank = std::max(max_rank, slices[s * COLUMNS + RANK]);
   std::vector<int64_t> order;  // the adapted rows by adapter, then tiles of up to TILE of them
   for (int64_t r = 0; r < rows; ++r)
     if (row_slot[r] >= 0 && row_slot[r] < slots) order.push_back(r);
@@ -90,7 +97,16 @@ void lora_rows(const T* x, T* y, const T* a, const T* bt, const int64_t* slices,
   });
 }
 
-}  // namespace
+template void lora_rows<float>(const float*, float*, const float*, const float*, const int64_t*, const float*,
+                               const int64_t*, const int64_t*, int64_t, int64_t, int64_t, int64_t, int64_t);
+template void lora_rows<c10::BFloat16>(const c10::BFloat16*, c10::BFloat16*, const c10::BFloat16*,
+                                       const c10::BFloat16*, const int64_t*, const float*, const int64_t*,
+                                       const int64_t*, int64_t, int64_t, int64_t, int64_t, int64_t);
+template void lora_rows<c10::Half>(const c10::Half*, c10::Half*, const c10::Half*, const c10::Half*, const int64_t*,
+                                   const float*, const int64_t*, const int64_t*, int64_t, int64_t, int64_t, int64_t,
+                                   int64_t);
+
+}  // namespace nanovllm
 
 // y [rows, out] (rows contiguous, any row stride) += each row's adapter delta for input x [rows, in]; `a` the step's
 // adapters' A stacked [sum of ranks, in], `bt` every slice's B transposed, flat; `slices` [n, COLUMNS] int64 sorted
@@ -106,11 +122,10 @@ void lora_add(at::Tensor y, at::Tensor x, at::Tensor a, at::Tensor bt, at::Tenso
   TORCH_CHECK(a.is_contiguous() && bt.is_contiguous() && a.scalar_type() == x.scalar_type() &&
                   bt.scalar_type() == x.scalar_type() && y.scalar_type() == x.scalar_type(),
               "lora_add: x, y, a and bt of one dtype");
-  const int64_t max_rank = slices.numel() ? slices.select(1, RANK).max().item<int64_t>() : 0;
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, x.scalar_type(), "lora_add", [&] {
-    lora_rows<scalar_t>(x.data_ptr<scalar_t>(), y.data_ptr<scalar_t>(), a.data_ptr<scalar_t>(),
-                        bt.data_ptr<scalar_t>(), slices.data_ptr<int64_t>(), scales.data_ptr<float>(),
-                        row_slot.data_ptr<int64_t>(), slot_slices.data_ptr<int64_t>(), x.size(0), x.size(1), y.size(1),
-                        slot_slices.numel() - 1, max_rank, y.stride(0));
+    nanovllm::lora_rows<scalar_t>(x.data_ptr<scalar_t>(), y.data_ptr<scalar_t>(), a.data_ptr<scalar_t>(),
+                                  bt.data_ptr<scalar_t>(), slices.data_ptr<int64_t>(), scales.data_ptr<float>(),
+                                  row_slot.data_ptr<int64_t>(), slot_slices.data_ptr<int64_t>(), x.size(0), x.size(1),
+                                  y.size(1), slot_slices.numel() - 1, y.stride(0));
   });
 }
