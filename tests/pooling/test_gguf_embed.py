@@ -129,7 +129,7 @@ def test_decoder_embedding_file_still_generates(models, tmp_path):
 
 def test_files_nanovllm_refuses(models, tmp_path):
     qwen3, bert = models("qwen3-last"), models("bert-mean")
-    with pytest.raises(ValueError, match=r"is a reranker \(pooling_type 4, rank.*Hugging Face checkpoint"):
+    with pytest.raises(ValueError, match=r"is a reranker \(pooling_type 4, rank.*ForSequenceClassification"):
         LLM(write_gguf(str(tmp_path / "rank.gguf"), qwen3, pooling_type=4), **CPU)
     with pytest.raises(ValueError, match=r"unknown qwen3.pooling_type 9"):
         LLM(write_gguf(str(tmp_path / "nine.gguf"), qwen3, pooling_type=9), **CPU)

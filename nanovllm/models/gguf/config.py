@@ -243,8 +243,8 @@ def pooling_mode(metadata: Metadata) -> str | None:
         return POOLING_MODES[value]
     if value == POOLING_RANK:
         raise ValueError(f"{metadata.path} is a reranker (pooling_type 4, rank: a classification head over the pooled "
-                         "state), which nanovllm does not run from GGUF files; load the model's Hugging Face "
-                         "checkpoint with runner='pooling' and use LLM.score")
+                         "state), which nanovllm does not run from GGUF files; a cross-encoder's Hugging Face "
+                         "checkpoint (a *ForSequenceClassification) runs with LLM.score")
     if value not in (None, POOLING_NONE):
         raise ValueError(f"{metadata.path}: unknown {metadata.arch}.pooling_type {value!r}; nanovllm pools GGUF "
                          f"embedding files by llama.cpp's {POOLING_MODES} (0: none, a generating model)")
