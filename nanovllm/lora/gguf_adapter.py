@@ -9,13 +9,12 @@ module, as in PEFT). Every pair's scale is alpha / its rank, or 1 when alpha is 
 or skip (another architecture, a model file, a half pair, norm vectors, embedding or LM-head LoRA) is a ValueError.
 """
 import os
-import re
 
 import numpy as np
 import torch
 from transformers import PretrainedConfig
 
-from nanovllm.lora.peft import LoRAModule, PeftAdapter
+from nanovllm.lora.peft import PROJECTION, LoRAModule, PeftAdapter
 from nanovllm.models.gguf.metadata import INSTALL_HINT, require_gguf_support
 from nanovllm.models.gguf.weights import PERMUTED_QK, _llama_cpp_order, hf_name
 
@@ -24,7 +23,6 @@ LLAMA_CPP_ARCHITECTURES = {
     "llama": "llama", "mistral": "llama", "mixtral": "llama", "qwen2": "qwen2", "qwen3": "qwen3",
     "qwen2_moe": "qwen2moe", "qwen3_moe": "qwen3moe", "gemma": "gemma", "gemma2": "gemma2", "gemma3_text": "gemma3",
     "phi3": "phi3", "olmo2": "olmo2", "granite": "granite", "stablelm": "stablelm", "gpt_neox": "gptneox"}
-PROJECTION = re.compile(r"^model\.layers\.(\d+)\.(?:self_attn|mlp)\.(\w+)\.weight$")  # of a Hugging Face name
 FUSED_MLP = ("phi3",)  # `ffn_up` holds the gate and up rows (Phi-3's gate_up_proj)
 
 

@@ -71,7 +71,7 @@ class LoRAManager:
         """The adapter at `path`: a llama.cpp LoRA GGUF file (or a directory holding one and no adapter_config.json),
         else a PEFT directory."""
         gguf_file = gguf_adapter_file(path, label)
-        return read_peft_adapter(path, label) if gguf_file is None else \
+        return read_peft_adapter(path, label, self.model.checkpoint_weights) if gguf_file is None else \
             read_gguf_adapter(gguf_file, label, self.hf_config)
 
     def _evict(self, keep: set[int] | tuple) -> None:

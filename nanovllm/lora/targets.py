@@ -1,6 +1,7 @@
 """Where a PEFT adapter's projections land in nanovllm's decoder: q/k/v are slices of the fused `qkv_proj`, gate/up of
-`gate_up_proj` (each slice with its own A and B), and Phi-3's fused `qkv_proj` / `gate_up_proj`, single modules in
-PEFT, cover their whole fused layer (one A, B split into its q/k/v or gate/up rows). Under tensor parallelism each
+`gate_up_proj` (each slice with its own A and B), and a fused `qkv_proj` / `gate_up_proj` (Phi-3's, GPT-NeoX's
+`query_key_value`: single modules in PEFT) covers its whole fused layer (one A, B split into its q/k/v or gate/up
+rows); an ungated MLP's input projection (GPT-NeoX's `dense_h_to_4h`) is `fc_in`. Under tensor parallelism each
 rank keeps its share, as vLLM shards LoRA."""
 from dataclasses import dataclass
 
@@ -12,11 +13,11 @@ from nanovllm.layers.linear import LinearBase, QKVParallelLinear, RowParallelLin
 from nanovllm.layers.lora import LoRALayer, LoRASlice, LoRAWeights
 from nanovllm.lora.peft import PeftAdapter
 
-LAYERS = {"self_attn": ("qkv_proj", "o_proj"), "mlp": ("gate_up_proj", "down_proj")}
+LAYERS = {"self_attn": ("qkv_proj", "o_proj"), "mlp": ("gate_up_proj", "fc_in", "down_proj")}
 PROJECTIONS = {"q_proj": ("self_attn", "qkv_proj"), "k_proj": ("self_attn", "qkv_proj"),
                "v_proj": ("self_attn", "qkv_proj"), "qkv_proj": ("self_attn", "qkv_proj"),
                "o_proj": ("self_attn", "o_proj"), "gate_proj": ("mlp", "gate_up_proj"),
-               "up_proj": ("mlp", "gate_up_proj"), "gate_up_proj": ("mlp", "gate_up_proj"),
+               "up_proj": ("mlp", "gate_up_proj"), "gate_up_proj": ("mlp", "gate_up_proj"), "fc_in": ("mlp", "fc_in"),
                "down_proj": ("mlp", "down_proj")}
 
 

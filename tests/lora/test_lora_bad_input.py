@@ -2,10 +2,11 @@
 settings LoRA cannot run beside are refused at `LLM(...)`."""
 import json
 import os
+import shutil
 
 import pytest
 import torch
-from checkpoints import make_checkpoint
+from checkpoints import make_checkpoint, make_family_checkpoint
 from safetensors.torch import save_file
 
 from nanovllm import LLM, SamplingParams
@@ -36,6 +37,18 @@ def edited(adapter: str, path: str, **changes) -> str:
     return path
 
 
+def with_weights(adapter: str, path: str, modules: dict[str, tuple[int, int]]) -> str:
+    """A copy of `adapter`'s config with rank-4 LoRA pairs on `modules` (name: its in and out features) instead of its
+    weights."""
+    os.makedirs(path)
+    shutil.copy(os.path.join(adapter, "adapter_config.json"), path)
+    save_file({f"base_model.model.{module}.lora_{which}.weight": torch.ones((4, size[0]) if which == "A" else
+                                                                             (size[1], 4))
+               for module, size in modules.items() for which in "AB"},
+              os.path.join(path, "adapter_model.safetensors"))
+    return path
+
+
 @pytest.fixture(scope="module")
 def setup(tmp_path_factory) -> dict:
     root = tmp_path_factory.mktemp("lora-bad")
@@ -49,7 +62,10 @@ def setup(tmp_path_factory) -> dict:
             "dora": edited(good, str(root / "dora"), use_dora=True),
             "saved": edited(good, str(root / "saved"), modules_to_save=["lm_head"]),
             "qalora": edited(good, str(root / "qalora"), use_qalora=True),
-            "embedding": make_adapter(base, str(root / "embedding"), r=4, target_modules=["embed_tokens"])}
+            "embedding": make_adapter(base, str(root / "embedding"), r=4, target_modules=["embed_tokens"]),
+            "experts": with_weights(good, str(root / "experts"), {"model.layers.0.mlp.experts.1.up_proj": (64, 128)}),
+            "router": with_weights(good, str(root / "router"), {"model.layers.0.mlp.gate": (64, 4)}),
+            "neox": with_weights(good, str(root / "neox"), {"gpt_neox.layers.0.attention.query_key_value": (64, 192)})}
 
 
 @pytest.mark.parametrize("name, error, message", [
@@ -61,6 +77,11 @@ def setup(tmp_path_factory) -> dict:
     ("saved", ValueError, "LoRA adapter 'saved' .*modules_to_save"),
     ("qalora", ValueError, "LoRA adapter 'qalora' .*a LoRA variant nanovllm does not compute \\(use_qalora=True\\)"),
     ("embedding", ValueError, "LoRA adapter 'embedding' .*embed_tokens"),
+    ("experts", ValueError, "LoRA adapter 'experts' .*model.layers.0.mlp.experts.1.up_proj is part of a mixture of "
+                            "experts \\(its router, experts or shared expert\\)"),
+    ("router", ValueError, "LoRA adapter 'router' .*model.layers.0.mlp.gate is part of a mixture of experts"),
+    ("neox", ValueError, "LoRA adapter 'neox' .*gpt_neox.layers.0.attention.query_key_value is not an attention or "
+                         "MLP projection of this model's decoder layers.*trained on this model's family"),
 ])
 def test_bad_adapters_are_refused_and_the_engine_serves_on(setup, name, error, message):
     path = setup.get(name, str(setup["root"] / "nowhere"))
@@ -104,6 +125,20 @@ def test_a_weights_file_of_the_wrong_kind(setup, tmp_path):
     with LLM(setup["base"], enable_lora=True, **CPU) as llm:
         with pytest.raises(ValueError, match="q_proj has lora_A but not both lora_A and lora_B"):
             llm.add_lora(LoRARequest("half", 1, path))
+
+
+def test_a_gpt_neox_adapter_for_another_width(tmp_path):
+    """GPT-NeoX's query_key_value B, whose rows are regrouped per head as the base weight's, does not regroup for a
+    base of another width: refused by name, and the engine serves on."""
+    base = make_family_checkpoint(str(tmp_path / "base"), "gpt_neox", seed=1)
+    narrow = make_family_checkpoint(str(tmp_path / "narrow"), "gpt_neox", seed=1, hidden_size=32)
+    adapter = make_adapter(narrow, str(tmp_path / "adapter"), r=4, target_modules=["query_key_value"])
+    with LLM(base, enable_lora=True, **CPU) as llm:
+        with pytest.raises(ValueError, match="LoRA adapter 'narrow' .*gpt_neox.layers.0.attention.query_key_value has "
+                                             "lora_B \\(96, 4\\), whose rows do not split as this model's weight"):
+            llm.add_lora(LoRARequest("narrow", 1, adapter))
+        assert llm.list_loras() == set()
+        assert len(llm.generate([[1, 2, 3]], GREEDY, use_tqdm=False)[0].outputs[0].token_ids) == 3
 
 
 @pytest.mark.parametrize("settings, message", [

@@ -147,17 +147,20 @@ def test_stream_chat_and_ngram_speculation(qwen3):
 
 
 @pytest.mark.parametrize("family, tp", [("llama", 1), ("mistral_full", 1), ("qwen2", 1), ("gemma", 1), ("granite", 1),
-                                        ("olmo2", 1), ("stablelm", 1), ("phi3", 1), ("phi3", 2)])
+                                        ("olmo2", 1), ("stablelm", 1), ("phi3", 1), ("phi3", 2), ("gpt_neox", 1),
+                                        ("gpt_neox", 2)])
 def test_families_equal_peft(tmp_path, family, tp):
-    """Every projection adapted, in each family's own module names (Phi-3's fused qkv_proj and gate_up_proj are single
-    modules in PEFT and cover their whole fused layer here; on two ranks each keeps its q/k/v and gate/up rows)."""
+    """Every projection adapted, in each family's own module names (Phi-3's fused qkv_proj and gate_up_proj, and
+    GPT-NeoX's query_key_value, its rows per head, are single modules in PEFT and cover their whole fused layer here;
+    on two ranks each keeps its q/k/v and gate/up rows)."""
     if family == "llama":
         base = make_checkpoint(str(tmp_path / "base"), family="llama", seed=5, attention_bias=True, mlp_bias=True)
     elif family == "qwen2":
         base = make_checkpoint(str(tmp_path / "base"), family="qwen2", seed=5)
     else:
         base = make_family_checkpoint(str(tmp_path / "base"), family, seed=5)
-    targets = ["qkv_proj", "o_proj", "gate_up_proj", "down_proj"] if family == "phi3" else ALL
+    targets = {"phi3": ["qkv_proj", "o_proj", "gate_up_proj", "down_proj"],
+               "gpt_neox": ["query_key_value", "dense", "dense_h_to_4h", "dense_4h_to_h"]}.get(family, ALL)
     adapter = make_adapter(base, str(tmp_path / "adapter"), 7, r=4, lora_alpha=8, target_modules=targets)
     expected = peft_greedy(base, adapter, PROMPTS[1:])
     with engine(base, max_lora_rank=4, tensor_parallel_size=tp) as llm:

@@ -28,11 +28,11 @@ def adapter_pair(base: str, root: str, **settings) -> tuple[str, str]:
 @pytest.mark.parametrize("family", ["llama", "phi3", "gpt_neox"])
 def test_gguf_adapter_equals_its_peft_source(tmp_path, family):
     """Llama (q/k rows permuted by the converter, grouped-query attention) with every projection, ranks from
-    `rank_pattern`; Phi-3's fused qkv_proj and gate_up_proj; GPT-NeoX's attention (its per-head q/k/v regrouped by
-    the converter). The file, and the directory holding it, give PEFT's tokens, as the PEFT directory does (but
-    GPT-NeoX's, whose module names nanovllm's PEFT reader does not know)."""
+    `rank_pattern`; Phi-3's fused qkv_proj and gate_up_proj; GPT-NeoX's four projections (its per-head q/k/v
+    regrouped by the converter). The file, and the directory holding it, give PEFT's tokens, as the PEFT directory
+    does."""
     targets = {"llama": ALL, "phi3": ["qkv_proj", "o_proj", "gate_up_proj", "down_proj"],
-               "gpt_neox": ["query_key_value", "dense"]}[family]
+               "gpt_neox": ["query_key_value", "dense", "dense_h_to_4h", "dense_4h_to_h"]}[family]
     settings = dict(r=4, lora_alpha=8, target_modules=targets)
     if family == "llama":
         base = make_checkpoint(str(tmp_path / "base"), family="llama", seed=5, attention_bias=True, mlp_bias=True)
@@ -42,9 +42,8 @@ def test_gguf_adapter_equals_its_peft_source(tmp_path, family):
     peft_dir, gguf_file = adapter_pair(base, str(tmp_path), **settings)
     expected = peft_greedy(base, peft_dir, PROMPTS)
     assert expected != peft_greedy(base, None, PROMPTS)
-    paths = (gguf_file, os.path.dirname(gguf_file)) + ((peft_dir,) if family != "gpt_neox" else ())
     with engine(base, max_lora_rank=4) as llm:
-        for i, path in enumerate(paths):
+        for i, path in enumerate((gguf_file, os.path.dirname(gguf_file), peft_dir)):
             assert tokens(llm.generate(PROMPTS, GREEDY, lora_request=LoRARequest(f"{i}", i + 1, path),
                                        use_tqdm=False)) == expected, path
 
