@@ -1,7 +1,7 @@
 """Model families, looked up by the `architectures` entry of config.json."""
 from transformers import PretrainedConfig
 
-from nanovllm.models.bert import ENCODER_ARCHITECTURES, BertForPooling
+from nanovllm.models.bert import BERT_ARCHITECTURES, BertForPooling, EncoderForPooling
 from nanovllm.models.decoder import DecoderForCausalLM
 from nanovllm.models.gemma import Gemma2ForCausalLM, Gemma3ForCausalLM, GemmaForCausalLM
 from nanovllm.models.gpt_neox import GPTNeoXForCausalLM, StableLmForCausalLM
@@ -10,6 +10,7 @@ from nanovllm.models.hf_config import layer_types, rope_scaling
 from nanovllm.models.llama import LlamaForCausalLM
 from nanovllm.models.mistral import MistralForCausalLM
 from nanovllm.models.mixtral import MixtralForCausalLM
+from nanovllm.models.modernbert import MODERNBERT_ARCHITECTURES, ModernBertForPooling
 from nanovllm.models.olmo2 import Olmo2ForCausalLM
 from nanovllm.models.phi3 import Phi3ForCausalLM
 from nanovllm.models.qwen2 import Qwen2ForCausalLM
@@ -22,6 +23,9 @@ MODEL_REGISTRY: dict[str, type[DecoderForCausalLM]] = {cls.__name__: cls for cls
     Gemma3ForCausalLM, Phi3ForCausalLM, Olmo2ForCausalLM, GraniteForCausalLM, GPTNeoXForCausalLM,
     StableLmForCausalLM, MixtralForCausalLM, Qwen2MoeForCausalLM, Qwen3MoeForCausalLM)}
 
+ENCODERS: dict[str, type[EncoderForPooling]] = {**dict.fromkeys(BERT_ARCHITECTURES, BertForPooling),
+                                                **dict.fromkeys(MODERNBERT_ARCHITECTURES, ModernBertForPooling)}
+"""Encoder-only architectures (config.json's `architectures` entries), run by the pooling runner, and their models."""
 
 POOLING_SUFFIXES = ("ForSequenceClassification", "Model")
 """Architectures without an LM head, run by the pooling runner: a family's classifier, and its base model (what
@@ -42,21 +46,19 @@ def has_lm_head(config: PretrainedConfig) -> bool:
     return any(name in MODEL_REGISTRY for name in getattr(config, "architectures", None) or [])
 
 
-def model_class(config: PretrainedConfig) -> type[DecoderForCausalLM] | type[BertForPooling]:
+def model_class(config: PretrainedConfig) -> type[DecoderForCausalLM] | type[EncoderForPooling]:
     """The family that runs `config` (the engine's setup asks once and keeps its name in `Config.architecture`); a
     ValueError naming the supported ones when none does, or when the family cannot run this particular config
     (activation, rope scaling, sliding window). Gives `config` the attributes the engine reads under Llama's names
     (`normalize_config`)."""
     names = getattr(config, "architectures", None) or []
-    if any(name in ENCODER_ARCHITECTURES for name in names):
-        BertForPooling.normalize_config(config)
-        return BertForPooling
-    cls = next((MODEL_REGISTRY[causal_name(name)] for name in names if causal_name(name) in MODEL_REGISTRY), None)
+    cls = next((ENCODERS[name] for name in names if name in ENCODERS), None) or \
+        next((MODEL_REGISTRY[causal_name(name)] for name in names if causal_name(name) in MODEL_REGISTRY), None)
     if cls is None:
         found = f"architectures {names}" if names else "no 'architectures' entry"
         raise ValueError(f"unsupported model: config.json has {found}; nanovllm supports {sorted(MODEL_REGISTRY)}, "
                          f"and for pooling each family's *ForSequenceClassification and *Model, and "
-                         f"{list(ENCODER_ARCHITECTURES)}")
+                         f"{list(ENCODERS)}")
     cls.normalize_config(config)
     for kind in set(layer_types(config)):
         rope_scaling(config, kind)

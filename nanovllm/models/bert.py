@@ -21,19 +21,26 @@ from nanovllm.models.decoder import DecoderOptions
 from nanovllm.models.hf_config import max_positions
 from nanovllm.models.sentence_transformers import dense_layers, dense_tensors
 
-ENCODER_ARCHITECTURES = tuple(f"{family}{kind}" for family in ("Bert", "Roberta", "XLMRoberta")
+BERT_ARCHITECTURES = tuple(f"{family}{kind}" for family in ("Bert", "Roberta", "XLMRoberta")
                               for kind in ("Model", "ForSequenceClassification"))
 _PREFIXES = ("bert.", "roberta.")
 
 
-def bidirectional_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float) -> torch.Tensor:
+def bidirectional_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float,
+                            window: int = 0) -> torch.Tensor:
     """Every row of each sequence of the step (`cu_seqlens_q` of the attention context) attends to all of its
-    sequence's rows; q, k, v are [rows, heads, head_dim]."""
+    sequence's rows, or with `window` > 0 to those at most `window` positions before or after it (transformers'
+    bidirectional sliding window, `|i - j| <= window`: ModernBERT's local layers); q, k, v are [rows, heads,
+    head_dim]."""
     bounds = get_context().cu_seqlens_q.tolist()
     out = torch.empty_like(q)
     for start, end in zip(bounds, bounds[1:]):
         heads_first = [x[start:end].transpose(0, 1).unsqueeze(0) for x in (q, k, v)]  # 4-D: SDPA's flash kernel
-        out[start:end] = F.scaled_dot_product_attention(*heads_first, scale=scale)[0].transpose(0, 1)
+        mask = None
+        if window and end - start > window + 1:
+            rows = torch.arange(end - start, device=q.device)
+            mask = (rows[:, None] - rows[None, :]).abs() <= window
+        out[start:end] = F.scaled_dot_product_attention(*heads_first, attn_mask=mask, scale=scale)[0].transpose(0, 1)
     return out
 
 
@@ -139,10 +146,10 @@ class BertClassifier(nn.Module):
         return self.out_proj(torch.tanh(self.dense(pooled)))
 
 
-class BertForPooling(nn.Module):
-    """BERT, RoBERTa or XLM-RoBERTa for the pooling runner: the encoder, the pooler its `PoolerConfig` describes, and
-    for a classifier its head as `score`. Checkpoint names are transformers' (`bert.`/`roberta.` prefixed or not,
-    as sentence-transformers saves the base model)."""
+class EncoderForPooling(nn.Module):
+    """An encoder for the pooling runner: `model` (input ids and positions, and token types where it reads them, to
+    hidden states), the pooler its `PoolerConfig` describes, and for a classifier its head as `score`. What the engine
+    asks of a family, answered for a model that writes no KV cache."""
 
     rope_needs_lengths = False
 
@@ -154,24 +161,35 @@ class BertForPooling(nn.Module):
 
     @classmethod
     def options(cls, config: PretrainedConfig) -> DecoderOptions:
-        """No sliding window (what the engine asks a family)."""
+        """No sliding window over a KV cache (what the engine asks a family)."""
         return DecoderOptions()
 
-    def __init__(self, config: PretrainedConfig, pooler_config: PoolerConfig):
+    def __init__(self, config: PretrainedConfig, pooler_config: PoolerConfig, model: nn.Module,
+                 score: nn.Module | None):
         super().__init__()
-        self.model = BertModel(config)
+        self.model = model
         self.pooler = Pooler(pooler_config.pooling_type, dense_layers(config, pooler_config))
         self.dense_dirs = pooler_config.dense_dirs
-        self.score = BertClassifier(config, pooler_config.num_labels) if pooler_config.num_labels else None
+        self.score = score
+
+    def compute_logits(self, hidden_states: torch.Tensor) -> None:
+        """No LM head: nothing to sample (the CUDA memory warm-up asks)."""
+        return None
+
+
+class BertForPooling(EncoderForPooling):
+    """BERT, RoBERTa or XLM-RoBERTa for the pooling runner. Checkpoint names are transformers' (`bert.`/`roberta.`
+    prefixed or not, as sentence-transformers saves the base model)."""
+
+    def __init__(self, config: PretrainedConfig, pooler_config: PoolerConfig):
+        num_labels = pooler_config.num_labels
+        super().__init__(config, pooler_config, BertModel(config),
+                         BertClassifier(config, num_labels) if num_labels else None)
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
                 token_type_ids: torch.Tensor | None = None) -> torch.Tensor:
         """`token_type_ids`: each row's token type (None: all 0; a BERT text pair's second text is type 1)."""
         return self.model(input_ids, positions, token_type_ids)
-
-    def compute_logits(self, hidden_states: torch.Tensor) -> None:
-        """No LM head: nothing to sample (the CUDA memory warm-up asks)."""
-        return None
 
     def checkpoint_weights(self, weights: Iterable[tuple[str, torch.Tensor | GGMLTensor]]
                            ) -> Iterator[tuple[str, torch.Tensor | GGMLTensor]]:

@@ -131,8 +131,9 @@ def is_classifier(config: PretrainedConfig) -> bool:
 
 
 def is_encoder(config: PretrainedConfig) -> bool:
-    """Whether the config is an encoder-only model's (BERT, RoBERTa, XLM-RoBERTa: bidirectional attention)."""
-    return config.model_type in ("bert", "roberta", "xlm-roberta")
+    """Whether the config is an encoder-only model's (BERT, RoBERTa, XLM-RoBERTa, ModernBERT: bidirectional
+    attention)."""
+    return config.model_type in ("bert", "roberta", "xlm-roberta", "modernbert")
 
 
 def reads_token_types(config: PretrainedConfig) -> bool:

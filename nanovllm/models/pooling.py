@@ -1,6 +1,7 @@
 """The pooling runner's models: a family's decoder without its LM head, with the pooler its `PoolerConfig` describes
 (sentence-transformers' Dense layers) and, for a `*ForSequenceClassification` checkpoint, transformers' `score` head
-(a linear layer without bias, `num_labels` outputs, read at the last token); or an encoder (`nanovllm.models.bert`)."""
+(a linear layer without bias, `num_labels` outputs, read at the last token); or an encoder (`nanovllm.models.bert`,
+`nanovllm.models.modernbert`)."""
 from collections.abc import Iterable, Iterator
 
 import torch
@@ -9,8 +10,8 @@ from transformers import AutoModelForCausalLM, PretrainedConfig
 
 from nanovllm.config import PoolerConfig
 from nanovllm.layers.pooler import Pooler
-from nanovllm.models import MODEL_REGISTRY
-from nanovllm.models.bert import BertForPooling
+from nanovllm.models import ENCODERS, MODEL_REGISTRY
+from nanovllm.models.bert import EncoderForPooling
 from nanovllm.models.decoder import DecoderForCausalLM
 from nanovllm.models.sentence_transformers import dense_layers, dense_tensors
 
@@ -41,10 +42,11 @@ class DecoderForPooling(DecoderForCausalLM):
 
 
 def pooling_model(architecture: str, config: PretrainedConfig,
-                  pooler_config: PoolerConfig) -> DecoderForPooling | BertForPooling:
+                  pooler_config: PoolerConfig) -> DecoderForPooling | EncoderForPooling:
     """The pooling model of family `architecture` (as `model_class` named it) for `config`, weights not loaded."""
-    if architecture == BertForPooling.__name__:
-        return BertForPooling(config, pooler_config)
+    encoder = next((cls for cls in ENCODERS.values() if cls.__name__ == architecture), None)
+    if encoder is not None:
+        return encoder(config, pooler_config)
     family = MODEL_REGISTRY[architecture]
     cls = type(architecture.removesuffix("ForCausalLM") + "ForPooling", (DecoderForPooling, family), {})
     model = cls(config)

@@ -1,7 +1,8 @@
 """A pooling model's `PoolerConfig`, read as vLLM reads it: from a sentence-transformers directory's files
 (`modules.json`, the Pooling module's `config.json`, Dense modules' `config.json` and weights, a Normalize module),
 else the architecture's defaults (decoder embedders: the last token, normalized; encoders: the first token,
-normalized; classifiers: their head at that token, with transformers' activation for the config's `problem_type`)."""
+normalized; classifiers: their head at that token, or at the mean ModernBERT's `classifier_pooling` may ask for,
+with transformers' activation for the config's `problem_type`)."""
 import json
 import os
 from collections.abc import Iterator
@@ -61,6 +62,17 @@ def _classifier_activation(hf_config: PretrainedConfig) -> str:
     return "sigmoid" if hf_config.num_labels == 1 else "softmax"
 
 
+def _classifier_pooling(hf_config: PretrainedConfig, default: str) -> str:
+    """The rows a classifier's head reads: ModernBERT's `classifier_pooling` ("cls" or "mean"), else `default`."""
+    pooling = getattr(hf_config, "classifier_pooling", None)
+    if pooling is None:
+        return default
+    if pooling not in ("cls", "mean"):
+        raise ValueError(f"classifier_pooling {pooling!r} in the model config is not supported; nanovllm runs 'cls' "
+                         "and 'mean'")
+    return pooling.upper()
+
+
 def read_pooler_config(path: str, hf_config: PretrainedConfig) -> PoolerConfig:
     """How the model at `path` pools (see the module's docstring); a ValueError naming a module or mode nanovllm does
     not run."""
@@ -69,7 +81,7 @@ def read_pooler_config(path: str, hf_config: PretrainedConfig) -> PoolerConfig:
                       matryoshka_dimensions=tuple(dims) if dims else None)
     default = "CLS" if is_encoder(hf_config) else "LAST"
     if is_classifier(hf_config):
-        return PoolerConfig(default, normalize=False, num_labels=hf_config.num_labels,
+        return PoolerConfig(_classifier_pooling(hf_config, default), normalize=False, num_labels=hf_config.num_labels,
                             activation=_classifier_activation(hf_config), **matryoshka)
     if not is_sentence_transformers(path):
         return PoolerConfig(default, **matryoshka)
