@@ -18,10 +18,21 @@ from nanovllm.layers.linear import ReplicatedLinear
 from nanovllm.layers.rotary_embedding import RotaryEmbedding
 from nanovllm.models.bert import EncoderForPooling, bidirectional_attention
 from nanovllm.models.decoder import DecoderOptions
-from nanovllm.models.hf_config import activation, layer_types, rope_scaling, rope_theta
+from nanovllm.models.hf_config import activation, rope_scaling, rope_theta
 from nanovllm.models.sentence_transformers import dense_tensors
 
 MODERNBERT_ARCHITECTURES = ("ModernBertModel", "ModernBertForSequenceClassification")
+
+
+def layer_attention(config: PretrainedConfig) -> list[tuple[str, float]]:
+    """Each layer's attention type ("full_attention" or "sliding_attention") and rope theta: transformers 5's
+    `layer_types` and per-type `rope_parameters`; transformers 4's `global_attn_every_n_layers` (every n-th layer
+    global, from the first), `global_rope_theta` and `local_rope_theta` (None: the global one)."""
+    if getattr(config, "layer_types", None):
+        return [(kind, rope_theta(config, kind)) for kind in config.layer_types]
+    local = config.local_rope_theta if config.local_rope_theta is not None else config.global_rope_theta
+    return [("sliding_attention", float(local)) if i % config.global_attn_every_n_layers else
+            ("full_attention", float(config.global_rope_theta)) for i in range(config.num_hidden_layers)]
 
 
 def _norm(config: PretrainedConfig) -> nn.LayerNorm:
@@ -87,13 +98,13 @@ class ModernBertModel(nn.Module):
         super().__init__()
         self.embeddings = ModernBertEmbeddings(config)
         head_dim = config.hidden_size // config.num_attention_heads
-        types = layer_types(config)
-        rotaries = {kind: RotaryEmbedding(head_dim, config.max_position_embeddings, rope_theta(config, kind),
-                                          rope_scaling(config, kind)) for kind in set(types)}
+        layers = layer_attention(config)
+        rotaries = {kind: RotaryEmbedding(head_dim, config.max_position_embeddings, theta, rope_scaling(config, kind))
+                    for kind, theta in set(layers)}
         half_window = config.local_attention // 2
         self.layers = nn.ModuleList([
             ModernBertLayer(config, i, rotaries[kind], half_window if kind == "sliding_attention" else 0)
-            for i, kind in enumerate(types)])
+            for i, (kind, _) in enumerate(layers)])
         self.final_norm = _norm(config)
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:

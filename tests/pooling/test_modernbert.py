@@ -7,6 +7,7 @@ import torch
 from pooling_checkpoints import TEXTS, hf_logits, make_classifier, make_st_embedder, st_embeddings
 
 from nanovllm import LLM
+from nanovllm.models.modernbert import layer_attention
 
 pytest.importorskip("sentence_transformers")
 
@@ -62,3 +63,17 @@ def test_unsupported_activation_is_refused_up_front(tmp_path):
     path = make_classifier(str(tmp_path / "relu"), num_labels=2, hidden_activation="relu", **MODERNBERT)
     with pytest.raises(ValueError, match=r"config\.json: unsupported hidden_activation 'relu' in the model config"):
         LLM(path, **CPU)
+
+
+def test_layer_attention_reads_transformers_4_configs():
+    """transformers 4 keeps ModernBERT's layer pattern and thetas in attributes of their own (no `layer_types`, no
+    `rope_parameters`): they read as transformers 5 converts them."""
+    from transformers import AutoConfig, PretrainedConfig
+
+    settings = dict(num_hidden_layers=4, global_attn_every_n_layers=3, global_rope_theta=160000.0)
+    old = PretrainedConfig(**settings, local_rope_theta=10000.0)
+    new = AutoConfig.for_model("modernbert", **settings, local_rope_theta=10000.0)
+    assert layer_attention(old) == layer_attention(new) == [
+        ("full_attention", 160000.0), ("sliding_attention", 10000.0), ("sliding_attention", 10000.0),
+        ("full_attention", 160000.0)]
+    assert layer_attention(PretrainedConfig(**settings, local_rope_theta=None))[1] == ("sliding_attention", 160000.0)
