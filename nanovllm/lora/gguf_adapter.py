@@ -16,7 +16,7 @@ from transformers import PretrainedConfig
 
 from nanovllm.lora.peft import PROJECTION, LoRAModule, PeftAdapter
 from nanovllm.models.gguf.metadata import INSTALL_HINT, require_gguf_support
-from nanovllm.models.gguf.weights import PERMUTED_QK, _llama_cpp_order, hf_name
+from nanovllm.models.gguf.weights import PERMUTED_QK, hf_name, llama_cpp_order
 
 # llama.cpp's `general.architecture` of each model_type nanovllm runs (its converter names Mistral and Mixtral llama)
 LLAMA_CPP_ARCHITECTURES = {
@@ -127,6 +127,6 @@ def _module(base: str, ab: dict[str, torch.Tensor], architecture: str, alpha: fl
         name = "gate_up_proj"
     heads = {"q_proj": hf_config.num_attention_heads, "k_proj": hf_config.num_key_value_heads}.get(name)
     if architecture in PERMUTED_QK and heads and b.size(0) % (2 * heads) == 0:
-        b = b[_llama_cpp_order(b.size(0), heads)]
+        b = b[llama_cpp_order(b.size(0), heads)]
     rank = a.size(0)
     return LoRAModule(int(layer), name, a, b, alpha / rank if alpha else 1.0)

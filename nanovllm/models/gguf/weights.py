@@ -127,7 +127,7 @@ def check_table(table: dict, path: str, tensor_parallel_size: int) -> None:
                              f"{type_name(qtype)} blocks; choose a size that divides {shape[0] // values}")
 
 
-def _llama_cpp_order(rows: int, heads: int) -> torch.Tensor:
+def llama_cpp_order(rows: int, heads: int) -> torch.Tensor:
     """Index of the GGUF row holding each original q/k row (`original = gguf[index]`)."""
     return torch.arange(rows).view(heads, rows // heads // 2, 2).transpose(1, 2).reshape(-1)
 
@@ -184,7 +184,7 @@ def gguf_weights(mapped: np.memmap, table: dict, hf_config) -> Iterator[tuple[st
         data, kind, target = torch.from_numpy(mapped[offset:offset + nbytes]), name.split(".")[-2], \
             hf_name(name, architecture)
         rows = shape[1] if len(shape) >= 2 else shape[0]
-        order = _llama_cpp_order(rows, heads[kind]) if permuted and kind in heads else slice(None)
+        order = llama_cpp_order(rows, heads[kind]) if permuted and kind in heads else slice(None)
         if len(shape) == 1 or kind.endswith("_norm"):
             tensor = _small(data, qtype, shape)[order]
             if architecture in SHIFTED_NORMS and kind.endswith("norm"):
