@@ -1,11 +1,11 @@
 // LoRA deltas on the CPU, every row's own adapter in one call (vLLM's BGMV shape): for row r of adapter slot s,
 // y[r] += sum over s's slices of scale * B_slice (A_slice x[r]). Each row computes only its own adapter's products,
 // in an order fixed by its adapter alone, so its result depends neither on its batch nor on the thread count.
-#include <ATen/Dispatch.h>
 #include <ATen/Parallel.h>
 #include <ATen/core/Tensor.h>
 
 #include <algorithm>
+#include <cstring>
 #include <vector>
 
 #include "cpu_math.h"
@@ -19,48 +19,99 @@ enum Column { SLOT, A_ROW, RANK, OUT_OFFSET, OUT_SIZE, BT_OFFSET, COLUMNS };
 
 constexpr int64_t TILE = 4;  // rows of one adapter computed together, each A and B^T row read once for all of them
 
-// y's rows `rows[0..n)` (n <= TILE, one adapter, whose slices are first..last) += their deltas. A short tile computes
-// the missing rows' products on zeros and drops them: every row goes through the same operations, whatever its tile.
-template <typename T>
+// 16 floats in GCC's vector type: one AVX-512 register, or two AVX2 ones.
+typedef float f32x16 __attribute__((vector_size(64), aligned(4)));
+typedef uint16_t u16x16 __attribute__((vector_size(32), aligned(2)));
+typedef uint32_t u32x16 __attribute__((vector_size(64)));
+
+static inline f32x16 load16(const float* p) {
+  f32x16 v;
+  std::memcpy(&v, p, sizeof v);
+  return v;
+}
+static inline f32x16 load16(const c10::BFloat16* p) {  // bfloat16 is the high half of a float
+  u16x16 half;
+  std::memcpy(&half, p, sizeof half);
+  const u32x16 bits = __builtin_convertvector(half, u32x16) << 16;
+  f32x16 v;
+  std::memcpy(&v, &bits, sizeof v);
+  return v;
+}
+static inline f32x16 load16(const c10::Half* p) {
+  f32x16 v;
+  for (int i = 0; i < 16; ++i) v[i] = static_cast<float>(p[i]);
+  return v;
+}
+static inline float sum16(f32x16 v) {
+  float s = 0.f;
+  for (int i = 0; i < 16; ++i) s += v[i];
+  return s;
+}
+
+// shrunk[t * rank + k] = scale * A_k . x_t for the tile's NT rows (xf, float32, `in` apart) and the slice's rank
+// rows of A: each A row read once for all NT rows, 16 values at a time, then a scalar tail.
+template <int64_t NT, typename T>
+void shrink(const T* a, int64_t rank, int64_t in, const float* xf, float scale, float* shrunk) {
+  const int64_t body = in / 16 * 16;
+  for (int64_t k = 0; k < rank; ++k) {
+    const T* ak = a + k * in;
+    f32x16 acc[NT] = {};
+    for (int64_t i = 0; i < body; i += 16) {
+      const f32x16 w = load16(ak + i);
+      for (int64_t t = 0; t < NT; ++t) acc[t] += w * load16(xf + t * in + i);
+    }
+    for (int64_t t = 0; t < NT; ++t) {
+      float dot = sum16(acc[t]);
+      for (int64_t i = body; i < in; ++i) dot += to_float(ak[i]) * xf[t * in + i];
+      shrunk[t * rank + k] = dot * scale;
+    }
+  }
+}
+
+// y_t[j] += sum_k shrunk[t * rank + k] * bt[k * size + j] for the tile's n of NT rows, 32 outputs at a time (each
+// B^T value read once for all NT rows), then a scalar tail.
+template <int64_t NT, typename T>
+void expand(const T* bt, int64_t rank, int64_t size, const float* shrunk, T* const* y, int64_t n) {
+  const int64_t body = size / 32 * 32;
+  for (int64_t j = 0; j < body; j += 32) {
+    f32x16 lo[NT] = {}, hi[NT] = {};
+    for (int64_t k = 0; k < rank; ++k) {
+      const f32x16 b0 = load16(bt + k * size + j), b1 = load16(bt + k * size + j + 16);
+      for (int64_t t = 0; t < NT; ++t) {
+        const float c = shrunk[t * rank + k];
+        lo[t] += c * b0;
+        hi[t] += c * b1;
+      }
+    }
+    for (int64_t t = 0; t < n; ++t)
+      for (int64_t l = 0; l < 16; ++l) {
+        y[t][j + l] = from_float<T>(to_float(y[t][j + l]) + lo[t][l]);
+        y[t][j + 16 + l] = from_float<T>(to_float(y[t][j + 16 + l]) + hi[t][l]);
+      }
+  }
+  for (int64_t t = 0; t < n; ++t)
+    for (int64_t j = body; j < size; ++j) {
+      float d = 0.f;
+      for (int64_t k = 0; k < rank; ++k) d += shrunk[t * rank + k] * to_float(bt[k * size + j]);
+      y[t][j] = from_float<T>(to_float(y[t][j]) + d);
+    }
+}
+
+// y's rows `rows[0..n)` (n <= NT, one adapter, whose slices are first..last) += their deltas. A short tile computes
+// the missing rows' products on zeros and drops them. Each row has its own accumulators, so it goes through the same
+// operations whatever its tile (NT = 1 for a row alone, TILE otherwise).
+template <int64_t NT, typename T>
 void lora_tile(const T* x, T* y, const T* a, const T* bt, const int64_t* slices, const float* scales, int64_t first,
-               int64_t last, const int64_t* rows, int64_t n, int64_t in, int64_t y_stride, float* xf, float* shrunk,
-               float* delta) {
-  for (int64_t t = 0; t < TILE; ++t)
+               int64_t last, const int64_t* rows, int64_t n, int64_t in, int64_t y_stride, float* xf, float* shrunk) {
+  for (int64_t t = 0; t < NT; ++t)
     for (int64_t i = 0; i < in; ++i) xf[t * in + i] = t < n ? to_float(x[rows[t] * in + i]) : 0.f;
   for (int64_t s = first; s < last; ++s) {
     const int64_t* info = slices + s * COLUMNS;
-    const int64_t rank = info[RANK], offset = info[OUT_OFFSET], size = info[OUT_SIZE];
-    for (int64_t k = 0; k < rank; ++k) {
-      const T* ak = a + (info[A_ROW] + k) * in;
-      float d0 = 0.f, d1 = 0.f, d2 = 0.f, d3 = 0.f;
-#pragma omp simd reduction(+ : d0, d1, d2, d3)
-      for (int64_t i = 0; i < in; ++i) {
-        const float w = to_float(ak[i]);
-        d0 += w * xf[i];
-        d1 += w * xf[in + i];
-        d2 += w * xf[2 * in + i];
-        d3 += w * xf[3 * in + i];
-      }
-      shrunk[k] = d0 * scales[s], shrunk[rank + k] = d1 * scales[s];
-      shrunk[2 * rank + k] = d2 * scales[s], shrunk[3 * rank + k] = d3 * scales[s];
-    }
-    for (int64_t j = 0; j < n * size; ++j) delta[j] = 0.f;
-    const T* b = bt + info[BT_OFFSET];
-    for (int64_t k = 0; k < rank; ++k) {
-      const T* bk = b + k * size;
-      for (int64_t t = 0; t < n; ++t) {
-        const float c = shrunk[t * rank + k];
-        float* d = delta + t * size;
-#pragma omp simd
-        for (int64_t j = 0; j < size; ++j) d[j] += c * to_float(bk[j]);
-      }
-    }
-    for (int64_t t = 0; t < n; ++t) {
-      T* yo = y + rows[t] * y_stride + offset;
-      const float* d = delta + t * size;
-#pragma omp simd
-      for (int64_t j = 0; j < size; ++j) yo[j] = from_float<T>(to_float(yo[j]) + d[j]);
-    }
+    const int64_t rank = info[RANK];
+    shrink<NT>(a + info[A_ROW] * in, rank, in, xf, scales[s], shrunk);
+    T* outputs[NT];
+    for (int64_t t = 0; t < n; ++t) outputs[t] = y + rows[t] * y_stride + info[OUT_OFFSET];
+    expand<NT>(bt + info[BT_OFFSET], rank, info[OUT_SIZE], shrunk, outputs, n);
   }
 }
 
@@ -87,12 +138,14 @@ void lora_rows(const T* x, T* y, const T* a, const T* bt, const int64_t* slices,
   }
   const int64_t count = static_cast<int64_t>(tiles.size()) / 2;
   at::parallel_for(0, count, 2, [&](int64_t begin, int64_t end) {
-    std::vector<float> xf(TILE * in), shrunk(TILE * max_rank), delta(TILE * out);
+    std::vector<float> xf(TILE * in), shrunk(TILE * max_rank);
     for (int64_t i = begin; i < end; ++i) {
       const int64_t* tile_rows = order.data() + tiles[2 * i];
       const int64_t slot = row_slot[tile_rows[0]];
-      lora_tile(x, y, a, bt, slices, scales, slot_slices[slot], slot_slices[slot + 1], tile_rows, tiles[2 * i + 1],
-                in, y_stride, xf.data(), shrunk.data(), delta.data());
+      const int64_t n = tiles[2 * i + 1];
+      (n == 1 ? lora_tile<1, T> : lora_tile<TILE, T>)(x, y, a, bt, slices, scales, slot_slices[slot],
+                                                      slot_slices[slot + 1], tile_rows, n, in, y_stride, xf.data(),
+                                                      shrunk.data());
     }
   });
 }
@@ -122,10 +175,17 @@ void lora_add(at::Tensor y, at::Tensor x, at::Tensor a, at::Tensor bt, at::Tenso
   TORCH_CHECK(a.is_contiguous() && bt.is_contiguous() && a.scalar_type() == x.scalar_type() &&
                   bt.scalar_type() == x.scalar_type() && y.scalar_type() == x.scalar_type(),
               "lora_add: x, y, a and bt of one dtype");
-  AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, x.scalar_type(), "lora_add", [&] {
-    nanovllm::lora_rows<scalar_t>(x.data_ptr<scalar_t>(), y.data_ptr<scalar_t>(), a.data_ptr<scalar_t>(),
-                                  bt.data_ptr<scalar_t>(), slices.data_ptr<int64_t>(), scales.data_ptr<float>(),
-                                  row_slot.data_ptr<int64_t>(), slot_slices.data_ptr<int64_t>(), x.size(0), x.size(1),
-                                  y.size(1), slot_slices.numel() - 1, y.stride(0));
-  });
+  auto run = [&](auto zero) {
+    using T = decltype(zero);
+    nanovllm::lora_rows<T>(x.const_data_ptr<T>(), y.data_ptr<T>(), a.const_data_ptr<T>(), bt.const_data_ptr<T>(),
+                           slices.const_data_ptr<int64_t>(), scales.const_data_ptr<float>(),
+                           row_slot.const_data_ptr<int64_t>(), slot_slices.const_data_ptr<int64_t>(), x.size(0),
+                           x.size(1), y.size(1), slot_slices.numel() - 1, y.stride(0));
+  };
+  switch (x.scalar_type()) {
+    case at::kFloat: run(float{}); break;
+    case at::kBFloat16: run(c10::BFloat16{}); break;
+    case at::kHalf: run(c10::Half{}); break;
+    default: TORCH_CHECK(false, "lora_add: float32, bfloat16 or float16 rows");
+  }
 }
