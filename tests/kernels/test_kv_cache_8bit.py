@@ -1,8 +1,14 @@
 """The 8-bit KV cache's kernels (`kv_cache_dtype="fp8"`): the compiled CPU store rounds as torch rounds and saturates
 (`to_cache_dtype`), and `paged_decode` over an 8-bit cache computes exactly what it computes over the same values
 upcast to the queries' dtype (each value read back exactly), on the unrolled-tile path (head_dim 64) and the runtime
-head_dim path (32), against a float64 reference too; Triton's attention and store under the interpreter likewise
-(`kv_8bit_cases.py`)."""
+head_dim path (32), against a float64 reference too; the conversion reads every byte as torch does on each path
+`cpu_math.h` compiles (portable, AVX2 with F16C, AVX-512), each built apart; Triton's attention and store under the
+interpreter likewise (`kv_8bit_cases.py`)."""
+import platform
+import shutil
+import subprocess
+from pathlib import Path
+
 import pytest
 import torch
 from interpreted import run_interpreted
@@ -10,7 +16,7 @@ from test_cpu_kernels import make_case, needs_compiler, reference
 
 from nanovllm.kernels.attention.kv_quant import to_cache_dtype
 from nanovllm.kernels.attention.selection import Platform, select_backend, unsupported
-from nanovllm.kernels.cpu import cpu_kernels, paged_decode
+from nanovllm.kernels.cpu import CSRC, cpu_kernels, paged_decode
 
 CACHES = [torch.float8_e4m3fn, torch.float8_e5m2]
 DTYPES = [torch.float32, torch.bfloat16, torch.float16]
@@ -75,6 +81,46 @@ def test_decode_over_an_8bit_cache_with_a_window_and_capped_scores():
     assert torch.equal(out, paged_decode(q, k8.float(), v8.float(), tables, lens, 0.125, 40, 1.5))
     torch.testing.assert_close(out.double(), reference(q, k8.double(), v8.double(), tables, lens, 0.125, 40, 1.5),
                                atol=1e-5, rtol=0)
+
+
+CONVERSION_PROGRAM = r"""
+#include <cstdio>
+#include "cpu_math.h"
+template <typename C>
+void show(int offset) {  // every byte, from an unaligned start, through to_floats' vector loops and its tail
+  C in[264];
+  float out[264];
+  for (int i = 0; i < 256; ++i) in[i + offset].x = static_cast<uint8_t>(i);
+  to_floats(in + offset, out, 256);
+  to_floats(in + offset + 250, out + 250, 6);
+  for (int i = 0; i < 256; ++i) std::printf("%a ", out[i]);
+  std::printf("\n");
+}
+int main() { show<c10::Float8_e4m3fn>(3); show<c10::Float8_e5m2>(5); }
+"""
+ISA_PATHS = {"portable": ("-march=x86-64", ()), "avx2": ("-march=x86-64-v3", ("avx2", "f16c")),
+             "avx512": ("-march=x86-64-v4", ("avx512f", "avx512bw"))}
+
+
+@pytest.mark.skipif(platform.machine() != "x86_64" or shutil.which("g++") is None, reason="x86-64 paths, g++")
+@pytest.mark.parametrize("path", ISA_PATHS)
+def test_each_cpu_path_reads_every_8bit_value_as_torch_does(path, tmp_path):
+    march, needs = ISA_PATHS[path]
+    flags = next(line for line in Path("/proc/cpuinfo").read_text().splitlines() if line.startswith("flags")).split()
+    if not set(needs) <= set(flags):
+        pytest.skip(f"this CPU has no {path}")
+    source = tmp_path / "convert.cpp"
+    source.write_text(CONVERSION_PROGRAM)
+    include = Path(torch.__file__).parent / "include"
+    subprocess.run(["g++", "-O3", "-std=c++17", march, "-w", f"-I{include}", f"-I{CSRC}", str(source), "-o",
+                    str(tmp_path / "convert")], check=True)
+    lines = subprocess.run([str(tmp_path / "convert")], capture_output=True, text=True, check=True).stdout.splitlines()
+    for dtype, line in zip(CACHES, lines):
+        got = torch.tensor([float.fromhex(x) for x in line.split()])
+        expected = torch.arange(256, dtype=torch.uint8).view(dtype).float()
+        finite = expected.isfinite()  # NaN and infinity are never stored (saturated)
+        assert torch.equal(got[finite], expected[finite]), path
+        assert torch.equal(got.view(torch.int32)[finite], expected.view(torch.int32)[finite]), "signed zeros"
 
 
 def test_backends_that_cannot_read_an_8bit_cache_are_passed_over_or_refused():

@@ -6,6 +6,10 @@
 #include <c10/util/Float8_e5m2.h>
 #include <c10/util/Half.h>
 
+#if defined(__AVX2__) || defined(__AVX512F__)
+#include <immintrin.h>
+#endif
+
 #include <algorithm>
 #include <cmath>
 #include <cstring>
@@ -20,9 +24,9 @@ static inline float to_float(c10::BFloat16 x) {  // a shift the compiler vectori
   return f;
 }
 
-// An 8-bit KV cache's values, exact: the byte's exponent and mantissa placed under a float's, the exponent bias made up
-// by one multiplication (a subnormal too: a float subnormal times 2^120 is the number it stands for); integer shifts
-// the compiler vectorizes.
+// An 8-bit KV cache's values, exact, one at a time: the byte's exponent and mantissa placed under a float's, the
+// exponent bias made up by one multiplication (a float subnormal times 2^120 is the number it stands for). Runs of them
+// go through `to_floats`.
 static inline float to_float(c10::Float8_e4m3fn x) {
   const uint32_t bits = (static_cast<uint32_t>(x.x & 0x80u) << 24) | (static_cast<uint32_t>(x.x & 0x7Fu) << 20);
   float f;
@@ -34,6 +38,58 @@ static inline float to_float(c10::Float8_e5m2 x) {
   float f;
   std::memcpy(&f, &bits, sizeof f);
   return f * 0x1p112f;
+}
+
+// out[i] = to_float(in[i]) for n values.
+template <typename T>
+static inline void to_floats(const T* in, float* out, int64_t n) {
+#pragma omp simd
+  for (int64_t i = 0; i < n; ++i) out[i] = to_float(in[i]);
+}
+
+// 8-bit floats as float16 bits (e5m2 is a float16's top byte; e4m3's exponent and mantissa sit under a float16's, its
+// bias 8 lower: times 2^8; the byte is put in a lane's top byte and shifted right by one, the sign copied, the copy
+// in the exponent's top bit then cleared), converted by the CPU's float16 instructions, 16 at a time on AVX-512, 8 on
+// AVX2 with F16C, the rest (and every value elsewhere) by `to_float`: the same values on every path, and never a
+// subnormal float operand (`to_float`'s vectorized arithmetic multiplies e4m3's subnormals: paged_decode over 4,096
+// e4m3 tokens took 208 us that way, 127 us this way, 113 us over bfloat16).
+template <typename C>
+static inline void fp8_to_floats(const C* in, float* out, int64_t n) {
+  constexpr bool e4m3 = std::is_same_v<C, c10::Float8_e4m3fn>;
+  int64_t i = 0;
+#if defined(__AVX512F__)
+  for (; i + 16 <= n; i += 16) {
+    const __m256i bytes = _mm256_cvtepu8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(in + i)));
+    if constexpr (e4m3) {
+      const __m256i half = _mm256_and_si256(_mm256_srai_epi16(_mm256_slli_epi16(bytes, 8), 1),
+                                            _mm256_set1_epi16(static_cast<int16_t>(0xBFFF)));
+      _mm512_storeu_ps(out + i, _mm512_mul_ps(_mm512_cvtph_ps(half), _mm512_set1_ps(256.f)));
+    } else {
+      _mm512_storeu_ps(out + i, _mm512_cvtph_ps(_mm256_slli_epi16(bytes, 8)));
+    }
+  }
+#endif
+#if defined(__AVX2__) && defined(__F16C__)
+  for (; i + 8 <= n; i += 8) {
+    const __m128i bytes = _mm_cvtepu8_epi16(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(in + i)));
+    if constexpr (e4m3) {
+      const __m128i half = _mm_and_si128(_mm_srai_epi16(_mm_slli_epi16(bytes, 8), 1),
+                                         _mm_set1_epi16(static_cast<int16_t>(0xBFFF)));
+      _mm256_storeu_ps(out + i, _mm256_mul_ps(_mm256_cvtph_ps(half), _mm256_set1_ps(256.f)));
+    } else {
+      _mm256_storeu_ps(out + i, _mm256_cvtph_ps(_mm_slli_epi16(bytes, 8)));
+    }
+  }
+#endif
+  for (; i < n; ++i) out[i] = to_float(in[i]);
+}
+template <>
+inline void to_floats<c10::Float8_e4m3fn>(const c10::Float8_e4m3fn* in, float* out, int64_t n) {
+  fp8_to_floats(in, out, n);
+}
+template <>
+inline void to_floats<c10::Float8_e5m2>(const c10::Float8_e5m2* in, float* out, int64_t n) {
+  fp8_to_floats(in, out, n);
 }
 
 // x stored as T, rounded to nearest even as torch rounds an op's float result; for bfloat16 in integer arithmetic the

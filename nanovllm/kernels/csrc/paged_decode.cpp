@@ -61,9 +61,7 @@ static void tiled_scores(const float* query, const C* k_cache, const int32_t* ta
         for (int64_t d = 0; d < HEAD_DIM; ++d) keys[j][d] = 0.f;
         continue;
       }
-      const C* k = k_cache + table[block] * block_stride + offset * token_stride + head_offset;
-#pragma omp simd
-      for (int64_t d = 0; d < HEAD_DIM; ++d) keys[j][d] = to_float(k[d]);
+      to_floats(k_cache + table[block] * block_stride + offset * token_stride + head_offset, keys[j], HEAD_DIM);
       if (++offset == block_size) ++block, offset = 0;
     }
     for (int64_t h = 0; h < group; ++h) {
@@ -87,6 +85,36 @@ static void tiled_scores(const float* query, const C* k_cache, const int32_t* ta
 // cache while each head of the group reads them.
 constexpr int64_t CHUNK = 256;
 
+// The weighted sums of an 8-bit cache's V for the group's heads (weights[h * (to - from) + t], into partial's rows):
+// every VALUE_TILE tokens converted once into `values`, which stays in L1, then each head adds its share of them,
+// token by token in the order the 16-bit path adds them (converting a token's V once per head cost more than the
+// halved reads saved).
+constexpr int64_t VALUE_TILE = 16;
+template <typename C, int64_t HEAD_DIM>
+static void eight_bit_values(const C* v_cache, const int32_t* table, int64_t g, int64_t from, int64_t to,
+                             int64_t group, int64_t runtime_head_dim, int64_t block_size, int64_t block_stride,
+                             int64_t token_stride, const float* weights, float* values, float* partial) {
+  const int64_t head_dim = HEAD_DIM ? HEAD_DIM : runtime_head_dim, length = to - from;
+  for (int64_t h = 0; h < group; ++h) std::fill_n(partial + h * (head_dim + 2), head_dim, 0.f);
+  for (int64_t t0 = from; t0 < to; t0 += VALUE_TILE) {
+    const int64_t n = std::min<int64_t>(VALUE_TILE, to - t0);
+    for (int64_t j = 0; j < n; ++j) {
+      const int64_t t = t0 + j;
+      to_floats(v_cache + table[t / block_size] * block_stride + t % block_size * token_stride + g * head_dim,
+                values + j * head_dim, head_dim);
+    }
+    for (int64_t h = 0; h < group; ++h) {
+      const float* p = weights + h * length + (t0 - from);
+      float* out = partial + h * (head_dim + 2);
+      for (int64_t j = 0; j < n; ++j) {
+        const float* v = values + j * head_dim;
+#pragma omp simd
+        for (int64_t d = 0; d < head_dim; ++d) out[d] += p[j] * v[d];
+      }
+    }
+  }
+}
+
 // One work item: the group's query heads of one row against the keys [from, to) of one KV head. Per head it leaves
 // the unnormalized weighted sum of V (head_dim floats), then the scores' maximum and the sum of their exponentials.
 template <typename T, typename C, int64_t HEAD_DIM>
@@ -94,7 +122,7 @@ static void decode_chunk(const T* q, const C* k_cache, const C* v_cache, const i
                          int64_t g, int64_t from, int64_t to, int64_t heads, int64_t group, int64_t head_dim,
                          int64_t block_size, int64_t block_stride, int64_t token_stride, float scale, float softcap,
                          std::vector<float>& query, std::vector<float>& scores, std::vector<float>& key,
-                         float* partial) {
+                         std::vector<float>& values, float* partial) {
   const int64_t length = to - from;
   for (int64_t h = 0; h < group; ++h)
     for (int64_t d = 0; d < head_dim; ++d)
@@ -108,9 +136,7 @@ static void decode_chunk(const T* q, const C* k_cache, const C* v_cache, const i
   for (int64_t t0 = from - from % block_size; t0 < to; t0 += block_size) {
     const C* block = k_cache + table[t0 / block_size] * block_stride + g * head_dim;
     for (int64_t t = std::max(t0, from); t < std::min(t0 + block_size, to); ++t) {
-      const C* k = block + (t - t0) * token_stride;
-#pragma omp simd
-      for (int64_t d = 0; d < head_dim; ++d) key[d] = to_float(k[d]);
+      to_floats(block + (t - t0) * token_stride, key.data(), head_dim);
       for (int64_t h = 0; h < group; ++h) {
         const float* qh = query.data() + h * head_dim;
         float dot = 0.f;
@@ -130,6 +156,10 @@ static void decode_chunk(const T* q, const C* k_cache, const C* v_cache, const i
     for (int64_t t = 0; t < length; ++t) p[t] = exp_clamped(p[t] - top);
     float total = 0.f;
     for (int64_t t = 0; t < length; ++t) total += p[t];
+    float* out = partial + h * (head_dim + 2);
+    out[head_dim] = top;
+    out[head_dim + 1] = total;
+    if constexpr (sizeof(C) == 1) continue;  // `eight_bit_values` below
     float acc[HEAD_DIM ? HEAD_DIM : MAX_HEAD_DIM] = {};  // in registers when HEAD_DIM is a constant
     for (int64_t t0 = from - from % block_size; t0 < to; t0 += block_size) {
       const C* block = v_cache + table[t0 / block_size] * block_stride + g * head_dim;
@@ -139,11 +169,11 @@ static void decode_chunk(const T* q, const C* k_cache, const C* v_cache, const i
         for (int64_t d = 0; d < head_dim; ++d) acc[d] += p[t - from] * to_float(v[d]);
       }
     }
-    float* out = partial + h * (head_dim + 2);
     for (int64_t d = 0; d < head_dim; ++d) out[d] = acc[d];
-    out[head_dim] = top;
-    out[head_dim + 1] = total;
   }
+  if constexpr (sizeof(C) == 1)
+    eight_bit_values<C, HEAD_DIM>(v_cache, table, g, from, to, group, head_dim, block_size, block_stride,
+                                  token_stride, scores.data(), values.data(), partial);
 }
 
 template <typename T, typename C, int64_t HEAD_DIM>
@@ -167,13 +197,14 @@ static void decode_rows(const T* q, const C* k_cache, const C* v_cache, const in
   std::vector<float> partials(item_start[rows] * stride);
   at::parallel_for(0, item_start[rows], 1, [&](int64_t begin, int64_t end) {
     std::vector<float> query(group * head_dim), scores(group * CHUNK), key(head_dim);
+    std::vector<float> values(sizeof(C) == 1 ? VALUE_TILE * head_dim : 0);  // an 8-bit cache's V, as floats
     for (int64_t item = begin; item < end; ++item) {
       const int64_t row = std::upper_bound(item_start.begin(), item_start.end(), item) - item_start.begin() - 1;
       const int64_t g = (item - item_start[row]) / chunks[row], c = (item - item_start[row]) % chunks[row];
       const int64_t from = first[row] + c * CHUNK, to = std::min<int64_t>(from + CHUNK, context_lens[row]);
       decode_chunk<T, C, HEAD_DIM>(q, k_cache, v_cache, block_tables + row * table_width, row, g, from, to, heads,
                                 group, head_dim, block_size, block_stride, token_stride, scale, softcap, query,
-                                scores, key, partials.data() + item * stride);
+                                scores, key, values, partials.data() + item * stride);
     }
   });
   // Each head's chunks merged in order, each rescaled to the row's maximum score (a single chunk is left as it is:
