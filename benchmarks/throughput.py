@@ -145,7 +145,7 @@ def engine_settings(args: argparse.Namespace, device: str, load_format: str, att
                     data_parallel_size=args.data_parallel_size, seed=args.seed,
                     max_model_len=args.max_input_len + args.max_output_len,
                     max_num_batched_tokens=args.max_num_batched_tokens, attention_backend=attention_backend,
-                    enable_chunked_prefill=SCHEDULING[mode],
+                    enable_chunked_prefill=SCHEDULING[mode], kv_cache_dtype=args.kv_cache_dtype,
                     speculative_config=speculative_config(args) if spec else None)
     if args.kvcache_block_size:
         settings["kvcache_block_size"] = args.kvcache_block_size
