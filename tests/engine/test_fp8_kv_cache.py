@@ -1,12 +1,15 @@
 """The 8-bit KV cache (`kv_cache_dtype="fp8"`) through the engine: twice the blocks of a 16-bit cache in the same
 memory (four times float32's); a request's greedy tokens do not depend on its batch, a prefix-cache hit, preemption
-or speculation; and on the default model its distributions stay close to the full-precision cache's (teacher-forced)."""
+or speculation (n-gram or a draft model, whose cache is 8-bit too); it sleeps and wakes; and on the default model its
+distributions stay close to the full-precision cache's (teacher-forced)."""
 import pytest
 import torch
+from test_draft_model import draft_spec
 from test_speculative import grounded_prompts, spec_llm
 
 from nanovllm import LLM, SamplingParams
 from nanovllm.config import Config
+from nanovllm.execution.draft_model import DraftModel
 
 GREEDY = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
 
@@ -60,6 +63,28 @@ def test_speculation_is_token_identical_over_an_8bit_cache(tied_model):
     with spec_llm(tied_model, kv_cache_dtype="fp8", max_model_len=256) as llm:
         assert [o["token_ids"] for o in llm.generate(prompts, GREEDY, use_tqdm=False)] == expected
         assert llm.stats()["num_accepted_tokens"] > 0
+
+
+def test_a_draft_model_s_cache_is_8bit_too_and_speculation_stays_token_identical(tied_model, monkeypatch):
+    monkeypatch.setattr(DraftModel, "forward_ratio", lambda self, num_seqs: 0.0)  # always speculate
+    prompts = grounded_prompts([3, 12, 30], seed=6)
+    with fp8_llm(tied_model) as llm:
+        expected = [o["token_ids"] for o in llm.generate(prompts, GREEDY, use_tqdm=False)]
+    spec = draft_spec(tied_model, quantization="int8")
+    with spec_llm(tied_model, kv_cache_dtype="fp8", max_model_len=256, speculative_config=spec) as llm:
+        assert llm.engine.model_runner.drafter.kv_cache.tensor.dtype == torch.float8_e4m3fn
+        assert [o["token_ids"] for o in llm.generate(prompts, GREEDY, use_tqdm=False)] == expected
+        assert llm.stats()["num_accepted_tokens"] > 0
+
+
+def test_an_8bit_cache_sleeps_and_wakes(tied_model):
+    prompts = grounded_prompts([10, 17], seed=7)
+    with fp8_llm(tied_model, enable_sleep_mode=True) as llm:
+        before = [o["token_ids"] for o in llm.generate(prompts, GREEDY, use_tqdm=False)]
+        llm.sleep(level=1)
+        llm.wake_up()
+        assert llm.engine.model_runner.kv_cache.tensor.dtype == torch.float8_e4m3fn
+        assert [o["token_ids"] for o in llm.generate(prompts, GREEDY, use_tqdm=False)] == before
 
 
 def teacher_forced_logits(llm: LLM, token_ids: list[int]) -> torch.Tensor:

@@ -198,7 +198,7 @@ def _decode_batched(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
                     window: int, softcap: float) -> torch.Tensor:
     """Every sequence's single query over its whole block table, masked to its context length (and window), in groups
     of rows whose gathered K/V stay within `DECODE_GATHER_BYTES` (each row is computed alone either way)."""
-    row_bytes = 2 * ctx.block_tables.size(1) * k_cache[0].numel() * k_cache.element_size()
+    row_bytes = 2 * ctx.block_tables.size(1) * k_cache[0].numel() * q.element_size()  # gathered, then upcast
     group = max(1, DECODE_GATHER_BYTES // row_bytes)
     if q.size(0) <= group:
         return _decode_rows(q, k_cache, v_cache, ctx.block_tables, ctx.context_lens, scale, window, softcap)
