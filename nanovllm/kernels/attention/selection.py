@@ -35,8 +35,8 @@ def unsupported(name: str, platform: Platform, dtype: torch.dtype, block_size: i
     it would help."""
     spec = registry.BACKENDS[name]
     if kv_cache_dtype is not None and kv_cache_dtype.itemsize == 1 and not spec.reads_8bit_cache:
-        return ("cannot read an 8-bit KV cache (kv_cache_dtype='fp8...'): leave kv_cache_dtype='auto', or use "
-                "attention_backend='triton'")
+        return (f"cannot read an 8-bit KV cache ({str(kv_cache_dtype).removeprefix('torch.')}, from kv_cache_dtype): "
+                "leave kv_cache_dtype='auto', or use attention_backend='triton'")
     if platform.device not in spec.devices:
         if not spec.interpretable:
             return f"needs a {'CUDA GPU' if 'cuda' in spec.devices else ' or '.join(spec.devices)}"
