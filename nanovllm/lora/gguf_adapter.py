@@ -15,7 +15,7 @@ import torch
 from transformers import PretrainedConfig
 
 from nanovllm.lora.peft import PROJECTION, LoRAModule, PeftAdapter
-from nanovllm.models.gguf.metadata import INSTALL_HINT, require_gguf_support
+from nanovllm.models.gguf.metadata import INSTALL_HINT, find_gguf, require_gguf_support
 from nanovllm.models.gguf.weights import PERMUTED_QK, hf_name, llama_cpp_order
 
 # llama.cpp's `general.architecture` of each model_type nanovllm runs (its converter names Mistral and Mixtral llama)
@@ -31,17 +31,7 @@ def gguf_adapter_file(path: str, label: str) -> str | None:
     None for anything else (a PEFT directory, or a directory that does not exist)."""
     if path.endswith(".gguf") and not os.path.exists(path):
         raise FileNotFoundError(f"LoRA adapter {label}: no file {path!r}")
-    if os.path.isfile(path):
-        if not path.endswith(".gguf"):
-            raise ValueError(f"LoRA adapter {label}: {path!r} is a file but not a .gguf file; lora_path must be a PEFT "
-                             "adapter directory or a llama.cpp LoRA .gguf file")
-        return path
-    if not os.path.isdir(path) or os.path.isfile(os.path.join(path, "adapter_config.json")):
-        return None
-    found = sorted(name for name in os.listdir(path) if name.endswith(".gguf"))
-    if len(found) > 1:
-        raise ValueError(f"LoRA adapter {label}: {path!r} holds several GGUF files {found}; pass the path of one")
-    return os.path.join(path, found[0]) if found else None
+    return find_gguf(path, "adapter_config.json", f"LoRA adapter {label}: lora_path", "a PEFT adapter directory")
 
 
 def read_gguf_adapter(path: str, label: str, hf_config: PretrainedConfig) -> PeftAdapter:

@@ -29,18 +29,20 @@ from nanovllm.progress import Progress
 INSTALL_HINT = 'pip install "nanovllm[demo]" (or: pip install gguf accelerate)'
 
 
-def find_gguf(model: str) -> str | None:
-    """The GGUF file `model` stands for: the path itself, or the one .gguf in a directory without config.json."""
-    if os.path.isfile(model):
-        if not model.endswith(".gguf"):
-            raise ValueError(f"model {model!r} is a file but not a .gguf file; pass a model directory or a .gguf file")
-        return model
-    if not os.path.isdir(model) or os.path.isfile(os.path.join(model, "config.json")):
+def find_gguf(path: str, marker: str = "config.json", what: str = "model",
+              other: str = "a model directory") -> str | None:
+    """The GGUF file `path` stands for: the path itself, or the one .gguf in a directory without `marker` (the file
+    of a directory in the other format, `other`; None for such a directory). `what` names the path in errors."""
+    if os.path.isfile(path):
+        if not path.endswith(".gguf"):
+            raise ValueError(f"{what} {path!r} is a file but not a .gguf file; pass {other} or a .gguf file")
+        return path
+    if not os.path.isdir(path) or os.path.isfile(os.path.join(path, marker)):
         return None
-    found = sorted(name for name in os.listdir(model) if name.endswith(".gguf"))
+    found = sorted(name for name in os.listdir(path) if name.endswith(".gguf"))
     if len(found) > 1:
-        raise ValueError(f"model directory {model!r} holds several GGUF files {found}; pass the path of one of them")
-    return os.path.join(model, found[0]) if found else None
+        raise ValueError(f"{what} {path!r} holds several GGUF files {found}; pass the path of one of them")
+    return os.path.join(path, found[0]) if found else None
 
 
 def require_gguf_support(packages: tuple[str, ...] = ("gguf", "accelerate")) -> None:
@@ -170,7 +172,7 @@ def _drop_stale(keep: Path, source: str) -> None:
             shutil.rmtree(other, ignore_errors=True)
 
 
-def cached_metadata(path: str) -> Path:
+def cached_metadata(path: str, progress: Progress | None = None) -> Path:
     """The directory of the GGUF file at `path`'s config.json, tokenizer files and tensor table (`TENSORS`), written
     on first use; no weight is ever written.
 
@@ -178,52 +180,55 @@ def cached_metadata(path: str) -> Path:
     share one entry, and an edited or replaced file gets its own; each entry records the files it was made from, and
     one that no existing file names any more is deleted. The file is checked (architecture, tensor types, size) before
     the slow part, and an entry becomes visible only when complete (written to a temporary directory, then renamed).
+    `progress`: that of a caller already inside `parsed_once` (a conversion), which reports the writing.
     """
     require_gguf_support(("gguf",))
     source, key, cache = os.path.abspath(path), content_key(path), cache_dir() / "gguf-metadata"
     found = [entry for entry in cache.glob(f"*-{key}") if (entry / TENSORS).is_file()]
     target = found[0] if found else cache / f"{Path(path).stem}-{key}"
     if not (target / TENSORS).is_file():
-        _write_metadata_into(path, target)
+        _write_metadata_into(path, target, progress)
     if source not in _read_sources(target):
         _write_sources(target, [*_read_sources(target), source])
         _drop_stale(target, source)
     return target
 
 
-def _write_metadata_into(path: str, target: Path) -> None:
-    print(f"nanovllm: reading the config and tokenizer of {path} into {target} (once; later runs reuse them) ...",
-          file=sys.stderr)
-    with Progress("read the GGUF metadata") as progress, parsed_once(progress):
-        import gguf
+def _write_metadata_into(path: str, target: Path, progress: Progress | None) -> None:
+    if progress is None:
+        print(f"nanovllm: reading the config and tokenizer of {path} into {target} (once; later runs reuse them) ...",
+              file=sys.stderr)
+        with Progress("read the GGUF metadata") as progress, parsed_once(progress):
+            return _write_metadata_into(path, target, progress)
+    import gguf
 
-        progress("reading the GGUF file")
-        try:
-            reader = gguf.GGUFReader(path)
-        except (ValueError, IndexError, KeyError, OSError) as e:
-            raise ValueError(f"{path} is not a readable GGUF file ({e}); it may be truncated or corrupt: download or "
-                             "convert it again") from None
-        metadata = file_metadata(reader, path)
-        pooling = pooling_mode(metadata)  # a reranker is refused for what it is, before its head's tensors are
-        table = tensor_table(reader, path)
-        reject_scaled_rope(path)
-        config = read_gguf_config(metadata, reader)
-        progress("building the tokenizer")
-        tokenizer = tokenizer_of(path)
-        target.parent.mkdir(parents=True, exist_ok=True)
-        tmp = Path(tempfile.mkdtemp(prefix=f".{target.name}-", dir=target.parent))
-        try:
-            config.save_pretrained(tmp)
-            tokenizer.save_pretrained(tmp)
-            if pooling:
-                write_pooling_modules(tmp, pooling)
-            (tmp / TENSORS).write_text(json.dumps(table))
-            os.rename(tmp, target)
-        except OSError:
-            if not (target / TENSORS).is_file():
-                raise
-        finally:
-            shutil.rmtree(tmp, ignore_errors=True)
+    progress("reading the GGUF file")
+    try:
+        reader = gguf.GGUFReader(path)
+    except (ValueError, IndexError, KeyError, OSError) as e:
+        raise ValueError(f"{path} is not a readable GGUF file ({e}); it may be truncated or corrupt: download or "
+                         "convert it again") from None
+    metadata = file_metadata(reader, path)
+    pooling = pooling_mode(metadata)  # a reranker is refused for what it is, before its head's tensors are
+    table = tensor_table(reader, path)
+    reject_scaled_rope(path)
+    config = read_gguf_config(metadata, reader)
+    progress("building the tokenizer")
+    tokenizer = tokenizer_of(path)
+    target.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{target.name}-", dir=target.parent))
+    try:
+        config.save_pretrained(tmp)
+        tokenizer.save_pretrained(tmp)
+        if pooling:
+            write_pooling_modules(tmp, pooling)
+        (tmp / TENSORS).write_text(json.dumps(table))
+        os.rename(tmp, target)
+    except OSError:
+        if not (target / TENSORS).is_file():
+            raise
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
 
 
 def tokenizer_of(path: str):
