@@ -104,17 +104,18 @@ def read_pooler_config(path: str, hf_config: PretrainedConfig) -> PoolerConfig:
     return PoolerConfig(pooling_type, normalize, tuple(dense), **matryoshka)
 
 
-def write_pooling_modules(path: str | os.PathLike, pooling_mode: str) -> None:
-    """Make `path` (a model directory) a sentence-transformers one that pools by `pooling_mode` and normalizes:
-    `modules.json` naming the Transformer (the directory itself), a Pooling module and a Normalize module, as
-    `read_pooler_config` reads them (how a GGUF embedding file's pooling is kept in its metadata directory)."""
+def write_pooling_modules(path: str | os.PathLike, pooling_mode: str, dimension: int) -> None:
+    """Make `path` (a model directory) a sentence-transformers one that pools the `dimension`-wide hidden states by
+    `pooling_mode` and normalizes: `modules.json` naming the Transformer (the directory itself), a Pooling module and
+    a Normalize module, as `read_pooler_config` and sentence-transformers read them (how a GGUF embedding file's
+    pooling is kept in its metadata directory)."""
     modules = [{"idx": 0, "name": "0", "path": "", "type": "sentence_transformers.models.Transformer"},
                {"idx": 1, "name": "1", "path": "1_Pooling", "type": "sentence_transformers.models.Pooling"},
                {"idx": 2, "name": "2", "path": "2_Normalize", "type": "sentence_transformers.models.Normalize"}]
     os.makedirs(os.path.join(path, "1_Pooling"), exist_ok=True)
     os.makedirs(os.path.join(path, "2_Normalize"), exist_ok=True)
     with open(os.path.join(path, "1_Pooling", "config.json"), "w") as f:
-        json.dump({"pooling_mode": pooling_mode}, f)
+        json.dump({"word_embedding_dimension": dimension, "pooling_mode": pooling_mode}, f)
     with open(os.path.join(path, MODULES_FILE), "w") as f:
         json.dump(modules, f, indent=2)
 

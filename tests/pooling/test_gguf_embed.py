@@ -4,6 +4,7 @@ decoders (last-token and mean pooling) and BERT (mean and first-token pooling, i
 pooled as the file says and normalized by default (llama.cpp's `--embd-normalize 2`); in Q8_0, kept in blocks, a
 close vector. Generation from a decoder embedding file, and the files nanovllm refuses."""
 import os
+import re
 
 import pytest
 import torch
@@ -12,6 +13,7 @@ from pooling_checkpoints import TEXTS, make_st_embedder, st_embeddings
 from transformers import AutoTokenizer
 
 from nanovllm import LLM, PoolingParams, SamplingParams
+from nanovllm.cli import main as cli
 from nanovllm.kernels.cpu import cpu_kernels
 from nanovllm.layers.ggml_weight import GGMLWeight
 from nanovllm.models.gguf import metadata
@@ -151,3 +153,40 @@ def test_an_entry_of_an_older_format_is_not_read(models, tmp_path, monkeypatch):
     monkeypatch.setattr(metadata, "FORMAT", current)
     new = metadata.cached_metadata(path)
     assert new != old and not old.exists() and (new / "modules.json").is_file()
+
+
+@pytest.mark.parametrize("name, pooling", [("bert-mean", "MEAN"), ("qwen3-last", "LAST")])
+def test_convert_writes_an_embedding_model(models, tmp_path, name, pooling):
+    """`python -m nanovllm convert` on an embedding file (BERT's, which transformers' GGUF reader does not read, or a
+    decoder's): a directory the pooling runner runs as it runs the file, to the same vectors; BERT's, which
+    sentence-transformers reads as the original model (its tokenizer and pooling from the file's metadata; the test
+    writer's byte-level vocabulary has no padding token, which sentence-transformers needs)."""
+    original, converted = models(name), str(tmp_path / "converted")
+    gguf_file = write_gguf(str(tmp_path / f"{name}.gguf"), original)
+    assert cli(["convert", gguf_file, converted]) == 0
+    prompts = [{"prompt_token_ids": AutoTokenizer.from_pretrained(original).encode(text)} for text in TEXTS]
+    with LLM(gguf_file, **CPU) as llm:
+        want = _vectors(llm.embed(prompts, use_tqdm=False))
+    with LLM(converted, **CPU) as llm:
+        assert llm.config.runner == "pooling" and llm.config.pooler.pooling_type == pooling
+        got = _vectors(llm.embed(prompts, use_tqdm=False))
+    assert torch.allclose(got, want, atol=1e-5)
+    if name.startswith("bert"):
+        assert _cosines(st_embeddings(converted, TEXTS), st_embeddings(original, TEXTS)).min() >= 0.99999
+
+
+def test_convert_refuses_the_embedding_files_it_does_not_write(models, tmp_path, capsys):
+    """A GPT-NeoX embedding file (its fused q/k/v are not transformers' layout here), a reranker and a file cut
+    short: an error that says what runs instead, or what is wrong, and no directory."""
+    from checkpoints import make_family_checkpoint
+
+    neox = write_gguf(str(tmp_path / "neox.gguf"), make_family_checkpoint(str(tmp_path / "neox"), "gpt_neox"),
+                      pooling_type=1)
+    rank = write_gguf(str(tmp_path / "rank.gguf"), models("qwen3-last"), pooling_type=4)
+    cut = tmp_path / "cut.gguf"
+    cut.write_bytes(open(rank, "rb").read()[:200])
+    for path, message in ((neox, "is a 'gptneox' embedding file, which convert does not write .*LLM\\("),
+                          (rank, "is a reranker .*LLM.score"), (str(cut), "is not a readable GGUF file")):
+        assert cli(["convert", path, str(tmp_path / "out")]) == 2
+        assert re.search(message, capsys.readouterr().err)
+        assert not os.path.exists(tmp_path / "out")

@@ -125,7 +125,8 @@ def parsed_once(progress: Progress):
 HEADER_BYTES = 1 << 20
 SAMPLES, SAMPLE_BYTES = 64, 1 << 16
 SOURCES = "sources.json"
-FORMAT = 2  # of an entry's contents, part of its key: 2 added an embedding file's sentence-transformers pooling files
+FORMAT = 3  # of an entry's contents, part of its key: 2 added an embedding file's sentence-transformers pooling
+# files, 3 their Pooling module's dimension (which sentence-transformers needs to read a converted directory)
 
 
 def content_key(path: str) -> str:
@@ -221,7 +222,7 @@ def _write_metadata_into(path: str, target: Path, progress: Progress | None) -> 
         config.save_pretrained(tmp)
         tokenizer.save_pretrained(tmp)
         if pooling:
-            write_pooling_modules(tmp, pooling)
+            write_pooling_modules(tmp, pooling, config.hidden_size)
         (tmp / TENSORS).write_text(json.dumps(table))
         os.rename(tmp, target)
     except OSError:
