@@ -76,8 +76,8 @@ def read_peft_adapter(path: str, label: str, checkpoint_weights: CheckpointWeigh
     for key, tensor in weights.items():
         match = KEY.match(key)
         if match is None:
-            raise ValueError(f"LoRA adapter {label}: {key!r} is not a LoRA weight (<module>.lora_A.weight or "
-                             "<module>.lora_B.weight)")
+            raise ValueError(f"LoRA adapter {label}: {key!r} is not a LoRA weight of a linear module "
+                             "(<module>.lora_A.weight or <module>.lora_B.weight); embedding LoRA is not supported")
         module, which = match.groups()
         parts.setdefault(module, {})[which] = tensor
     modules = []

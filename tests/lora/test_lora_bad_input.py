@@ -122,9 +122,17 @@ def test_a_weights_file_of_the_wrong_kind(setup, tmp_path):
     save_file({"base_model.model.model.layers.0.self_attn.q_proj.lora_A.weight": torch.zeros(4, 64)},
               os.path.join(path, "adapter_model.safetensors.tmp"))
     os.replace(os.path.join(path, "adapter_model.safetensors.tmp"), os.path.join(path, "adapter_model.safetensors"))
+    embedding = str(tmp_path / "embedding")
+    os.makedirs(embedding)
+    shutil.copy(os.path.join(path, "adapter_config.json"), embedding)
+    save_file({"base_model.model.model.embed_tokens.lora_embedding_A": torch.zeros(4, 384)},
+              os.path.join(embedding, "adapter_model.safetensors"))
     with LLM(setup["base"], enable_lora=True, **CPU) as llm:
         with pytest.raises(ValueError, match="q_proj has lora_A but not both lora_A and lora_B"):
             llm.add_lora(LoRARequest("half", 1, path))
+        with pytest.raises(ValueError, match="'base_model.model.model.embed_tokens.lora_embedding_A' is not a LoRA "
+                                             "weight of a linear module .*embedding LoRA is not supported"):
+            llm.add_lora(LoRARequest("embedding", 2, embedding))
 
 
 def test_a_gpt_neox_adapter_for_another_width(tmp_path):
