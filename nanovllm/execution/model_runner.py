@@ -10,7 +10,7 @@ from nanovllm.config import Config
 from nanovllm.core.scheduler import ScheduledBatch
 from nanovllm.execution.cpu_decode import cpu_decoder
 from nanovllm.execution.cpu_threads import ThreadGovernor
-from nanovllm.execution.cuda_graph import DecodeGraphs
+from nanovllm.execution.cuda_graph import DecodeGraphs, graph_batch_sizes
 from nanovllm.execution.draft_model import DraftModel
 from nanovllm.execution.kv_cache import bind_kv_cache, create_kv_cache, release_kv_cache, restore_kv_cache
 from nanovllm.execution.logits_processors import build_logits_processors
@@ -77,7 +77,9 @@ class ModelRunner:
                       cpu_kernels=None if on_gpu else cpu_kernels())
         self.model = load_runner_model(config, self.device, self.backend, log=rank == 0)
         self.loras = LoRAManager(self.model, hf_config, config.max_cpu_loras, config.max_lora_rank,
-                                 config.torch_dtype, self.device) if config.enable_lora else None
+                                 config.torch_dtype, self.device, config.max_loras,
+                                 graph_batch_sizes(config.max_num_seqs)[-1] if on_gpu else 0) \
+            if config.enable_lora else None
         self.sampler = Sampler(hf_config.vocab_size, eos_token_ids, self.device, config.logprobs_mode)
         self.drafter = DraftModel(config.draft, self.device, self._governed) if config.draft is not None else None
         self.kv_cache = create_kv_cache(self.model, self.sampler, config, self.device)
@@ -104,17 +106,17 @@ class ModelRunner:
         """What reads the weights and the KV cache where they lie, built once they are in place (at start, and when
         the engine wakes): the one-call CPU decoder (`nanovllm.execution.cpu_decode`, a C++ object holding the
         layers' weights and caches, adding LoRA deltas as the layers do) and the CUDA decode graphs (which bake in
-        every address; none with LoRA, whose deltas run eagerly)."""
+        every address; LoRA's too, `LoRAManager.capturing`)."""
         config, on_gpu = self.config, self.device.type == "cuda"
         self.cpu_decoder = None  # decode steps in one C++ call (`nanovllm.execution.cpu_decode`)
         if not on_gpu and cpu_kernels() is not None and not config.enforce_eager:
             self.cpu_decoder = cpu_decoder(self.model)
         self.graphs = None
-        if on_gpu and not config.enforce_eager and not config.enable_lora and self.backend.capturable and \
-                config.runner == "generate":
-            self.graphs = DecodeGraphs(self.model, config.max_num_seqs, config.blocks_per_sequence,
-                                       config.max_model_len, config.hf_config.hidden_size, config.torch_dtype,
-                                       self.device)
+        if on_gpu and not config.enforce_eager and self.backend.capturable and config.runner == "generate":
+            with self.loras.capturing() if self.loras is not None else nullcontext():
+                self.graphs = DecodeGraphs(self.model, config.max_num_seqs, config.blocks_per_sequence,
+                                           config.max_model_len, config.hf_config.hidden_size, config.torch_dtype,
+                                           self.device)
 
     def exit(self) -> None:
         if self.workers is not None:

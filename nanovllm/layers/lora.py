@@ -3,7 +3,7 @@
 A step's tokens are mapped to adapters once (`set_lora_step`). On the CPU (its kernels built) one call per layer,
 `lora_add` (`kernels/csrc/lora_ops.cpp`), gives every row its own adapter's delta, computing no other adapter's
 products: the layer keeps the step's adapters packed for it (A stacked, each slice's B transposed, a table of slices).
-Elsewhere, whichever costs less:
+Elsewhere on the CPU, whichever costs less:
 - small steps (decodes, short chunks: at most `STACKED_ROWS` rows) are stacked: each layer keeps, for the step's
   adapters, their A matrices stacked and their B matrices side by side (zero where a slice does not reach), so one
   shrink matmul over every row, a 0/1 mask keeping each row's own adapter's columns, one expand matmul and each
@@ -11,6 +11,9 @@ Elsewhere, whichever costs less:
   are (the extra products with other adapters' columns are cheap at these sizes, the Python per operation is not);
 - larger steps are grouped: per adapter, one shrink matmul over its rows (gathered by index) and one expand per
   output slice, added into those rows, so no row pays for another adapter's rank.
+On CUDA the same packing feeds two Triton kernels (`kernels/triton_lora.py`), copied into buffers of fixed capacity
+(`Slots`: `max_loras` adapters of ranks up to `max_lora_rank`) when a step's adapters change, so that a CUDA graph
+captured once adds the deltas of whichever adapters a replay's rows have.
 Tokens of the base model get nothing. The base linear is untouched, so a float, prepacked or GGML-quantized weight
 is the same.
 """
@@ -49,7 +52,8 @@ class LoRAWeights:
 class LoRAStep:
     """The running step's tokens by adapter. Stacked (`adapters` set): `adapters` are the step's adapter ids and
     `token_index` each row's position among them (`len(adapters)`: the base). Grouped: `groups` is each adapter's
-    rows (None: every row)."""
+    rows (None: every row). For the Triton kernels `token_index` may run past the step's rows (a CUDA graph's
+    buffer: the kernels read as many as the layer's input has), padded with slots past the step's adapters."""
 
     adapters: tuple[int, ...] = ()
     token_index: torch.Tensor | None = None
@@ -86,18 +90,77 @@ class Packed:
     slot_slices: torch.Tensor
 
 
+@dataclass
+class Slots:
+    """A layer's buffers for the Triton kernels: a `Packed` of fixed capacity, `slots` adapters of at most `a_rows` A
+    rows, `slices` slices and `b_size` B values each, at addresses that never change."""
+
+    packed: Packed
+    slots: int
+    a_rows: int
+    slices: int
+    b_size: int
+
+    def load(self, packed: Packed | None, count: int) -> None:
+        """Hold `packed`, the packing of a step's `count` adapters (None: none adapts the layer)."""
+        p = self.packed
+        if packed is None:
+            p.slot_slices.zero_()
+            return
+        slices = packed.slices.size(0)
+        p.a[:packed.a.size(0)].copy_(packed.a)
+        p.bt[:packed.bt.numel()].copy_(packed.bt)
+        p.slices[:slices].copy_(packed.slices)
+        p.scales[:slices].copy_(packed.scales)
+        p.slot_slices[:count + 1].copy_(packed.slot_slices)
+        p.slot_slices[count + 1:] = slices
+
+
 class LoRALayer:
     """The adapters a linear layer carries (adapter id -> weights), for `LinearBase.forward` to add to its output.
     A plain object, not a module: adapters are no parameters of the model (`load_weights`, sleep mode and the
     state dict never see them)."""
 
-    def __init__(self, in_features: int, out_features: int, kernel: bool = False):
-        """`kernel`: add the deltas with the CPU kernel `lora_add` (see `uses_kernel`)."""
+    def __init__(self, in_features: int, out_features: int, kernel: bool = False, slices: int = 1):
+        """`kernel`: add the deltas with the CPU kernel `lora_add`; `slices`: the output slices an adapter may adapt
+        (q/k/v: 3), for the Triton kernels' capacity (`bind_slots`)."""
         self.in_features = in_features
         self.out_features = out_features
         self.kernel = kernel
+        self.slices = slices
+        self.slots: Slots | None = None
         self.adapters: dict[int, LoRAWeights] = {}
         self._stacked: tuple[tuple[int, ...], Stacked | Packed | None] | None = None  # the last step's adapters
+
+    def bind_slots(self, slots: int, max_rank: int, dtype: torch.dtype, device: torch.device) -> None:
+        """Add the deltas with the Triton kernels (`nanovllm.kernels.triton_lora`) from `Slots` for `slots` adapters
+        of ranks up to `max_rank`, which `load_slots` fills before each step."""
+        from nanovllm.kernels.triton_lora import lora_add  # Triton: only where there is a GPU (or its interpreter)
+
+        self._triton_add = lora_add
+        a_rows, b_size = self.slices * max_rank, max_rank * self.out_features
+        self.slots = Slots(Packed(torch.zeros(slots * a_rows, self.in_features, dtype=dtype, device=device),
+                                  torch.zeros(slots * b_size, dtype=dtype, device=device),
+                                  torch.zeros(slots * self.slices, 6, dtype=torch.int64, device=device),
+                                  torch.zeros(slots * self.slices, dtype=torch.float32, device=device),
+                                  torch.zeros(slots + 1, dtype=torch.int64, device=device)),
+                           slots, a_rows, self.slices, b_size)
+        self._stacked = None
+
+    def overflow(self, weights: LoRAWeights) -> str | None:
+        """What of an adapter's `weights` exceeds a slot of `bind_slots` (None: they fit)."""
+        s, pieces = self.slots, weights.slices
+        for what, have, room in (("slices", len(pieces), s.slices), ("A rows", weights.a.size(0), s.a_rows),
+                                 ("B values", sum(piece.b.numel() for piece in pieces), s.b_size)):
+            if have > room:
+                return f"{have} {what} for one projection, more than its {room}"
+        return None
+
+    def load_slots(self, adapters: tuple[int, ...]) -> None:
+        """Put a step's `adapters` in the `Slots` (copied only when they differ from the last step's)."""
+        if self._stacked is None or self._stacked[0] != adapters:
+            self.slots.load(self._stack(adapters), len(adapters))
+            self._stacked = adapters, None  # the slots hold the packing: no second copy kept
 
     def add_adapter(self, adapter_id: int, weights: LoRAWeights) -> None:
         self.adapters[adapter_id] = weights
@@ -110,6 +173,13 @@ class LoRALayer:
     def add_to(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
         """`y` (the base output for input `x`) with each token's adapter delta added, in place."""
         step = _step
+        if self.slots is not None:
+            if step.token_index is not None:
+                s = self.slots
+                self._triton_add(y.view(-1, self.out_features), x.reshape(-1, self.in_features), s.packed.a,
+                                 s.packed.bt, s.packed.slices, s.packed.scales, step.token_index,
+                                 s.packed.slot_slices, s.slots, s.a_rows)
+            return y
         if self.kernel:
             if step.adapters and (packed := self.packed(step.adapters)) is not None:
                 cpu_kernels().lora_add(y, x.reshape(-1, self.in_features), packed.a, packed.bt, packed.slices,
@@ -151,7 +221,8 @@ class LoRALayer:
             return self._stacked[1]
         present = [(i, self.adapters[adapter_id]) for i, adapter_id in enumerate(adapters)
                    if adapter_id in self.adapters]
-        stacked = (_pack if self.kernel else _stack)(present, len(adapters), self.out_features) if present else None
+        packs = self.kernel or self.slots is not None
+        stacked = (_pack if packs else _stack)(present, len(adapters), self.out_features) if present else None
         self._stacked = adapters, stacked
         return stacked
 

@@ -3,6 +3,8 @@ step's tokens mapped to their adapters for the adapted layers (`nanovllm.layers.
 (`max_loras`) is the scheduler's rule; an adapter the LRU dropped while its requests waited is read again when they
 run."""
 from collections import OrderedDict
+from collections.abc import Iterator
+from contextlib import contextmanager
 
 import torch
 from torch import nn
@@ -27,16 +29,36 @@ class LoRAManager:
     id names one adapter path for the engine's life (the prefix cache keys K/V by the id)."""
 
     def __init__(self, model: nn.Module, hf_config: PretrainedConfig, max_cpu_loras: int, max_lora_rank: int,
-                 dtype: torch.dtype, device: torch.device):
+                 dtype: torch.dtype, device: torch.device, max_loras: int = 1, graph_rows: int = 0):
+        """`max_loras`: the most adapters a step has; on CUDA the layers add their deltas with Triton (`use_triton`,
+        `graph_rows`: the largest CUDA graph's rows)."""
         self.model, self.hf_config = model, hf_config
         self.kernel = device.type == "cpu" and cpu_kernels() is not None
         self.layers = attach_lora_layers(model, self.kernel)
         self.capacity, self.max_rank, self.dtype, self.device = max_cpu_loras, max_lora_rank, dtype, device
+        self.max_loras = max_loras
+        self.triton = False
+        self.graph_rows = torch.empty(0, dtype=torch.int64)
+        if device.type == "cuda":
+            self.use_triton(graph_rows)
         self.requests: dict[int, LoRARequest] = {}
         self.loaded: OrderedDict[int, dict[LoRALayer, LoRAWeights]] = OrderedDict()  # least recently used first
         self.pinned: set[int] = set()
         self.num_loads = 0
         self.tp_rank, self.tp_size = tp_rank_and_size()
+
+    def use_triton(self, graph_rows: int) -> None:
+        """Add the deltas with the Triton kernels (`LoRALayer.bind_slots`: room for `max_loras` adapters), the slots
+        of the rows of a step of up to `graph_rows` rows (a CUDA graph's) in one buffer (`capturing`). On CUDA; the
+        tests call it on the CPU too, under Triton's interpreter."""
+        try:
+            for layer in self.layers.values():
+                layer.bind_slots(self.max_loras, self.max_rank, self.dtype, self.device)
+        except ImportError:
+            raise ValueError("LoRA on CUDA adds its deltas with Triton, which does not import here; install it "
+                             "(pip install triton)") from None
+        self.triton = True
+        self.graph_rows = torch.full((graph_rows,), self.max_loras, dtype=torch.int64, device=self.device)
 
     def add(self, request: LoRARequest) -> bool:
         """Make sure `request`'s adapter is loaded (read now unless it is); whether it was read. A ValueError or
@@ -61,6 +83,11 @@ class LoRAManager:
         label = describe(request)
         weights = adapter_weights(self._read(request.lora_path, label), self.model, self.layers, label,
                                   self.max_rank, self.dtype, self.device, self.tp_rank, self.tp_size)
+        if self.triton:
+            for layer, layer_weights in weights.items():
+                if (overflow := layer.overflow(layer_weights)) is not None:
+                    raise ValueError(f"LoRA adapter {label}: {overflow} (adapt each projection once: q_proj, k_proj "
+                                     "and v_proj, or qkv_proj)")
         for layer, layer_weights in weights.items():
             layer.add_adapter(request.lora_int_id, layer_weights)
         self.loaded[request.lora_int_id] = weights
@@ -107,9 +134,10 @@ class LoRAManager:
         return set(self.loaded)
 
     def start_step(self, rows: list[tuple[int, int]]) -> None:
-        """Map the step's rows to adapters (`nanovllm.layers.lora.LoRAStep`: by slot for the CPU kernel, else stacked
-        or grouped by the step's size): `rows` is each sequence's (adapter id, 0 for the base; its row count), in the
-        order its rows are packed. The step's adapters are loaded first (read again if the LRU dropped them)."""
+        """Map the step's rows to adapters (`nanovllm.layers.lora.LoRAStep`: by slot for the CPU kernel and Triton,
+        else stacked or grouped by the step's size): `rows` is each sequence's (adapter id, 0 for the base; its row
+        count), in the order its rows are packed. The step's adapters are loaded first (read again if the LRU dropped
+        them), and for Triton put in the layers' slots."""
         ids = {lora_id for lora_id, _ in rows if lora_id}
         for lora_id in ids & self.loaded.keys():
             self.loaded.move_to_end(lora_id)
@@ -117,12 +145,20 @@ class LoRAManager:
             self._load(self.requests[lora_id], keep=ids)
         adapters = tuple(sorted(ids))
         total = sum(count for _, count in rows)
+        if self.triton:
+            for layer in self.layers.values():
+                layer.load_slots(adapters)
         if not adapters:
             step = LoRAStep()
-        elif self.kernel or total <= STACKED_ROWS:
+        elif self.kernel or self.triton or total <= STACKED_ROWS:
             position = {lora_id: i for i, lora_id in enumerate(adapters)}
-            index = [position.get(lora_id, len(adapters)) for lora_id, count in rows for _ in range(count)]
-            step = LoRAStep(adapters, torch.tensor(index, dtype=torch.int64, device=self.device))
+            index = torch.tensor([position.get(lora_id, len(adapters)) for lora_id, count in rows
+                                  for _ in range(count)], dtype=torch.int64)
+            if self.triton and total <= self.graph_rows.numel():
+                self.graph_rows[:total].copy_(index)
+                self.graph_rows[total:] = self.max_loras
+                index = self.graph_rows
+            step = LoRAStep(adapters, index.to(self.device))
         else:
             groups: dict[int, list[int]] = {}
             first = 0
@@ -137,3 +173,13 @@ class LoRAManager:
 
     def end_step(self) -> None:
         clear_lora_step()
+
+    @contextmanager
+    def capturing(self) -> Iterator[None]:
+        """While CUDA graphs are captured: the layers' kernels read each row's slot from the buffer that `start_step`
+        fills for steps of up to `graph_rows` rows (a step without adapters empties the layers' slots instead)."""
+        set_lora_step(LoRAStep(token_index=self.graph_rows))
+        try:
+            yield
+        finally:
+            clear_lora_step()

@@ -32,7 +32,8 @@ def attach_lora_layers(model: nn.Module, kernel: bool) -> dict[tuple[int, str, s
                 linear = getattr(getattr(layer, block, None), name, None)
                 if isinstance(linear, LinearBase):
                     out_features, in_features = _shape(linear)
-                    linear.lora = LoRALayer(in_features, out_features, kernel)
+                    slices = 3 if isinstance(linear, QKVParallelLinear) else len(getattr(linear, "output_sizes", [0]))
+                    linear.lora = LoRALayer(in_features, out_features, kernel, slices)
                     found[index, block, name] = linear.lora
     return found
 

@@ -34,11 +34,11 @@ def make_adapter(base: str, path: str, seed: int, **settings) -> str:
     return path
 
 
-def peft_greedy(base: str, adapter: str | None, prompts: list[list[int]]) -> list[list[int]]:
+def peft_greedy(base: str, adapter: str | None, prompts: list[list[int]], device: str = "cpu") -> list[list[int]]:
     model = AutoModelForCausalLM.from_pretrained(base, dtype=torch.float32)
     if adapter is not None:
         model = peft.PeftModel.from_pretrained(model, adapter)
-    return hf_greedy(model.eval(), prompts, MAX_TOKENS)
+    return hf_greedy(model.to(device).eval(), prompts, MAX_TOKENS, device)
 
 
 def engine(base: str, **settings) -> LLM:
@@ -78,8 +78,8 @@ def test_each_adapter_alone_equals_peft(qwen3):
 def test_mixed_batch_beyond_max_loras(qwen3, settings, monkeypatch):
     """Three adapters and the base, each prompt under each, in one call with max_loras=2: every output is its
     adapter's alone (PEFT's), with prompts chunked, or with too few KV blocks for all (preemption); and through
-    torch's operators instead of the CPU kernel (as without a compiler, or on CUDA), every step's rows stacked, or
-    grouped by adapter as steps of more than `STACKED_ROWS` rows are."""
+    torch's operators instead of the CPU kernel (as without a compiler), every step's rows stacked, or
+    grouped by adapter as steps of more than `STACKED_ROWS` rows are (CUDA's Triton kernels: the test below)."""
     settings = dict(settings)
     path = settings.pop("path", None)
     if path is not None:
@@ -99,6 +99,27 @@ def test_mixed_batch_beyond_max_loras(qwen3, settings, monkeypatch):
         if "num_kvcache_blocks" in settings:
             assert llm.stats()["num_preemptions"] > 0
     assert tokens(outputs) == [t for name in names for t in qwen3["expected"][name]]
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("enforce_eager", [False, True])
+def test_cuda_triton_kernels_and_graphs_equal_peft_on_the_gpu(qwen3, enforce_eager):
+    """On a GPU in float32, three adapters and the base mixed in one call with max_loras=2, decode steps replayed
+    from CUDA graphs (adapters changing between replays) or run eagerly: every output is PEFT's on the same GPU."""
+    names = [None, "a", "b", "c"]
+    prompts = [prompt for _ in names for prompt in PROMPTS]
+    loras = [qwen3["requests"].get(name) for name in names for _ in PROMPTS]
+    expected = [t for name in names for t in peft_greedy(qwen3["base"], qwen3["adapters"].get(name), PROMPTS, "cuda")]
+    with LLM(qwen3["base"], enable_lora=True, dtype="float32", max_loras=2, max_lora_rank=8, max_num_seqs=8,
+             enforce_eager=enforce_eager) as llm:
+        runner, replays = llm.engine.model_runner, []
+        assert (runner.graphs is None) == enforce_eager
+        if not enforce_eager:
+            run = runner.graphs.run
+            runner.graphs.run = lambda *args: (replays.append(args[0].size(0)), run(*args))[1]
+        outputs = llm.generate(prompts, GREEDY, lora_request=loras, use_tqdm=False)
+    assert tokens(outputs) == expected
+    assert bool(replays) != enforce_eager
 
 
 def test_prefix_cache_is_kept_apart_by_adapter(qwen3):

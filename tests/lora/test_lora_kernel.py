@@ -3,9 +3,10 @@ several ranks and scales, adapters that skip a slice or the whole layer, base ro
 a row's result bit for bit the same whatever shares its call and however many threads run it."""
 import pytest
 import torch
+from lora_deltas import IN, OUTS, STEP, layer_adapters, reference, row_adapters
 
 from nanovllm.kernels.cpu import cpu_kernels
-from nanovllm.layers.lora import LoRALayer, LoRASlice, LoRAStep, LoRAWeights, clear_lora_step, set_lora_step
+from nanovllm.layers.lora import LoRALayer, LoRAStep, LoRAWeights, clear_lora_step, set_lora_step
 
 pytestmark = pytest.mark.skipif(cpu_kernels() is None, reason="the CPU kernels cannot be built here")
 
@@ -14,59 +15,31 @@ pytestmark = pytest.mark.skipif(cpu_kernels() is None, reason="the CPU kernels c
 def no_step_left_behind():
     yield
     clear_lora_step()
-IN, OUTS = 40, (24, 8, 17)  # a fused layer of three output slices, odd sizes
 
 
-def adapter(generator: torch.Generator, ranks: tuple[int, ...], dtype: torch.dtype) -> LoRAWeights:
-    """An adapter on the slices whose rank is not 0, each with its own scale."""
-    slices, a, first, offset = [], [], 0, 0
-    for index, (rank, size) in enumerate(zip(ranks, OUTS)):
-        if rank:
-            a.append(torch.randn(rank, IN, generator=generator))
-            b = torch.randn(size, rank, generator=generator)
-            slices.append(LoRASlice(offset, size, b.to(dtype), first, first + rank, 0.5 + index))
-            first += rank
-        offset += size
-    return LoRAWeights(torch.cat(a).to(dtype), slices)
-
-
-def reference(x: torch.Tensor, y: torch.Tensor, weights: dict[int, LoRAWeights], row_adapters: list[int]):
-    out = y.double().clone()
-    for row, adapter_id in enumerate(row_adapters):
-        if adapter_id in weights:
-            w = weights[adapter_id]
-            shrunk = w.a.double() @ x[row].double()
-            for s in w.slices:
-                out[row, s.offset:s.offset + s.size] += s.scale * (s.b.double() @ shrunk[s.rank_from:s.rank_to])
-    return out
-
-
-def layer_and_step(dtype: torch.dtype, row_adapters: list[int]) -> tuple[LoRALayer, dict[int, LoRAWeights]]:
-    generator = torch.Generator().manual_seed(0)
-    weights = {1: adapter(generator, (4, 2, 3), dtype), 2: adapter(generator, (0, 5, 0), dtype),
-               4: adapter(generator, (1, 1, 1), dtype)}
+def layer_and_step(dtype: torch.dtype, rows_adapters: list[int]) -> tuple[LoRALayer, dict[int, LoRAWeights]]:
+    weights = layer_adapters(dtype)
     layer = LoRALayer(IN, sum(OUTS), kernel=True)
     for adapter_id, w in weights.items():
         layer.add_adapter(adapter_id, w)
-    adapters = (1, 2, 3, 4)  # 3 is in the step but does not adapt this layer
-    index = [adapters.index(i) if i else len(adapters) for i in row_adapters]
-    set_lora_step(LoRAStep(adapters, torch.tensor(index, dtype=torch.int64)))
+    index = [STEP.index(i) if i else len(STEP) for i in rows_adapters]
+    set_lora_step(LoRAStep(STEP, torch.tensor(index, dtype=torch.int64)))
     return layer, weights
 
 
 @pytest.mark.parametrize("dtype, tolerance", [(torch.float32, 1e-5), (torch.bfloat16, 2e-2)])
 @pytest.mark.parametrize("rows", [1, 3, 4, 5, 9, 17])
 def test_deltas_against_a_float64_reference(dtype, tolerance, rows):
-    row_adapters = [(0, 1, 2, 3, 4, 1, 1)[(r * 5) % 7] for r in range(rows)]
-    layer, weights = layer_and_step(dtype, row_adapters)
+    rows_adapters = row_adapters(rows)
+    layer, weights = layer_and_step(dtype, rows_adapters)
     generator = torch.Generator().manual_seed(rows)
     x = torch.randn(rows, IN, generator=generator).to(dtype)
     y = torch.randn(rows, sum(OUTS), generator=generator).to(dtype)
-    expected = reference(x, y, weights, row_adapters)
+    expected = reference(x, y, weights, rows_adapters)
     out = layer.add_to(x, y.clone())
     scale = expected.abs().max().item()
     assert (out.double() - expected).abs().max().item() <= tolerance * scale
-    for row, adapter_id in enumerate(row_adapters):
+    for row, adapter_id in enumerate(rows_adapters):
         if adapter_id not in weights:  # the base, and adapter 3: untouched
             assert torch.equal(out[row], y[row])
 
