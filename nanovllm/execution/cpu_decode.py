@@ -62,8 +62,11 @@ class CpuDecoder:
             for j, linear in enumerate(_projections(layer)):
                 packed = None if linear.lora is None else linear.lora.packed(adapters)
                 if self.packs.get((i, j)) is not packed:
-                    self.stack.set_lora(i, j, [] if packed is None else
-                                        [packed.a, packed.bt, packed.slices, packed.scales, packed.slot_slices])
+                    if packed is None:
+                        self.stack.set_lora(i, j, [], [], [])
+                    else:
+                        table = [packed.slices, packed.scales, packed.slot_slices]
+                        self.stack.set_lora(i, j, packed.a, packed.bt, table)
                     self.packs[i, j] = packed
 
 

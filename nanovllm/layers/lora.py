@@ -2,7 +2,9 @@
 
 A step's tokens are mapped to adapters once (`set_lora_step`). On the CPU (its kernels built) one call per layer,
 `lora_add` (`kernels/csrc/lora_ops.cpp`), gives every row its own adapter's delta, computing no other adapter's
-products: the layer keeps the step's adapters packed for it (A stacked, each slice's B transposed, a table of slices).
+products: the layer keeps each adapter packed for it once (its A, its slices' B transposed in one buffer), and a
+step's table of its adapters' slices (a few integers: a step whose adapters differ from the last one's costs no copy
+of weights).
 Elsewhere on the CPU, whichever costs less:
 - small steps (decodes, short chunks: at most `STACKED_ROWS` rows) are stacked: each layer keeps, for the step's
   adapters, their A matrices stacked and their B matrices side by side (zero where a slice does not reach), so one
@@ -79,41 +81,56 @@ class Stacked:
 
 @dataclass
 class Packed:
-    """A layer's adapters as `lora_add` takes them: A stacked (their ranks' sum x in), every slice's B transposed
-    (rank x its size) one after another, flat, and a row per slice (adapter slot, first A row, rank, output offset,
-    size, where its B starts) with its scale; slot i's slices are rows `slot_slices[i]..slot_slices[i + 1]`."""
+    """A layer's share of a step's adapters as `lora_add` takes them: slot i's A (its ranks' sum x in) and its
+    slices' B transposed (rank x size each) one after another, flat (empty where the adapter skips the layer); and a
+    row per slice (slot, first A row, rank, output offset, size, where its B starts) with its scale, slot i's rows
+    being `slot_slices[i]..slot_slices[i + 1]`."""
+
+    a: list[torch.Tensor]
+    bt: list[torch.Tensor]
+    slices: torch.Tensor
+    scales: torch.Tensor
+    slot_slices: torch.Tensor
+
+    def joined(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Every slot's A, then every slot's B, one after another, and the slice table's offsets into them."""
+        rows = torch.tensor([0] + [a.size(0) for a in self.a[:-1]]).cumsum(0)
+        values = torch.tensor([0] + [bt.numel() for bt in self.bt[:-1]]).cumsum(0)
+        slices, slot = self.slices.clone(), self.slices[:, 0]
+        slices[:, 1] += rows.to(slices.device)[slot]
+        slices[:, 5] += values.to(slices.device)[slot]
+        return torch.cat(self.a), torch.cat(self.bt), slices
+
+
+@dataclass
+class Slots:
+    """A layer's buffers for the Triton kernels, at addresses that never change: a step's `Packed` joined (every
+    slot's A, then every B, one buffer each; the slice table, scales and each slot's first slice), for at most
+    `slots` adapters of `a_rows` A rows, `max_slices` slices and `b_size` B values each."""
 
     a: torch.Tensor
     bt: torch.Tensor
     slices: torch.Tensor
     scales: torch.Tensor
     slot_slices: torch.Tensor
-
-
-@dataclass
-class Slots:
-    """A layer's buffers for the Triton kernels: a `Packed` of fixed capacity, `slots` adapters of at most `a_rows` A
-    rows, `slices` slices and `b_size` B values each, at addresses that never change."""
-
-    packed: Packed
     slots: int
     a_rows: int
-    slices: int
+    max_slices: int
     b_size: int
 
     def load(self, packed: Packed | None, count: int) -> None:
         """Hold `packed`, the packing of a step's `count` adapters (None: none adapts the layer)."""
-        p = self.packed
         if packed is None:
-            p.slot_slices.zero_()
+            self.slot_slices.zero_()
             return
-        slices = packed.slices.size(0)
-        p.a[:packed.a.size(0)].copy_(packed.a)
-        p.bt[:packed.bt.numel()].copy_(packed.bt)
-        p.slices[:slices].copy_(packed.slices)
-        p.scales[:slices].copy_(packed.scales)
-        p.slot_slices[:count + 1].copy_(packed.slot_slices)
-        p.slot_slices[count + 1:] = slices
+        a, bt, table = packed.joined()
+        slices = table.size(0)
+        self.a[:a.size(0)].copy_(a)
+        self.bt[:bt.numel()].copy_(bt)
+        self.slices[:slices].copy_(table)
+        self.scales[:slices].copy_(packed.scales)
+        self.slot_slices[:count + 1].copy_(packed.slot_slices)
+        self.slot_slices[count + 1:] = slices
 
 
 class LoRALayer:
@@ -131,6 +148,7 @@ class LoRALayer:
         self.slots: Slots | None = None
         self.adapters: dict[int, LoRAWeights] = {}
         self._stacked: tuple[tuple[int, ...], Stacked | Packed | None] | None = None  # the last step's adapters
+        self._own: dict[int, _Own] = {}  # each adapter packed for the kernels, on first use
 
     def bind_slots(self, slots: int, max_rank: int, dtype: torch.dtype, device: torch.device) -> None:
         """Add the deltas with the Triton kernels (`nanovllm.kernels.triton_lora`) from `Slots` for `slots` adapters
@@ -139,18 +157,18 @@ class LoRALayer:
 
         self._triton_add = lora_add
         a_rows, b_size = self.slices * max_rank, max_rank * self.out_features
-        self.slots = Slots(Packed(torch.zeros(slots * a_rows, self.in_features, dtype=dtype, device=device),
-                                  torch.zeros(slots * b_size, dtype=dtype, device=device),
-                                  torch.zeros(slots * self.slices, 6, dtype=torch.int64, device=device),
-                                  torch.zeros(slots * self.slices, dtype=torch.float32, device=device),
-                                  torch.zeros(slots + 1, dtype=torch.int64, device=device)),
-                           slots, a_rows, self.slices, b_size)
+        self.slots = Slots(torch.zeros(slots * a_rows, self.in_features, dtype=dtype, device=device),
+                           torch.zeros(slots * b_size, dtype=dtype, device=device),
+                           torch.zeros(slots * self.slices, 6, dtype=torch.int64, device=device),
+                           torch.zeros(slots * self.slices, dtype=torch.float32, device=device),
+                           torch.zeros(slots + 1, dtype=torch.int64, device=device), slots, a_rows, self.slices,
+                           b_size)
         self._stacked = None
 
     def overflow(self, weights: LoRAWeights) -> str | None:
         """What of an adapter's `weights` exceeds a slot of `bind_slots` (None: they fit)."""
         s, pieces = self.slots, weights.slices
-        for what, have, room in (("slices", len(pieces), s.slices), ("A rows", weights.a.size(0), s.a_rows),
+        for what, have, room in (("slices", len(pieces), s.max_slices), ("A rows", weights.a.size(0), s.a_rows),
                                  ("B values", sum(piece.b.numel() for piece in pieces), s.b_size)):
             if have > room:
                 return f"{have} {what} for one projection, more than its {room}"
@@ -159,15 +177,16 @@ class LoRALayer:
     def load_slots(self, adapters: tuple[int, ...]) -> None:
         """Put a step's `adapters` in the `Slots` (copied only when they differ from the last step's)."""
         if self._stacked is None or self._stacked[0] != adapters:
-            self.slots.load(self._stack(adapters), len(adapters))
-            self._stacked = adapters, None  # the slots hold the packing: no second copy kept
+            self.slots.load(self.packed(adapters), len(adapters))
 
     def add_adapter(self, adapter_id: int, weights: LoRAWeights) -> None:
         self.adapters[adapter_id] = weights
+        self._own.pop(adapter_id, None)
         self._stacked = None
 
     def remove_adapter(self, adapter_id: int) -> None:
         del self.adapters[adapter_id]
+        self._own.pop(adapter_id, None)
         self._stacked = None
 
     def add_to(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
@@ -176,9 +195,8 @@ class LoRALayer:
         if self.slots is not None:
             if step.token_index is not None:
                 s = self.slots
-                self._triton_add(y.view(-1, self.out_features), x.reshape(-1, self.in_features), s.packed.a,
-                                 s.packed.bt, s.packed.slices, s.packed.scales, step.token_index,
-                                 s.packed.slot_slices, s.slots, s.a_rows)
+                self._triton_add(y.view(-1, self.out_features), x.reshape(-1, self.in_features), s.a, s.bt, s.slices,
+                                 s.scales, step.token_index, s.slot_slices, s.slots, s.a_rows)
             return y
         if self.kernel:
             if step.adapters and (packed := self.packed(step.adapters)) is not None:
@@ -211,38 +229,68 @@ class LoRALayer:
         return y
 
     def packed(self, adapters: tuple[int, ...]) -> Packed | None:
-        """This layer's weights of a step's `adapters`, packed for the CPU kernel (a layer made with `kernel`)."""
-        return self._stack(adapters)
+        """This layer's share of a step's `adapters` packed for the kernels (None when none of them adapts it), kept
+        until the step's adapters or this layer's change."""
+        if self._stacked is not None and self._stacked[0] == adapters:
+            return self._stacked[1]
+        slots = []
+        for adapter_id in adapters:
+            weights = self.adapters.get(adapter_id)
+            if weights is not None and adapter_id not in self._own:
+                self._own[adapter_id] = _Own.of(weights)
+            slots.append(None if weights is None else self._own[adapter_id])
+        self._stacked = adapters, _Own.packed(slots)
+        return self._stacked[1]
 
-    def _stack(self, adapters: tuple[int, ...]) -> Stacked | Packed | None:
-        """This layer's weights of `adapters` stacked, or packed for the kernel (None when none of them adapts it),
-        kept until the step's adapters or this layer's change."""
+    def _stack(self, adapters: tuple[int, ...]) -> Stacked | None:
+        """This layer's weights of `adapters` stacked (None when none of them adapts it), kept until the step's
+        adapters or this layer's change."""
         if self._stacked is not None and self._stacked[0] == adapters:
             return self._stacked[1]
         present = [(i, self.adapters[adapter_id]) for i, adapter_id in enumerate(adapters)
                    if adapter_id in self.adapters]
-        packs = self.kernel or self.slots is not None
-        stacked = (_pack if packs else _stack)(present, len(adapters), self.out_features) if present else None
+        stacked = _stack(present, len(adapters), self.out_features) if present else None
         self._stacked = adapters, stacked
         return stacked
 
 
-def _pack(present: list[tuple[int, LoRAWeights]], slots: int, out_features: int) -> Packed:
-    """`Packed` for the adapters `present` (slot, weights) of a step's `slots`."""
-    a, bt, rows, scales, slot_slices = [], [], [], [], [0] * (slots + 1)
-    first_row = first_b = 0
-    for slot, weights in present:
-        a.append(weights.a)
+@dataclass
+class _Own:
+    """An adapter's part of a layer packed for the kernels: its A, its slices' B transposed one after another, and
+    its slices (first A row, rank, output offset, size, where its B starts, scale)."""
+
+    a: torch.Tensor
+    bt: torch.Tensor
+    slices: list[tuple[int, int, int, int, int, float]]
+
+    @staticmethod
+    def of(weights: LoRAWeights) -> "_Own":
+        bt, slices, first_b = [], [], 0
         for s in weights.slices:
             rank = s.rank_to - s.rank_from
-            rows.append([slot, first_row + s.rank_from, rank, s.offset, s.size, first_b])
+            slices.append((s.rank_from, rank, s.offset, s.size, first_b, s.scale))
             bt.append(s.b.t().reshape(-1))
-            scales.append(s.scale)
             first_b += rank * s.size
-        first_row += weights.a.size(0)
-        slot_slices[slot + 1:] = [len(rows)] * (slots - slot)
-    return Packed(torch.cat(a), torch.cat(bt), torch.tensor(rows, dtype=torch.int64),
-                  torch.tensor(scales, dtype=torch.float32), torch.tensor(slot_slices, dtype=torch.int64))
+        return _Own(weights.a, torch.cat(bt), slices)
+
+    @staticmethod
+    def packed(slots: list["_Own | None"]) -> Packed | None:
+        """A step's `Packed`, slot i adapted by `slots[i]` (None: not this layer; None when no slot adapts it)."""
+        present = [own for own in slots if own is not None]
+        if not present:
+            return None
+        empty, device = present[0].a.new_empty(0), present[0].a.device
+        table, scales, slot_slices = [], [], [0]
+        for slot, own in enumerate(slots):
+            for *row, scale in own.slices if own is not None else ():
+                table.append([slot, *row])
+                scales.append(scale)
+            slot_slices.append(len(table))
+        return Packed([empty if own is None else own.a for own in slots],
+                      [empty if own is None else own.bt for own in slots],
+                      torch.tensor(table, dtype=torch.int64, device=device),
+                      torch.tensor(scales, dtype=torch.float32, device=device),
+                      torch.tensor(slot_slices, dtype=torch.int64, device=device))
 
 
 def _stack(present: list[tuple[int, LoRAWeights]], slots: int, out_features: int) -> Stacked:

@@ -11,7 +11,7 @@ from lora_deltas import IN, OUTS, adapter
 
 pytest.importorskip("triton")
 
-from nanovllm.layers.lora import LoRALayer, LoRAWeights, _pack  # noqa: E402
+from nanovllm.layers.lora import LoRALayer, LoRAWeights  # noqa: E402
 
 CASES = [f"{dtype}-{rows}" for dtype in ("float32", "bfloat16") for rows in (1, 2, 3, 5, 9, 17)] + \
     ["float16-4", "one-row-adapted", "large-float32", "large-bfloat16"]
@@ -65,9 +65,13 @@ def test_slots_hold_the_packing_and_empty_the_rest():
     weights = adapter(torch.Generator().manual_seed(0), (4, 2, 3), torch.float32)
     layer.add_adapter(7, weights)
     layer.load_slots((3, 7))
-    packed, slots = _pack([(1, weights)], 2, sum(OUTS)), layer.slots.packed
-    assert torch.equal(slots.a[:9], packed.a) and torch.equal(slots.bt[:packed.bt.numel()], packed.bt)
-    assert torch.equal(slots.slices[:3], packed.slices) and torch.equal(slots.scales[:3], packed.scales)
+    reference = LoRALayer(IN, sum(OUTS), kernel=True)
+    reference.add_adapter(7, weights)
+    packed, slots = reference.packed((3, 7)), layer.slots
+    a, bt, table = packed.joined()
+    assert torch.equal(slots.a[:9], a) and torch.equal(a, weights.a) and torch.equal(slots.bt[:bt.numel()], bt)
+    assert table[:, 0].tolist() == [1, 1, 1] and table[:, 1].tolist() == [0, 4, 6]  # slot 1's rows, from A's first
+    assert torch.equal(slots.slices[:3], table) and torch.equal(slots.scales[:3], packed.scales)
     assert slots.slot_slices.tolist() == [0, 0, 3, 3]
     layer.load_slots((3,))
     assert slots.slot_slices.tolist() == [0, 0, 0, 0]

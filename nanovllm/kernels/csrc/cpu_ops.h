@@ -36,10 +36,10 @@ void ggml_matmul(const T* x, int64_t M, int64_t K, const uint8_t* w, int64_t w_s
                  int64_t isa, const T* bias, T* out);
 
 // lora_ops.cpp: y [rows, out] (rows `y_stride` apart) += each row's LoRA delta for x [rows, in], row r under adapter
-// slot row_slot[r] (`slots` or more: none); the step's adapters packed as `LoRALayer` packs them (`Packed`: A
-// stacked, B transposed flat, the slice table, scales, each slot's first slice). Threads over tiles of rows.
+// slot row_slot[r] (`slots` or more: none); the step's adapters packed as `LoRALayer` packs them (`Packed`: each
+// slot's A and B transposed flat, the slice table, scales, each slot's first slice). Threads over tiles of rows.
 template <typename T>
-void lora_rows(const T* x, T* y, const T* a, const T* bt, const int64_t* slices, const float* scales,
+void lora_rows(const T* x, T* y, const T* const* a, const T* const* bt, const int64_t* slices, const float* scales,
                const int64_t* row_slot, const int64_t* slot_slices, int64_t rows, int64_t in, int64_t out,
                int64_t slots, int64_t y_stride);
 

@@ -76,18 +76,20 @@ struct GGMLLinear : torch::CustomClassHolder {
   }
 };
 
-// A projection's LoRA adapters for the running step, packed as `nanovllm.layers.lora.Packed` (A stacked, B
-// transposed flat, the slice table, scales, each slot's first slice); empty: none adapts it.
+// A projection's LoRA adapters for the running step, packed as `nanovllm.layers.lora.Packed` (each slot's A and B
+// transposed flat; the slice table, scales, each slot's first slice); no table: none adapts it.
 struct LoRAPack {
-  std::vector<at::Tensor> tensors;
+  std::vector<at::Tensor> a, bt, table;
 
   template <typename T>
   void add(const T* x, int64_t M, int64_t in, T* y, int64_t out, const int64_t* row_slot) const {
-    if (tensors.empty() || row_slot == nullptr) return;
-    const at::Tensor& slot_slices = tensors[4];
-    nanovllm::lora_rows(x, y, tensors[0].const_data_ptr<T>(), tensors[1].const_data_ptr<T>(),
-                        tensors[2].const_data_ptr<int64_t>(), tensors[3].const_data_ptr<float>(), row_slot,
-                        slot_slices.const_data_ptr<int64_t>(), M, in, out, slot_slices.numel() - 1, out);
+    if (table.empty() || row_slot == nullptr) return;
+    std::vector<const T*> a_ptrs, bt_ptrs;
+    for (size_t i = 0; i < a.size(); ++i)
+      a_ptrs.push_back(a[i].const_data_ptr<T>()), bt_ptrs.push_back(bt[i].const_data_ptr<T>());
+    nanovllm::lora_rows(x, y, a_ptrs.data(), bt_ptrs.data(), table[0].const_data_ptr<int64_t>(),
+                        table[1].const_data_ptr<float>(), row_slot, table[2].const_data_ptr<int64_t>(), M, in, out,
+                        table[2].numel() - 1, out);
   }
 };
 
@@ -137,21 +139,28 @@ class DecoderStack : public torch::CustomClassHolder {
       if (linear->segments.size() > 1) scratch_ = std::max(scratch_, linear->widest);
   }
 
-  // Layer `layer`'s projection `projection` (a `Projection`) adds the LoRA deltas of `pack` (the five
-  // tensors of `Packed`, in the activations' dtype; empty: none) from now on, for the rows `forward` maps to slots.
-  void set_lora(int64_t layer, int64_t projection, std::vector<at::Tensor> pack) {
+  // Layer `layer`'s projection `projection` (a `Projection`) adds the LoRA deltas of a `Packed` from now on, for the
+  // rows `forward` maps to slots: each slot's A and B (in the activations' dtype) and `table` (the slice table,
+  // scales and each slot's first slice; empty: no adapter).
+  void set_lora(int64_t layer, int64_t projection, std::vector<at::Tensor> a, std::vector<at::Tensor> bt,
+                std::vector<at::Tensor> table) {
     TORCH_CHECK(layer >= 0 && layer < static_cast<int64_t>(layers_.size()) && projection >= 0 &&
-                    projection < PROJECTIONS && (pack.empty() || pack.size() == 5),
-                "DecoderStack.set_lora: a layer, a projection and the five packed tensors (or none)");
-    if (!pack.empty()) {
+                    projection < PROJECTIONS && (table.empty() || table.size() == 3),
+                "DecoderStack.set_lora: a layer, a projection and the packed table (or none)");
+    if (!table.empty()) {
       const auto dtype = final_norm_.scalar_type();
-      TORCH_CHECK(pack[0].scalar_type() == dtype && pack[1].scalar_type() == dtype &&
-                      pack[2].scalar_type() == at::kLong && pack[3].scalar_type() == at::kFloat &&
-                      pack[4].scalar_type() == at::kLong,
-                  "DecoderStack.set_lora: A and B in the activations' dtype, an int64 slice table, float32 scales");
-      for (auto& t : pack) t = t.contiguous();
+      bool fits = table[0].scalar_type() == at::kLong && table[1].scalar_type() == at::kFloat &&
+                  table[2].scalar_type() == at::kLong && static_cast<int64_t>(a.size()) == table[2].numel() - 1 &&
+                  a.size() == bt.size();
+      for (size_t i = 0; fits && i < a.size(); ++i)
+        fits = a[i].scalar_type() == dtype && bt[i].scalar_type() == dtype && a[i].is_contiguous() &&
+               bt[i].is_contiguous();
+      TORCH_CHECK(fits, "DecoderStack.set_lora: one contiguous A and B per slot in the activations' dtype, an int64 "
+                  "slice table, float32 scales");
+      for (auto& t : table) t = t.contiguous();
     }
-    layers_[layer].lora[projection].tensors = std::move(pack);
+    auto& pack = layers_[layer].lora[projection];
+    pack.a = std::move(a), pack.bt = std::move(bt), pack.table = std::move(table);
   }
 
   // The final norm's output [M, hidden] for M single-query rows: hidden [M, hidden] (the embeddings), their

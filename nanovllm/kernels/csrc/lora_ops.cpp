@@ -120,7 +120,7 @@ void lora_tile(const T* x, T* y, const T* a, const T* bt, const int64_t* slices,
 namespace nanovllm {
 
 template <typename T>
-void lora_rows(const T* x, T* y, const T* a, const T* bt, const int64_t* slices, const float* scales,
+void lora_rows(const T* x, T* y, const T* const* a, const T* const* bt, const int64_t* slices, const float* scales,
                const int64_t* row_slot, const int64_t* slot_slices, int64_t rows, int64_t in, int64_t out,
                int64_t slots, int64_t y_stride) {
   int64_t max_rank = 0;
@@ -143,44 +143,49 @@ void lora_rows(const T* x, T* y, const T* a, const T* bt, const int64_t* slices,
       const int64_t* tile_rows = order.data() + tiles[2 * i];
       const int64_t slot = row_slot[tile_rows[0]];
       const int64_t n = tiles[2 * i + 1];
-      (n == 1 ? lora_tile<1, T> : lora_tile<TILE, T>)(x, y, a, bt, slices, scales, slot_slices[slot],
+      (n == 1 ? lora_tile<1, T> : lora_tile<TILE, T>)(x, y, a[slot], bt[slot], slices, scales, slot_slices[slot],
                                                       slot_slices[slot + 1], tile_rows, n, in, y_stride, xf.data(),
                                                       shrunk.data());
     }
   });
 }
 
-template void lora_rows<float>(const float*, float*, const float*, const float*, const int64_t*, const float*,
-                               const int64_t*, const int64_t*, int64_t, int64_t, int64_t, int64_t, int64_t);
-template void lora_rows<c10::BFloat16>(const c10::BFloat16*, c10::BFloat16*, const c10::BFloat16*,
-                                       const c10::BFloat16*, const int64_t*, const float*, const int64_t*,
-                                       const int64_t*, int64_t, int64_t, int64_t, int64_t, int64_t);
-template void lora_rows<c10::Half>(const c10::Half*, c10::Half*, const c10::Half*, const c10::Half*, const int64_t*,
-                                   const float*, const int64_t*, const int64_t*, int64_t, int64_t, int64_t, int64_t,
-                                   int64_t);
+#define NANOVLLM_LORA_ROWS(T)                                                                                \
+  template void lora_rows<T>(const T*, T*, const T* const*, const T* const*, const int64_t*, const float*,    \
+                             const int64_t*, const int64_t*, int64_t, int64_t, int64_t, int64_t, int64_t);
+NANOVLLM_LORA_ROWS(float)
+NANOVLLM_LORA_ROWS(c10::BFloat16)
+NANOVLLM_LORA_ROWS(c10::Half)
 
 }  // namespace nanovllm
 
-// y [rows, out] (rows contiguous, any row stride) += each row's adapter delta for input x [rows, in]; `a` the step's
-// adapters' A stacked [sum of ranks, in], `bt` every slice's B transposed, flat; `slices` [n, COLUMNS] int64 sorted
-// by slot, `scales` [n] float32, `row_slot` [rows] int64 (the row's adapter slot; `slots` or more: the base, no
-// delta), `slot_slices` [slots + 1] int64: slot s's slices are slices[slot_slices[s] .. slot_slices[s + 1]).
-void lora_add(at::Tensor y, at::Tensor x, at::Tensor a, at::Tensor bt, at::Tensor slices, at::Tensor scales,
-              at::Tensor row_slot, at::Tensor slot_slices) {
+// y [rows, out] (rows contiguous, any row stride) += each row's adapter delta for input x [rows, in]: slot i's A
+// `a[i]` [its ranks' sum, in] and its slices' B transposed `bt[i]`, flat (empty where it has no slice); `slices`
+// [n, COLUMNS] int64 sorted by slot (A rows and B offsets within the slot's own tensors), `scales` [n] float32,
+// `row_slot` [rows] int64 (the row's adapter slot; `slots` or more: the base, no delta), `slot_slices` [slots + 1]
+// int64: slot s's slices are slices[slot_slices[s] .. slot_slices[s + 1]).
+void lora_add(at::Tensor y, at::Tensor x, std::vector<at::Tensor> a, std::vector<at::Tensor> bt, at::Tensor slices,
+              at::Tensor scales, at::Tensor row_slot, at::Tensor slot_slices) {
   TORCH_CHECK(x.dim() == 2 && x.is_contiguous() && y.dim() == 2 && y.stride(1) == 1 && y.size(0) == x.size(0),
               "lora_add: x [rows, in] contiguous, y [rows, out] with contiguous rows");
   TORCH_CHECK(row_slot.scalar_type() == at::kLong && row_slot.numel() == x.size(0) && slices.scalar_type() == at::kLong
                   && slot_slices.scalar_type() == at::kLong && scales.scalar_type() == at::kFloat,
               "lora_add: int64 row slots (one per row), slices and slot_slices; float32 scales");
-  TORCH_CHECK(a.is_contiguous() && bt.is_contiguous() && a.scalar_type() == x.scalar_type() &&
-                  bt.scalar_type() == x.scalar_type() && y.scalar_type() == x.scalar_type(),
-              "lora_add: x, y, a and bt of one dtype");
+  const int64_t slots = slot_slices.numel() - 1;
+  TORCH_CHECK(static_cast<int64_t>(a.size()) == slots && static_cast<int64_t>(bt.size()) == slots,
+              "lora_add: one A and one B buffer per slot");
+  for (int64_t i = 0; i < slots; ++i)
+    TORCH_CHECK(a[i].is_contiguous() && bt[i].is_contiguous() && a[i].scalar_type() == x.scalar_type() &&
+                    bt[i].scalar_type() == x.scalar_type(), "lora_add: contiguous A and B in x's dtype");
+  TORCH_CHECK(y.scalar_type() == x.scalar_type(), "lora_add: x and y of one dtype");
   auto run = [&](auto zero) {
     using T = decltype(zero);
-    nanovllm::lora_rows<T>(x.const_data_ptr<T>(), y.data_ptr<T>(), a.const_data_ptr<T>(), bt.const_data_ptr<T>(),
+    std::vector<const T*> a_ptrs(slots), bt_ptrs(slots);
+    for (int64_t i = 0; i < slots; ++i) a_ptrs[i] = a[i].const_data_ptr<T>(), bt_ptrs[i] = bt[i].const_data_ptr<T>();
+    nanovllm::lora_rows<T>(x.const_data_ptr<T>(), y.data_ptr<T>(), a_ptrs.data(), bt_ptrs.data(),
                            slices.const_data_ptr<int64_t>(), scales.const_data_ptr<float>(),
                            row_slot.const_data_ptr<int64_t>(), slot_slices.const_data_ptr<int64_t>(), x.size(0),
-                           x.size(1), y.size(1), slot_slices.numel() - 1, y.stride(0));
+                           x.size(1), y.size(1), slots, y.stride(0));
   };
   switch (x.scalar_type()) {
     case at::kFloat: run(float{}); break;

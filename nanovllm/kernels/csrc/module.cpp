@@ -16,8 +16,8 @@ int64_t ggml_isa();
 at::Tensor ggml_linear(at::Tensor x, at::Tensor weight, int64_t qtype, int64_t in_features,
                        std::optional<at::Tensor> bias, int64_t isa);
 at::Tensor ggml_embedding(at::Tensor weight, at::Tensor ids, int64_t qtype, int64_t in_features, at::ScalarType dtype);
-void lora_add(at::Tensor y, at::Tensor x, at::Tensor a, at::Tensor bt, at::Tensor slices, at::Tensor scales,
-              at::Tensor row_slot, at::Tensor slot_slices);
+void lora_add(at::Tensor y, at::Tensor x, std::vector<at::Tensor> a, std::vector<at::Tensor> bt, at::Tensor slices,
+              at::Tensor scales, at::Tensor row_slot, at::Tensor slot_slices);
 
 TORCH_LIBRARY(nanovllm, m) {
   m.def("paged_decode(Tensor q, Tensor k_cache, Tensor v_cache, Tensor block_tables, Tensor context_lens, "
@@ -34,6 +34,6 @@ TORCH_LIBRARY(nanovllm, m) {
         &ggml_linear);
   m.def("ggml_embedding(Tensor weight, Tensor ids, int qtype, int in_features, ScalarType dtype) -> Tensor",
         &ggml_embedding);
-  m.def("lora_add(Tensor(a!) y, Tensor x, Tensor a, Tensor bt, Tensor slices, Tensor scales, Tensor row_slot, "
+  m.def("lora_add(Tensor(a!) y, Tensor x, Tensor[] a, Tensor[] bt, Tensor slices, Tensor scales, Tensor row_slot, "
         "Tensor slot_slices) -> ()", &lora_add);
 }
