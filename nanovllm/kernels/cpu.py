@@ -1,7 +1,8 @@
 """CPU kernels compiled with `torch.utils.cpp_extension` (g++ and torch's headers) the first time an engine starts on
 the CPU, into nanovllm's cache directory, per torch version, CPU (`-march=native` code runs only where it was built)
-and source: `paged_decode`, every single-query row of a step in one call, and the decoder's small ops fused
-(`csrc/fused_ops.cpp`: RMSNorm with the residual add, rotary, SiLU-and-mul, the KV-cache store; the layers reach
+and source: `paged_decode`, every single-query row of a step in one call, an encoder's attention over a step's ragged
+batch in one call per layer (`csrc/encoder_attention.cpp`, reached through `models.bert`), the decoder's small ops
+fused (`csrc/fused_ops.cpp`: RMSNorm with the residual add, rotary, SiLU-and-mul, the KV-cache store; the layers reach
 them through `kernels.fused.fused_op`), matmuls over GGML-quantized weights (`csrc/ggml_quant.cpp`, reached through
 `kernels.ggml`), the whole decode step of a standard decoder in one call (`csrc/decoder_stack.cpp`, reached
 through `execution.cpu_decode`), and LoRA deltas, each row its own adapter's (`csrc/lora_ops.cpp`, reached through
@@ -35,8 +36,8 @@ from nanovllm.progress import Progress
 logger = logging.getLogger("nanovllm")
 NAME = "nanovllm_cpu_kernels"
 CSRC = Path(__file__).with_name("csrc")
-SOURCES = [CSRC / "module.cpp", CSRC / "paged_decode.cpp", CSRC / "fused_ops.cpp", CSRC / "ggml_quant.cpp",
-           CSRC / "decoder_stack.cpp", CSRC / "lora_ops.cpp"]
+SOURCES = [CSRC / "module.cpp", CSRC / "paged_decode.cpp", CSRC / "encoder_attention.cpp", CSRC / "fused_ops.cpp",
+           CSRC / "ggml_quant.cpp", CSRC / "decoder_stack.cpp", CSRC / "lora_ops.cpp"]
 CFLAGS = ["-O3", "-march=native", "-fopenmp"]
 BUILD_WAIT_S = 600.0
 PROGRESS_EVERY_S = 10.0

@@ -14,6 +14,7 @@ from transformers.activations import ACT2FN
 
 from nanovllm.config import PoolerConfig
 from nanovllm.kernels.attention.context import get_context
+from nanovllm.kernels.cpu import cpu_kernels
 from nanovllm.layers.ggml_weight import GGMLTensor
 from nanovllm.layers.linear import ReplicatedLinear
 from nanovllm.layers.pooler import Pooler
@@ -31,8 +32,12 @@ def bidirectional_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, s
     """Every row of each sequence of the step (`cu_seqlens_q` of the attention context) attends to all of its
     sequence's rows, or with `window` > 0 to those at most `window` positions before or after it (transformers'
     bidirectional sliding window, `|i - j| <= window`: ModernBERT's local layers); q, k, v are [rows, heads,
-    head_dim]."""
-    bounds = get_context().cu_seqlens_q.tolist()
+    head_dim]. On the CPU, the compiled kernel does it in one call (`csrc/encoder_attention.cpp`); elsewhere, or
+    without it, SDPA per sequence."""
+    cu_seqlens = get_context().cu_seqlens_q
+    if q.device.type == "cpu" and (kernels := cpu_kernels()) is not None:
+        return kernels.bidirectional_attention(q, k, v, cu_seqlens, scale, window)
+    bounds = cu_seqlens.tolist()
     out = torch.empty_like(q)
     for start, end in zip(bounds, bounds[1:]):
         heads_first = [x[start:end].transpose(0, 1).unsqueeze(0) for x in (q, k, v)]  # 4-D: SDPA's flash kernel

@@ -1,11 +1,13 @@
-// nanovllm's CPU kernels (paged_decode.cpp, fused_ops.cpp, ggml_quant.cpp, lora_ops.cpp) as torch operators,
-// `torch.ops.nanovllm.*`: a plain shared library that torch.ops.load_library loads, with no pybind11 and no Python
-// headers to compile.
+// nanovllm's CPU kernels (paged_decode.cpp, encoder_attention.cpp, fused_ops.cpp, ggml_quant.cpp, lora_ops.cpp) as
+// torch operators, `torch.ops.nanovllm.*`: a plain shared library that torch.ops.load_library loads, with no pybind11
+// and no Python headers to compile.
 #include <ATen/core/Tensor.h>
 #include <torch/library.h>
 
 at::Tensor paged_decode(at::Tensor q, at::Tensor k_cache, at::Tensor v_cache, at::Tensor block_tables,
                         at::Tensor context_lens, double scale, int64_t window, double softcap);
+at::Tensor bidirectional_attention(at::Tensor q, at::Tensor k, at::Tensor v, at::Tensor cu_seqlens, double scale,
+                                   int64_t window);
 at::Tensor rms_norm(at::Tensor x, at::Tensor weight, double eps);
 std::tuple<at::Tensor, at::Tensor> add_rms_norm(at::Tensor x, at::Tensor residual, at::Tensor weight, double eps);
 std::tuple<at::Tensor, at::Tensor> apply_rotary(at::Tensor positions, at::Tensor q, at::Tensor k,
@@ -22,6 +24,8 @@ void lora_add(at::Tensor y, at::Tensor x, std::vector<at::Tensor> a, std::vector
 TORCH_LIBRARY(nanovllm, m) {
   m.def("paged_decode(Tensor q, Tensor k_cache, Tensor v_cache, Tensor block_tables, Tensor context_lens, "
         "float scale, int window=0, float softcap=0.0) -> Tensor", &paged_decode);
+  m.def("bidirectional_attention(Tensor q, Tensor k, Tensor v, Tensor cu_seqlens, float scale, int window=0) "
+        "-> Tensor", &bidirectional_attention);
   m.def("rms_norm(Tensor x, Tensor weight, float eps) -> Tensor", &rms_norm);
   m.def("add_rms_norm(Tensor x, Tensor residual, Tensor weight, float eps) -> (Tensor, Tensor)", &add_rms_norm);
   m.def("apply_rotary(Tensor positions, Tensor q, Tensor k, Tensor cos_sin_cache) -> (Tensor, Tensor)",
