@@ -1,6 +1,7 @@
 """Triton kernels adding LoRA deltas on CUDA (BGMV style, as vLLM's punica kernels): every row gets
-`scale * B @ (A @ x)` of its own adapter, from the packing the CPU kernel `lora_add` takes (`layers.lora.Packed`: A
-stacked, each slice's B transposed flat, a table of slices, each slot's first slice) and a slot per row.
+`scale * B @ (A @ x)` of its own adapter, from a step's packing (`layers.lora.Packed`, the CPU kernel's) joined into
+fixed buffers (`layers.lora.Slots`: every slot's A stacked, every slice's B transposed one after another, the table of
+slices with their offsets into those, each slot's first slice) and a slot per row.
 
 Two kernels: a shrink, one program per (row, block of its slot's A rows), writes `A @ x` in float32; an expand, one
 program per (row, block of output columns), adds to those columns each of the slot's slices that reaches them.
