@@ -25,6 +25,15 @@ def linear(x: torch.Tensor, weight: torch.Tensor | GGMLWeight, bias: torch.Tenso
     return F.linear(x, weight, bias)
 
 
+def linear_gelu(x: torch.Tensor, weight: torch.Tensor | GGMLWeight, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """`F.gelu(linear(x, weight, bias))` (erf's GELU), in the product's own oneDNN call when the weight was prepacked:
+    applied to the float32 sums before they are rounded to x's dtype, with no pass over the output of its own (an
+    encoder's intermediate layer, the MLP's widest output)."""
+    if isinstance(weight, torch.Tensor) and weight.is_mkldnn:
+        return torch.ops.mkldnn._linear_pointwise(x, weight, bias, "gelu", [], "none")
+    return F.gelu(linear(x, weight, bias))
+
+
 class LinearBase(nn.Module):
     def __init__(self, input_size: int, output_size: int, bias: bool = False, tp_dim: int | None = None):
         super().__init__()

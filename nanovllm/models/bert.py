@@ -16,7 +16,7 @@ from nanovllm.config import PoolerConfig
 from nanovllm.kernels.attention.context import get_context
 from nanovllm.kernels.cpu import cpu_kernels
 from nanovllm.layers.ggml_weight import GGMLTensor
-from nanovllm.layers.linear import ReplicatedLinear
+from nanovllm.layers.linear import ReplicatedLinear, linear_gelu
 from nanovllm.layers.pooler import Pooler
 from nanovllm.models.decoder import DecoderOptions
 from nanovllm.models.hf_config import max_positions
@@ -103,12 +103,18 @@ class BertAttention(nn.Module):
 
 
 class BertIntermediate(nn.Module):
+    """The MLP's widening projection and its activation; erf's GELU (`hidden_act="gelu"`) fused into the product
+    (`linear_gelu`)."""
+
     def __init__(self, config: PretrainedConfig):
         super().__init__()
         self.dense = ReplicatedLinear(config.hidden_size, config.intermediate_size, bias=True)
         self.act = ACT2FN[config.hidden_act]
+        self.fused_gelu = config.hidden_act == "gelu"
 
     def forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
+        if self.fused_gelu:
+            return linear_gelu(hidden_states, self.dense.weight, self.dense.bias)
         return self.act(self.dense(hidden_states))
 
 
