@@ -34,7 +34,7 @@ constexpr intv LANE = {0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15};
 constexpr intv LANE = {0, 1, 2, 3, 4, 5, 6, 7};
 #endif
 constexpr int64_t SCORE_ROWS = 8;
-constexpr int64_t QUERY_BLOCK = 64;
+constexpr int64_t QUERY_BLOCK = 128;
 constexpr int64_t MAX_HEAD_DIM = 256;
 
 // Lane l: whether position j + l lies in [from, to).
