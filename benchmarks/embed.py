@@ -49,7 +49,8 @@ def run(args: argparse.Namespace) -> dict:
         reference = SentenceTransformer(args.model, device=device, model_kwargs={"dtype": dtype})
         engines = {"nanovllm": lambda: [o.outputs.embedding for o in llm.embed(corpus, use_tqdm=False)],
                    "sentence-transformers": lambda: reference.encode(corpus, batch_size=32).tolist()}
-        tokens = sum(len(o.prompt_token_ids) for o in llm.embed(corpus[:64], use_tqdm=False)) * len(corpus) / 64
+        sample = corpus[:64]  # the corpus's token count, estimated from its first texts (all of them when few)
+        tokens = sum(len(o.prompt_token_ids) for o in llm.embed(sample, use_tqdm=False)) * len(corpus) / len(sample)
         for embed in engines.values():  # warm-up
             embed()
         rounds: dict[str, list[float]] = {}
