@@ -14,6 +14,7 @@ running `attend` under `torch.cuda.set_sync_debug_mode("error")` and inside a ca
 import pytest
 import torch
 from interpreted import run_interpreted
+from nvidia_compile import ELEMENT, compile_for_nvidia, require_nvidia_backend
 from triton_attention_cases import CORRECTNESS, PAD, Batch, bitwise_cases, correctness_cases, error_ratio, make_batch
 
 pytest.importorskip("triton")
@@ -75,30 +76,20 @@ def test_attend_rejects_inputs_it_cannot_serve(change, message):
         TritonBackend.attend(change(batch), batch.k_cache, batch.v_cache, batch.ctx, batch.scale)
 
 
-def compile_for_nvidia(capability: int, dtype: torch.dtype, heads: int, kv_heads: int, head_dim: int,
-                       page: int, softcap: bool = False) -> None:
-    """Both kernels compiled (not run) for an NVIDIA GPU, with the argument types and divisibility hints the JIT
-    would give them: catches what the interpreter accepts but the compiler does not."""
-    import triton.compiler
-    from triton.backends.compiler import GPUTarget
-
+def compile_attention(capability: int, dtype: torch.dtype, heads: int, kv_heads: int, head_dim: int,
+                      page: int, softcap: bool = False) -> None:
+    """Both kernels, with the argument types the backend gives them; pointers and strides hinted."""
     from nanovllm.kernels.attention import triton_attention as ta
 
-    element = {torch.float16: "*fp16", torch.bfloat16: "*bf16", torch.float32: "*fp32"}[dtype]
+    element = ELEMENT[dtype]
     types = {"out_ptr": element, "q_ptr": element, "k_cache_ptr": element, "v_cache_ptr": element,
              "part_m_ptr": "*fp32", "part_l_ptr": "*fp32", "part_acc_ptr": "*fp32", "qk_scale": "fp32",
              "score_scale": "fp32", "softcap": "fp32"}
     constants = {**ta.kernel_constants(heads, kv_heads, head_dim, page, dtype), "SOFTCAP": softcap}
-    for kernel, kernel_constants, launch in ((ta._attention_kernel, constants, ta.ATTENTION_LAUNCH),
-                                             (ta._reduce_segments_kernel, ta.reduce_constants(constants),
-                                              ta.REDUCE_LAUNCH)):
-        signature = {param.name: "constexpr" if param.name in kernel_constants
-                     else types.get(param.name, "*i32" if param.name.endswith("_ptr") else "i32")
-                     for param in kernel.params}
-        hints = {(param.num,): [["tt.divisibility", 16]] for param in kernel.params
-                 if not param.do_not_specialize and (param.name.endswith("_ptr") or param.name.startswith("stride"))}
-        triton.compiler.compile(triton.compiler.ASTSource(kernel, signature, kernel_constants, hints),
-                                target=GPUTarget("cuda", capability, 32), options=launch)
+    kernels = ((ta._attention_kernel, constants, ta.ATTENTION_LAUNCH),
+               (ta._reduce_segments_kernel, ta.reduce_constants(constants), ta.REDUCE_LAUNCH))
+    compile_for_nvidia(kernels, capability, types, "*i32", lambda param: not param.do_not_specialize and (
+        param.name.endswith("_ptr") or param.name.startswith("stride")))
 
 
 @pytest.mark.parametrize("capability, dtype, heads, kv_heads, head_dim, page, softcap", [
@@ -107,11 +98,8 @@ def compile_for_nvidia(capability: int, dtype: torch.dtype, heads: int, kv_heads
     (90, torch.bfloat16, 8, 4, 256, 256, True),  # Gemma 2: capped scores
 ])
 def test_kernels_compile_for_nvidia_gpus(capability, dtype, heads, kv_heads, head_dim, page, softcap):
-    import triton.backends
-
-    if "nvidia" not in triton.backends.backends:
-        pytest.skip("this triton build has no NVIDIA backend")
-    compile_for_nvidia(capability, dtype, heads, kv_heads, head_dim, page, softcap)
+    require_nvidia_backend()
+    compile_attention(capability, dtype, heads, kv_heads, head_dim, page, softcap)
 
 
 # The compiled kernels on a GPU.

@@ -8,6 +8,7 @@ import pytest
 import torch
 from interpreted import run_interpreted
 from lora_deltas import IN, OUTS, adapter
+from nvidia_compile import ELEMENT, compile_for_nvidia, require_nvidia_backend
 
 pytest.importorskip("triton")
 
@@ -89,34 +90,19 @@ def test_an_adapter_past_a_slot_is_named():
     assert bound().overflow(weights[5, 5, 5]) is None
 
 
-def compile_for_nvidia(capability: int, dtype: torch.dtype) -> None:
-    """Both kernels compiled (not run) for an NVIDIA GPU, with the argument types `lora_add` gives them and the
-    divisibility hints the JIT would: catches what the interpreter accepts but the compiler does not."""
-    import triton.compiler
-    from triton.backends.compiler import GPUTarget
-
+def compile_lora(capability: int, dtype: torch.dtype) -> None:
+    """Both kernels, with the argument types `lora_add` gives them."""
     from nanovllm.kernels import triton_lora
 
-    element = {torch.float16: "*fp16", torch.bfloat16: "*bf16", torch.float32: "*fp32"}[dtype]
     types = {"slices_ptr": "*i64", "slot_slices_ptr": "*i64", "row_slots_ptr": "*i64", "shrunk_ptr": "*fp32",
              "scales_ptr": "*fp32"}
-    for kernel, constants in ((triton_lora._shrink_kernel, {"BLOCK_R": triton_lora.BLOCK_R,
-                                                            "BLOCK_K": triton_lora.BLOCK_K}),
-                              (triton_lora._expand_kernel, {"BLOCK_R": triton_lora.BLOCK_R,
-                                                            "BLOCK_N": triton_lora.BLOCK_N})):
-        signature = {param.name: "constexpr" if param.name in constants
-                     else types.get(param.name, element if param.name.endswith("_ptr") else "i32")
-                     for param in kernel.params}
-        hints = {(param.num,): [["tt.divisibility", 16]] for param in kernel.params if param.name.endswith("_ptr")}
-        triton.compiler.compile(triton.compiler.ASTSource(kernel, signature, constants, hints),
-                                target=GPUTarget("cuda", capability, 32))
+    compile_for_nvidia(((triton_lora._shrink_kernel, {"BLOCK_R": triton_lora.BLOCK_R, "BLOCK_K": triton_lora.BLOCK_K}),
+                        (triton_lora._expand_kernel, {"BLOCK_R": triton_lora.BLOCK_R, "BLOCK_N": triton_lora.BLOCK_N})),
+                       capability, types, ELEMENT[dtype])
 
 
 @pytest.mark.parametrize("capability, dtype", [(80, torch.float32), (80, torch.bfloat16), (90, torch.bfloat16),
                                                (90, torch.float16)])
 def test_kernels_compile_for_nvidia_gpus(capability, dtype):
-    import triton.backends
-
-    if "nvidia" not in triton.backends.backends:
-        pytest.skip("this triton build has no NVIDIA backend")
-    compile_for_nvidia(capability, dtype)
+    require_nvidia_backend()
+    compile_lora(capability, dtype)

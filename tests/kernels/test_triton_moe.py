@@ -7,6 +7,7 @@ set from the start (see test_triton_kv.py).
 import pytest
 import torch
 from interpreted import run_interpreted
+from nvidia_compile import ELEMENT, compile_for_nvidia, require_nvidia_backend
 
 pytest.importorskip("triton")
 
@@ -27,32 +28,19 @@ def test_triton_experts_equal_grouped_experts(results, case, tolerance):
     assert r["max_diff"] <= tolerance * r["scale"]
 
 
-def compile_for_nvidia(capability: int, dtype: torch.dtype) -> None:
-    """Both expert kernels compiled (not run) for an NVIDIA GPU, with the argument types `fused_experts` gives them
-    and the divisibility hints the JIT would: catches what the interpreter accepts but the compiler does not."""
-    import triton.compiler
-    from triton.backends.compiler import GPUTarget
-
+def compile_experts(capability: int, dtype: torch.dtype) -> None:
+    """Both expert kernels, with the argument types `fused_experts` gives them."""
     from nanovllm.kernels import triton_moe
 
-    element = {torch.float16: "*fp16", torch.bfloat16: "*bf16", torch.float32: "*fp32"}[dtype]
     types = {"routing_ptr": "*fp32", "sorted_pairs_ptr": "*i64", "block_experts_ptr": "*i64"}
     blocks = {"BLOCK_M": triton_moe.BLOCK_M, "BLOCK_N": triton_moe.BLOCK_N, "BLOCK_K": triton_moe.BLOCK_K,
               "DOT_FP32": dtype == torch.float32}
-    for kernel, constants in ((triton_moe._gate_up_kernel, {**blocks, "TOP_K": 2}), (triton_moe._down_kernel, blocks)):
-        signature = {param.name: "constexpr" if param.name in constants
-                     else types.get(param.name, element if param.name.endswith("_ptr") else "i32")
-                     for param in kernel.params}
-        hints = {(param.num,): [["tt.divisibility", 16]] for param in kernel.params if param.name.endswith("_ptr")}
-        triton.compiler.compile(triton.compiler.ASTSource(kernel, signature, constants, hints),
-                                target=GPUTarget("cuda", capability, 32))
+    compile_for_nvidia(((triton_moe._gate_up_kernel, {**blocks, "TOP_K": 2}), (triton_moe._down_kernel, blocks)),
+                       capability, types, ELEMENT[dtype])
 
 
 @pytest.mark.parametrize("capability, dtype", [(80, torch.float32), (80, torch.bfloat16), (90, torch.bfloat16),
                                                (90, torch.float16)])
 def test_kernels_compile_for_nvidia_gpus(capability, dtype):
-    import triton.backends
-
-    if "nvidia" not in triton.backends.backends:
-        pytest.skip("this triton build has no NVIDIA backend")
-    compile_for_nvidia(capability, dtype)
+    require_nvidia_backend()
+    compile_experts(capability, dtype)
