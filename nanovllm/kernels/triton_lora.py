@@ -20,6 +20,15 @@ BLOCK_R, BLOCK_K, BLOCK_N = 16, 64, 64
 
 
 @triton.jit
+def _row_slices(row_slots_ptr, slot_slices_ptr, row, num_slots):
+    """The slices `lo..hi` of the row's slot (none, `lo == hi`, for a row of the base: slot `num_slots` or more)."""
+    slot = tl.load(row_slots_ptr + row)
+    adapted = slot < num_slots
+    return (tl.load(slot_slices_ptr + slot, mask=adapted, other=0),
+            tl.load(slot_slices_ptr + slot + 1, mask=adapted, other=0))
+
+
+@triton.jit
 def _slot_a_rows(slices_ptr, lo, hi):
     """The first and past-the-last A row of the slices `lo..hi` (one slot's)."""
     first = tl.load(slices_ptr + lo * 6 + 1)
@@ -36,10 +45,7 @@ def _shrink_kernel(x_ptr, a_ptr, slices_ptr, slot_slices_ptr, row_slots_ptr, shr
                    x_stride, shrunk_stride, BLOCK_R: tl.constexpr, BLOCK_K: tl.constexpr):
     """shrunk[row, r] = A[first + r] . x[row] for a block of the row's slot's A rows (`first`: the slot's first)."""
     row, block = tl.program_id(0), tl.program_id(1)
-    slot = tl.load(row_slots_ptr + row)
-    if slot >= num_slots:
-        return
-    lo, hi = tl.load(slot_slices_ptr + slot), tl.load(slot_slices_ptr + slot + 1)
+    lo, hi = _row_slices(row_slots_ptr, slot_slices_ptr, row, num_slots)
     if lo == hi:
         return
     first, end = _slot_a_rows(slices_ptr, lo, hi)
@@ -65,10 +71,7 @@ def _expand_kernel(y_ptr, shrunk_ptr, bt_ptr, slices_ptr, scales_ptr, slot_slice
     """y[row, cols] += scale * shrunk[row, slice's A rows] @ B^T[:, cols] over the row's slot's slices reaching a
     block of columns (their ranks `BLOCK_R` at a time); columns no slice reaches are not written."""
     row, block = tl.program_id(0), tl.program_id(1)
-    slot = tl.load(row_slots_ptr + row)
-    if slot >= num_slots:
-        return
-    lo, hi = tl.load(slot_slices_ptr + slot), tl.load(slot_slices_ptr + slot + 1)
+    lo, hi = _row_slices(row_slots_ptr, slot_slices_ptr, row, num_slots)
     if lo == hi:
         return
     first, _ = _slot_a_rows(slices_ptr, lo, hi)
