@@ -1,4 +1,6 @@
 """Pure-torch attention backend: the CPU path, and the CUDA fallback of last resort."""
+import functools
+
 import torch
 import torch.nn.functional as F
 from torch.nn.attention import SDPBackend, sdpa_kernel
@@ -125,8 +127,11 @@ class TorchBackend:
             return kernels.store_kvcache(k, v, k_cache, v_cache, slot_mapping)
         valid = slot_mapping >= 0
         slots = slot_mapping[valid]
-        k_cache.view(-1, *k_cache.shape[2:]).index_copy_(0, slots, to_cache_dtype(k[valid], k_cache.dtype))
-        v_cache.view(-1, *v_cache.shape[2:]).index_copy_(0, slots, to_cache_dtype(v[valid], v_cache.dtype))
+        for x, cache in ((k, k_cache), (v, v_cache)):
+            x = to_cache_dtype(x[valid], cache.dtype)
+            if cache.element_size() == 1:  # CUDA's index_copy_ has no float8 kernels: copy the bytes
+                x, cache = x.view(torch.uint8), cache.view(torch.uint8)
+            cache.view(-1, *cache.shape[2:]).index_copy_(0, slots, x)
 
     @staticmethod
     def attend(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, ctx: Context, scale: float, *,
@@ -209,13 +214,15 @@ def _decode_batched(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
 
 def _decode_rows(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_tables: torch.Tensor,
                  context_lens: torch.Tensor, scale: float, window: int, softcap: float) -> torch.Tensor:
-    k = k_cache[block_tables].flatten(1, 2).transpose(1, 2).to(q.dtype)
-    v = v_cache[block_tables].flatten(1, 2).transpose(1, 2).to(q.dtype)
-    keys = torch.arange(k.size(2), device=q.device)
+    """The gathered blocks hold other tokens past each row's context (stale, possibly inf/NaN from a request that
+    overflowed): zeroed, so a masked score or value never turns a row into NaN. A row over no keys (a padding row)
+    gives zeros, as the other backends do."""
+    keys = torch.arange(block_tables.size(1) * k_cache.size(1), device=q.device)
     mask = keys < context_lens[:, None]
     if window:
         mask &= keys >= context_lens[:, None] - window
-    mask = mask[:, None, None, :]
-    if softcap:
-        return _explicit(q.unsqueeze(2), k, v, mask, scale, softcap).squeeze(2)
-    return _sdpa(q.unsqueeze(2), k, v, mask, scale).squeeze(2)
+    k, v = (torch.where(mask[:, None, :, None], cache[block_tables].flatten(1, 2).transpose(1, 2).to(q.dtype), 0)
+            for cache in (k_cache, v_cache))
+    attend = functools.partial(_explicit, softcap=softcap) if softcap else _sdpa
+    out = attend(q.unsqueeze(2), k, v, mask[:, None, None, :], scale).squeeze(2)
+    return out.masked_fill(~mask.any(1)[:, None, None], 0)
