@@ -1,7 +1,8 @@
 """Triton's readers and writer of an 8-bit KV cache under TRITON_INTERPRET=1 (run by test_kv_cache_8bit.py in a fresh
 interpreter; it prints its results as JSON): attention over an 8-bit cache is bitwise attention over the same values
 upcast (every 8-bit float is a float32, float16 and bfloat16 value), for decodes (split keys) and mixed steps, with
-the torch backend as the reference; the store writes what `to_cache_dtype` makes, byte for byte."""
+the torch backend as the reference; the store writes what `to_cache_dtype` makes, byte for byte. On a GPU,
+test_kv_cache_8bit.py runs the same cases compiled (`cases("cuda")`)."""
 import json
 
 import torch
@@ -19,11 +20,11 @@ def attend(backend, batch, k_cache, v_cache) -> torch.Tensor:
     return backend.attend(batch.q, k_cache, v_cache, batch.ctx, batch.scale)
 
 
-def main() -> None:
+def cases(device: str) -> dict:
     results = {}
     for dtype in (torch.float32, torch.bfloat16):
         for step, seqs in STEPS.items():
-            batch = make_batch(seqs, dtype=dtype)
+            batch = make_batch(seqs, dtype=dtype, device=device)
             for name, cache_dtype in CACHES.items():
                 k8, v8 = (to_cache_dtype(c * 4, cache_dtype) for c in (batch.k_cache, batch.v_cache))
                 upcast = k8.to(dtype), v8.to(dtype)
@@ -35,18 +36,18 @@ def main() -> None:
                     "error_vs_torch": (out.float() - attend(TorchBackend, batch, k8, v8).float()).abs().max().item()}
     stores = {}
     for name, cache_dtype in CACHES.items():
-        k = torch.randn(40, 2, 16) * torch.logspace(-4, 5, 40)[:, None, None]  # subnormals to beyond the largest
+        k = (torch.randn(40, 2, 16) * torch.logspace(-4, 5, 40)[:, None, None]).to(device)  # subnormals to past max
         v = -k
-        k_cache, v_cache = torch.zeros(2, 5, 16, 2, 16, dtype=cache_dtype)
-        slots = torch.randperm(80)[:40]
+        k_cache, v_cache = torch.zeros(2, 5, 16, 2, 16, dtype=cache_dtype, device=device)
+        slots = torch.randperm(80)[:40].to(device)
         slots[::7] = -1
         TritonBackend.store_kvcache(k, v, k_cache, v_cache, slots)
         valid = slots >= 0
         stores[name] = all(torch.equal(cache.view(80, 2, 16)[slots[valid]].view(torch.uint8),
                                        to_cache_dtype(x[valid], cache_dtype).view(torch.uint8))
                            for cache, x in ((k_cache, k), (v_cache, v)))
-    print(json.dumps({"attention": results, "store": stores}))
+    return {"attention": results, "store": stores}
 
 
 if __name__ == "__main__":
-    main()
+    print(json.dumps(cases("cpu")))

@@ -132,9 +132,13 @@ def test_backends_that_cannot_read_an_8bit_cache_are_passed_over_or_refused():
     assert unsupported("torch", Platform("cpu"), torch.float32, 16, 64, torch.float8_e4m3fn) is None
 
 
-@pytest.fixture(scope="module")
-def interpreted() -> dict:
+@pytest.fixture(scope="module", params=["interpreted", pytest.param("cuda", marks=pytest.mark.cuda)])
+def interpreted(request) -> dict:
+    """The cases under Triton's interpreter on the CPU, and compiled on a GPU."""
     pytest.importorskip("triton")
+    if request.param == "cuda":
+        from kv_8bit_cases import cases
+        return cases("cuda")
     return run_interpreted("kv_8bit_cases.py", timeout=600)
 
 
