@@ -2,6 +2,7 @@
 code they replace, rows bitwise the same whatever the batch, and an engine that falls back cleanly without them."""
 import io
 import logging
+import re
 import shutil
 import subprocess
 import sys
@@ -191,6 +192,43 @@ def test_the_package_data_holds_every_kernel_source():
     package = Path(cpu_kernels_module.__file__).parent.parent
     for source in cpu_kernels_module.CSRC.iterdir():
         assert any(source.relative_to(package).match(pattern) for pattern in patterns), source.name
+
+
+def torch_check_messages(source: str) -> list[str]:
+    """The message arguments of each TORCH_CHECK in a C++ source, split at its top-level commas."""
+    checks = []
+    for match in re.finditer(r"\bTORCH_CHECK\(", source):
+        parts, depth, quoted, i = [""], 1, False, match.end()
+        while depth:
+            c = source[i]
+            if quoted and c == "\\":
+                parts[-1] += source[i:i + 2]
+                i += 2
+                continue
+            quoted ^= c == '"'
+            depth += 0 if quoted else (c == "(") - (c == ")")
+            if c == "," and depth == 1 and not quoted:
+                parts.append("")
+            elif depth:
+                parts[-1] += c
+            i += 1
+        checks.append(parts[1:])
+    return checks
+
+
+def test_kernel_errors_are_formatted_without_iostreams():
+    """TORCH_CHECK formats several message arguments with an ostringstream inside the library. Where the compiler
+    links libstdc++ statically into it, that copy's locale is never set up: numbers vanished from the messages
+    (g++ 12 with -static-libstdc++) or the process segfaulted instead of raising (an H100 machine, g++ 13.3). So each
+    check passes one message, a literal or `nanovllm::message(...)` (csrc/check.h)."""
+    checks = 0
+    for path in sorted(cpu_kernels_module.CSRC.glob("*.cpp")):
+        for args in torch_check_messages(path.read_text()):
+            assert len(args) <= 1, f"{path.name}: TORCH_CHECK(..., {', '.join(a.strip() for a in args)})"
+            checks += 1
+    assert checks > 40
+    with pytest.raises(RuntimeError, match="ggml_embedding: id 5 is outside the 4 rows"):
+        cpu_kernels().ggml_embedding(torch.zeros(4, 34, dtype=torch.uint8), torch.tensor([5]), 8, 32, torch.float32)
 
 
 def fused_cases(dtype: torch.dtype, tokens: int):

@@ -14,6 +14,7 @@
 #include <cstring>
 #include <vector>
 
+#include "check.h"
 #include "cpu_math.h"
 #include "cpu_ops.h"
 
@@ -46,8 +47,9 @@ struct GGMLLinear : torch::CustomClassHolder {
       out_features += s.size(0);
       widest = std::max(widest, s.size(0));
     }
-    TORCH_CHECK(!bias || (bias->is_contiguous() && bias->numel() == out_features), "GGMLLinear: the bias has ",
-                bias ? bias->numel() : 0, " values for ", out_features, " outputs");
+    TORCH_CHECK(!bias || (bias->is_contiguous() && bias->numel() == out_features),
+                nanovllm::message("GGMLLinear: the bias has ", bias ? bias->numel() : 0, " values for ", out_features,
+                                  " outputs"));
   }
 
   // out [M, out_features] = x [M, in_features] . W^T + bias, as `GGMLWeight.linear` computes it: one segment takes
@@ -170,7 +172,7 @@ class DecoderStack : public torch::CustomClassHolder {
                      at::Tensor context_lens, std::optional<at::Tensor> row_slot) {
     TORCH_CHECK(!layers_.empty() && hidden.dim() == 2 && hidden.size(1) == hidden_ &&
                     hidden.scalar_type() == final_norm_.scalar_type(),
-                "DecoderStack: hidden must be [rows, ", hidden_, "] in the activations' dtype");
+                nanovllm::message("DecoderStack: hidden must be [rows, ", hidden_, "] in the activations' dtype"));
     TORCH_CHECK(positions.scalar_type() == at::kLong && slot_mapping.scalar_type() == at::kLong &&
                     block_tables.scalar_type() == at::kInt && context_lens.scalar_type() == at::kInt,
                 "DecoderStack: positions and slots are int64, block tables and context lengths int32");

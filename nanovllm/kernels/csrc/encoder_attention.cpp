@@ -15,6 +15,7 @@
 #include <limits>
 #include <vector>
 
+#include "check.h"
 #include "cpu_math.h"
 
 namespace {
@@ -224,7 +225,7 @@ at::Tensor bidirectional_attention(at::Tensor q, at::Tensor k, at::Tensor v, at:
   TORCH_CHECK(k.size(0) == q.size(0) && k.size(2) == q.size(2) && q.size(1) % k.size(1) == 0,
               "k and v must have q's rows and head_dim, and a number of heads dividing q's");
   TORCH_CHECK(k.scalar_type() == q.scalar_type() && v.scalar_type() == q.scalar_type(), "q, k, v of one dtype");
-  TORCH_CHECK(q.size(2) <= MAX_HEAD_DIM, "head_dim above ", MAX_HEAD_DIM);
+  TORCH_CHECK(q.size(2) <= MAX_HEAD_DIM, nanovllm::message("head_dim above ", MAX_HEAD_DIM));
   q = q.stride(2) == 1 ? q : q.contiguous();
   k = k.stride(2) == 1 ? k : k.contiguous();
   v = v.stride(2) == 1 ? v : v.contiguous();

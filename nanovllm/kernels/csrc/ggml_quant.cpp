@@ -30,6 +30,7 @@
 #include <type_traits>
 #include <vector>
 
+#include "check.h"
 #include "cpu_math.h"
 #include "cpu_ops.h"
 
@@ -1045,11 +1046,13 @@ int64_t ggml_isa() { return supported_isa(); }
 // GGML type `qtype`, computed on path `isa` (at most ggml_isa()); the result in x's dtype.
 at::Tensor ggml_linear(at::Tensor x, at::Tensor weight, int64_t qtype, int64_t in_features,
                        std::optional<at::Tensor> bias, int64_t isa) {
-  TORCH_CHECK(isa >= PORTABLE && isa <= supported_isa(), "ggml_linear: path ", isa, " is not built for this CPU");
+  TORCH_CHECK(isa >= PORTABLE && isa <= supported_isa(),
+              nanovllm::message("ggml_linear: path ", isa, " is not built for this CPU"));
   TORCH_CHECK(x.device().is_cpu() && weight.device().is_cpu(), "ggml_linear: x and the weight must be on the CPU");
   TORCH_CHECK(weight.scalar_type() == at::kByte && weight.dim() == 2 && weight.stride(1) == 1,
               "ggml_linear: the weight must be a uint8 [out_features, row_bytes] tensor with contiguous rows");
-  TORCH_CHECK(x.size(-1) == in_features, "ggml_linear: x has ", x.size(-1), " features, the weight ", in_features);
+  TORCH_CHECK(x.size(-1) == in_features,
+              nanovllm::message("ggml_linear: x has ", x.size(-1), " features, the weight ", in_features));
   const auto dtype = x.scalar_type();
   TORCH_CHECK(dtype == at::kFloat || dtype == at::kBFloat16 || dtype == at::kHalf,
               "ggml_linear: x must be float32, bfloat16 or float16");
@@ -1060,13 +1063,14 @@ at::Tensor ggml_linear(at::Tensor x, at::Tensor weight, int64_t qtype, int64_t i
   const int64_t M = x2.size(0);
   std::optional<at::Tensor> b;
   if (bias.has_value() && bias->defined()) {
-    TORCH_CHECK(bias->numel() == N, "ggml_linear: the bias has ", bias->numel(), " values for ", N, " outputs");
+    TORCH_CHECK(bias->numel() == N,
+                nanovllm::message("ggml_linear: the bias has ", bias->numel(), " values for ", N, " outputs"));
     b = bias->to(dtype).contiguous();
   }
   auto out = x2.new_empty({M, N});
   if (const int64_t size = float_size(qtype)) {
-    TORCH_CHECK(weight.size(1) == K * size, "ggml_linear: a row of ", K, " values takes ", K * size, " bytes, not ",
-                weight.size(1));
+    TORCH_CHECK(weight.size(1) == K * size, nanovllm::message("ggml_linear: a row of ", K, " values takes ", K * size,
+                                                              " bytes, not ", weight.size(1)));
     AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, dtype, "ggml_linear_float", [&] {
       float_matmul(qtype, isa, x2.const_data_ptr<scalar_t>(), M, K, weight.const_data_ptr<uint8_t>(),
                    weight.stride(0), N, b ? b->const_data_ptr<scalar_t>() : nullptr, out.data_ptr<scalar_t>());
@@ -1074,10 +1078,10 @@ at::Tensor ggml_linear(at::Tensor x, at::Tensor weight, int64_t qtype, int64_t i
     return out.view(out_sizes);
   }
   Kernel k;
-  TORCH_CHECK(kernel_of(qtype, isa, k), "ggml_linear: GGML type ", qtype, " is not supported");
-  TORCH_CHECK(K % k.values == 0 && weight.size(1) == K / k.values * k.bytes, "ggml_linear: a row of ", K,
-              " values of GGML type ", qtype, " takes ", K / k.values * k.bytes, " bytes (whole blocks of ",
-              k.values, "), not ", weight.size(1));
+  TORCH_CHECK(kernel_of(qtype, isa, k), nanovllm::message("ggml_linear: GGML type ", qtype, " is not supported"));
+  TORCH_CHECK(K % k.values == 0 && weight.size(1) == K / k.values * k.bytes,
+              nanovllm::message("ggml_linear: a row of ", K, " values of GGML type ", qtype, " takes ",
+                                K / k.values * k.bytes, " bytes (whole blocks of ", k.values, "), not ", weight.size(1)));
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, dtype, "ggml_linear", [&] {
     quantized_matmul(k, x2.const_data_ptr<scalar_t>(), M, K, weight.const_data_ptr<uint8_t>(), weight.stride(0), N,
                      b ? b->const_data_ptr<scalar_t>() : nullptr, out.data_ptr<scalar_t>());
@@ -1090,7 +1094,7 @@ void nanovllm::ggml_matmul(const T* x, int64_t M, int64_t K, const uint8_t* w, i
                            int64_t qtype, int64_t isa, const T* bias, T* out) {
   if (float_size(qtype)) return float_matmul(qtype, isa, x, M, K, w, w_stride, N, bias, out);
   Kernel k;
-  TORCH_CHECK(kernel_of(qtype, isa, k), "ggml_matmul: GGML type ", qtype, " is not supported");
+  TORCH_CHECK(kernel_of(qtype, isa, k), nanovllm::message("ggml_matmul: GGML type ", qtype, " is not supported"));
   quantized_matmul(k, x, M, K, w, w_stride, N, bias, out);
 }
 
@@ -1144,7 +1148,7 @@ void dequantize_rows(const uint8_t* w, int64_t w_stride, const int64_t* ids, int
       case 12: dequantize_row<Q4_K>(row, K, o); break;
       case 13: dequantize_row<Q5_K>(row, K, o); break;
       case 14: dequantize_row<Q6_K>(row, K, o); break;
-      default: TORCH_CHECK(false, "ggml_embedding: GGML type ", qtype, " is not supported");
+      default: TORCH_CHECK(false, nanovllm::message("ggml_embedding: GGML type ", qtype, " is not supported"));
     }
   }
 }
@@ -1160,7 +1164,8 @@ at::Tensor ggml_embedding(at::Tensor weight, at::Tensor ids, int64_t qtype, int6
   const int64_t n = flat.numel(), rows = weight.size(0);
   const int64_t* id = flat.const_data_ptr<int64_t>();
   for (int64_t r = 0; r < n; ++r)
-    TORCH_CHECK(id[r] >= 0 && id[r] < rows, "ggml_embedding: id ", id[r], " is outside the ", rows, " rows");
+    TORCH_CHECK(id[r] >= 0 && id[r] < rows,
+                nanovllm::message("ggml_embedding: id ", id[r], " is outside the ", rows, " rows"));
   auto sizes = ids.sizes().vec();
   sizes.push_back(in_features);
   auto out = weight.new_empty(sizes, weight.options().dtype(dtype));

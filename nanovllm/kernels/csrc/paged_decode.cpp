@@ -15,6 +15,7 @@
 #include <limits>
 #include <vector>
 
+#include "check.h"
 #include "cpu_math.h"
 #include "cpu_ops.h"
 
@@ -238,7 +239,7 @@ void nanovllm::paged_decode_rows(const T* q, const C* k_cache, const C* v_cache,
                                  const int32_t* context_lens, T* out, int64_t rows, int64_t heads, int64_t kv_heads,
                                  int64_t head_dim, int64_t block_size, int64_t table_width, float scale,
                                  int64_t window, float softcap) {
-  TORCH_CHECK(head_dim <= MAX_HEAD_DIM, "head_dim above ", MAX_HEAD_DIM);
+  TORCH_CHECK(head_dim <= MAX_HEAD_DIM, nanovllm::message("head_dim above ", MAX_HEAD_DIM));
   auto run = head_dim == 64 ? decode_rows<T, C, 64> : head_dim == 128 ? decode_rows<T, C, 128> : decode_rows<T, C, 0>;
   run(q, k_cache, v_cache, block_tables, context_lens, out, rows, heads, kv_heads, head_dim, block_size, table_width,
       scale, window, softcap);
