@@ -57,6 +57,20 @@ def test_decode_steps_equal_the_layer_by_layer_path_bitwise(mixed_gguf, dtype):
         assert run_both_paths(llm) == [len(PROMPTS)] * (GREEDY.max_tokens - 1)  # every decode step, batched
 
 
+@pytest.mark.parametrize("threads", [1, 3])
+def test_any_number_of_threads_in_the_step_s_team_too(mixed_gguf, threads):
+    """The step runs as one team of torch's threads, each kernel split into shares: one thread, or three (uneven
+    shares), compute the same bits as the layer-by-layer path."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        with LLM(mixed_gguf, device="cpu", dtype="float32", max_model_len=256, kvcache_block_size=16) as llm:
+            assert torch.get_num_threads() == threads
+            assert run_both_paths(llm) == [len(PROMPTS)] * (GREEDY.max_tokens - 1)
+    finally:
+        torch.set_num_threads(before)
+
+
 @pytest.mark.parametrize("kv_cache_dtype", ["fp8_e4m3", "fp8_e5m2"])
 def test_over_an_8bit_kv_cache_too(mixed_gguf, kv_cache_dtype):
     with LLM(mixed_gguf, device="cpu", dtype="bfloat16", kv_cache_dtype=kv_cache_dtype, max_model_len=256,

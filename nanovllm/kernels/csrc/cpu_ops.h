@@ -2,12 +2,36 @@
 // (`decoder_stack.cpp`). The torch operators run the same functions, so both compute the same bits. Each is defined
 // for float, c10::BFloat16 and c10::Half; rows are contiguous.
 #pragma once
+#include <ATen/Parallel.h>
 #include <c10/util/BFloat16.h>
 #include <c10/util/Half.h>
 
 #include <cstdint>
 
 namespace nanovllm {
+
+// The threads of one OpenMP region that run a whole decode step together (`decoder_stack.cpp`), instead of one
+// region per kernel: a kernel given a team does only this thread's share of its work and returns without waiting
+// for the others; its caller puts `barrier()` between kernels whose data pass from one thread to another. A kernel
+// given none (nullptr) splits its work over torch's threads itself. Shares never change a row's arithmetic, so both
+// compute the same bits.
+struct Team {
+  int id = 0, size = 1;
+  void barrier() const {
+    if (size > 1) {
+      _Pragma("omp barrier")
+    }
+  }
+};
+
+// fn(first, last) over [0, count): a team thread's contiguous share, or pieces of at least `grain` over torch's
+// threads.
+template <typename F>
+void split(const Team* team, int64_t count, int64_t grain, const F& fn) {
+  if (team == nullptr) return at::parallel_for(0, count, grain, fn);
+  const int64_t first = count * team->id / team->size, last = count * (team->id + 1) / team->size;
+  if (first < last) fn(first, last);
+}
 
 // fused_ops.cpp: one row each, on the calling thread.
 template <typename T>  // out = weight * x / rms(x), over n values
@@ -21,19 +45,26 @@ void silu_mul_row(const T* gate, const T* up, T* out, int64_t n);
 
 // paged_decode.cpp: `rows` single queries q [rows, heads, head_dim] against their cached K/V (caches
 // [blocks, block_size, kv_heads, head_dim], row i's blocks in block_tables[i * table_width...]); rows with context
-// length 0 are left as they are. Threads over (row, KV head). The caches hold T, or 8-bit floats
-// (c10::Float8_e4m3fn, c10::Float8_e5m2) for every T.
+// length 0 are left as they are. Threads over (row, KV head, chunk of keys), then over (row, KV head). The caches
+// hold T, or 8-bit floats (c10::Float8_e4m3fn, c10::Float8_e5m2) for every T. A team shares `partials`
+// (`paged_decode_partials` floats).
+constexpr int64_t MAX_HEAD_DIM = 1024;
 template <typename T, typename C>
 void paged_decode_rows(const T* q, const C* k_cache, const C* v_cache, const int32_t* block_tables,
                        const int32_t* context_lens, T* out, int64_t rows, int64_t heads, int64_t kv_heads,
                        int64_t head_dim, int64_t block_size, int64_t table_width, float scale, int64_t window,
-                       float softcap);
+                       float softcap, const Team* team = nullptr, float* partials = nullptr);
+int64_t paged_decode_partials(const int32_t* context_lens, int64_t rows, int64_t heads, int64_t kv_heads,
+                              int64_t head_dim, int64_t window);
 
-// ggml_quant.cpp: out [M, N] = x [M, K] . w [N, K] + bias, w rows `w_stride` bytes apart in GGML type `qtype`,
-// on path `isa`. Threads over the weight rows.
+// ggml_quant.cpp: out [M, N] (rows `ldo` apart) = x [M, K] . w [N, K] + bias, w rows `w_stride` bytes apart in GGML
+// type `qtype` (one `ggml_supported` says runs on path `isa`). Threads over the weight rows; a team quantizes the
+// activations into `scratch` (`ggml_scratch_bytes`, shared), waits for all of them, then takes its weight rows.
 template <typename T>
 void ggml_matmul(const T* x, int64_t M, int64_t K, const uint8_t* w, int64_t w_stride, int64_t N, int64_t qtype,
-                 int64_t isa, const T* bias, T* out);
+                 int64_t isa, const T* bias, T* out, int64_t ldo, const Team* team = nullptr, void* scratch = nullptr);
+int64_t ggml_scratch_bytes(int64_t M, int64_t K);
+bool ggml_supported(int64_t qtype, int64_t isa);
 
 // lora_ops.cpp: y [rows, out] (rows `y_stride` apart) += each row's LoRA delta for x [rows, in], row r under adapter
 // slot row_slot[r] (`slots` or more: none); the step's adapters packed as `LoRALayer` packs them (`Packed`: each
@@ -41,6 +72,6 @@ void ggml_matmul(const T* x, int64_t M, int64_t K, const uint8_t* w, int64_t w_s
 template <typename T>
 void lora_rows(const T* x, T* y, const T* const* a, const T* const* bt, const int64_t* slices, const float* scales,
                const int64_t* row_slot, const int64_t* slot_slices, int64_t rows, int64_t in, int64_t out,
-               int64_t slots, int64_t y_stride);
+               int64_t slots, int64_t y_stride, const Team* team = nullptr);
 
 }  // namespace nanovllm

@@ -4,12 +4,16 @@
 // glue per layer: at batch 1 that glue cost more than the matmuls.
 //
 // It chains the same kernels the operators run (`cpu_ops.h`) in the same order, on the same rows, so its result is
-// the layer-by-layer path's bit for bit; only the tensors between them are gone (one workspace per step).
+// the layer-by-layer path's bit for bit; only the tensors between them are gone (one workspace per step). The whole
+// step runs in one OpenMP region: each kernel takes its thread's share and barriers order them, where one region per
+// kernel (about 180 a step for SmolLM2) cost a fifth of a batch-1 step in starting and joining threads.
 // `nanovllm.execution.cpu_decode` builds a stack, once at load, for the models whose layers are exactly this one.
 #pragma GCC optimize("fp-contract=off")  // the bias added as torch adds it, not fused into an FMA
 #include <ATen/Parallel.h>
 #include <ATen/core/Tensor.h>
 #include <torch/custom_class.h>
+
+#include <omp.h>
 
 #include <cstring>
 #include <vector>
@@ -20,21 +24,31 @@
 
 namespace {
 
-// fn(m) for rows m of `width` values each: on the calling thread at decode sizes, split over torch's threads for
-// larger batches (from 2^15 values, as `fused_ops.cpp` splits its rows).
+using nanovllm::Team;
+
+// fn(team) on every thread of one OpenMP region of torch's threads (on this thread alone where there is one).
 template <typename F>
-void for_rows(int64_t M, int64_t width, const F& fn) {
-  at::parallel_for(0, M, std::max<int64_t>(1, (int64_t{1} << 15) / std::max<int64_t>(width, 1)),
-                   [&](int64_t begin, int64_t end) {
-                     for (int64_t m = begin; m < end; ++m) fn(m);
-                   });
+void run_team(const F& fn) {
+  const int threads = at::get_num_threads();
+  if (threads == 1 || at::in_parallel_region()) return fn(Team{});
+#pragma omp parallel num_threads(threads)
+  fn(Team{omp_get_thread_num(), omp_get_num_threads()});
+}
+
+// fn(m) for this thread's share of the M rows, then a barrier: the rows are ready for every thread.
+template <typename F>
+void for_rows(const Team& team, int64_t M, const F& fn) {
+  nanovllm::split(&team, M, 1, [&](int64_t begin, int64_t end) {
+    for (int64_t m = begin; m < end; ++m) fn(m);
+  });
+  team.barrier();
 }
 
 // A linear layer's weight as GGML row segments of one type each, in row order (`GGMLWeight`), and its bias.
 struct GGMLLinear : torch::CustomClassHolder {
   std::vector<at::Tensor> segments;
   std::vector<int64_t> qtypes;
-  int64_t in_features, out_features = 0, widest = 0;
+  int64_t in_features, out_features = 0;
   std::optional<at::Tensor> bias;
 
   GGMLLinear(std::vector<at::Tensor> segments_, std::vector<int64_t> qtypes_, int64_t in_features_,
@@ -45,36 +59,32 @@ struct GGMLLinear : torch::CustomClassHolder {
       TORCH_CHECK(s.scalar_type() == at::kByte && s.dim() == 2 && s.stride(1) == 1,
                   "GGMLLinear: segments are uint8 [rows, row_bytes] with contiguous rows");
       out_features += s.size(0);
-      widest = std::max(widest, s.size(0));
     }
     TORCH_CHECK(!bias || (bias->is_contiguous() && bias->numel() == out_features),
                 nanovllm::message("GGMLLinear: the bias has ", bias ? bias->numel() : 0, " values for ", out_features,
                                   " outputs"));
   }
 
-  // out [M, out_features] = x [M, in_features] . W^T + bias, as `GGMLWeight.linear` computes it: one segment takes
-  // the bias inside its kernel; several are computed apart (through `scratch`, M x `widest`), joined, and the bias
-  // is then added in T.
+  // out [M, out_features] = x [M, in_features] . W^T + bias, as `GGMLWeight.linear` computes it, the team's share,
+  // then a barrier: one segment takes the bias inside its kernel; several are computed apart into their columns, and
+  // the bias is then added in T. `scratch`: the team's quantized activations.
   template <typename T>
-  void run(const T* x, int64_t M, T* out, T* scratch, int64_t isa) const {
+  void run(const Team& team, const T* x, int64_t M, T* out, void* scratch, int64_t isa) const {
     const T* b = bias ? bias->const_data_ptr<T>() : nullptr;
-    if (segments.size() == 1) {
-      nanovllm::ggml_matmul(x, M, in_features, segments[0].const_data_ptr<uint8_t>(), segments[0].stride(0),
-                            out_features, qtypes[0], isa, b, out);
-      return;
-    }
     int64_t column = 0;
     for (size_t i = 0; i < segments.size(); ++i) {
       const int64_t n = segments[i].size(0);
       nanovllm::ggml_matmul<T>(x, M, in_features, segments[i].const_data_ptr<uint8_t>(), segments[i].stride(0), n,
-                               qtypes[i], isa, nullptr, scratch);
-      for (int64_t m = 0; m < M; ++m) std::memcpy(out + m * out_features + column, scratch + m * n, n * sizeof(T));
+                               qtypes[i], isa, segments.size() == 1 ? b : nullptr, out + column, out_features, &team,
+                               scratch);
+      team.barrier();  // the products done, and `scratch` free for the next segment's activations
       column += n;
     }
-    if (b)
-      for (int64_t m = 0; m < M; ++m)
+    if (b && segments.size() > 1)
+      for_rows(team, M, [&](int64_t m) {
         for (int64_t j = 0; j < out_features; ++j)
           out[m * out_features + j] = from_float<T>(to_float(out[m * out_features + j]) + to_float(b[j]));
+      });
   }
 };
 
@@ -83,15 +93,17 @@ struct GGMLLinear : torch::CustomClassHolder {
 struct LoRAPack {
   std::vector<at::Tensor> a, bt, table;
 
+  // y += the deltas, the team's share, then a barrier.
   template <typename T>
-  void add(const T* x, int64_t M, int64_t in, T* y, int64_t out, const int64_t* row_slot) const {
+  void add(const Team& team, const T* x, int64_t M, int64_t in, T* y, int64_t out, const int64_t* row_slot) const {
     if (table.empty() || row_slot == nullptr) return;
     std::vector<const T*> a_ptrs, bt_ptrs;
     for (size_t i = 0; i < a.size(); ++i)
       a_ptrs.push_back(a[i].const_data_ptr<T>()), bt_ptrs.push_back(bt[i].const_data_ptr<T>());
     nanovllm::lora_rows(x, y, a_ptrs.data(), bt_ptrs.data(), table[0].const_data_ptr<int64_t>(),
                         table[1].const_data_ptr<float>(), row_slot, table[2].const_data_ptr<int64_t>(), M, in, out,
-                        table[2].numel() - 1, out);
+                        table[2].numel() - 1, out, &team);
+    team.barrier();
   }
 };
 
@@ -112,6 +124,7 @@ class DecoderStack : public torch::CustomClassHolder {
         isa_(isa), hidden_(final_norm.numel()) {
     TORCH_CHECK(cos_sin_.scalar_type() == at::kFloat && cos_sin_.size(1) == head_dim,
                 "DecoderStack: the rotary table is float32 [positions, head_dim]");
+    TORCH_CHECK(head_dim <= nanovllm::MAX_HEAD_DIM, "DecoderStack: head_dim above 1024");
   }
 
   void add_layer(at::Tensor input_norm, c10::intrusive_ptr<GGMLLinear> qkv, c10::intrusive_ptr<GGMLLinear> o,
@@ -130,15 +143,18 @@ class DecoderStack : public torch::CustomClassHolder {
     bool same = input_norm.scalar_type() == dtype && post_norm.scalar_type() == dtype &&
                 v_cache.scalar_type() == cache && (layers_.empty() || layers_[0].k_cache.scalar_type() == cache) &&
                 (cache == dtype || cache == at::kFloat8_e4m3fn || cache == at::kFloat8_e5m2);
-    for (const auto* linear : {qkv.get(), o.get(), gate_up.get(), down.get()})
+    bool supported = true;
+    for (const auto* linear : {qkv.get(), o.get(), gate_up.get(), down.get()}) {
       same = same && (!linear->bias || linear->bias->scalar_type() == dtype);
+      for (const int64_t qtype : linear->qtypes) supported = supported && nanovllm::ggml_supported(qtype, isa_);
+    }
     TORCH_CHECK(same, "DecoderStack: the norms and biases must share the activations' dtype, the caches hold it (or "
                 "8-bit floats, in every layer)");
+    TORCH_CHECK(supported, "DecoderStack: a projection's GGML type has no kernel on this path");
     layers_.push_back(
         {input_norm.contiguous(), post_norm.contiguous(), k_cache, v_cache, qkv, o, gate_up, down, {}});
     mlp_ = std::max(mlp_, gate_up->out_features);
-    for (const auto* linear : {qkv.get(), o.get(), gate_up.get(), down.get()})
-      if (linear->segments.size() > 1) scratch_ = std::max(scratch_, linear->widest);
+    widest_in_ = std::max({widest_in_, hidden_, q, down->in_features});
   }
 
   // Layer `layer`'s projection `projection` (a `Projection`) adds the LoRA deltas of a `Packed` from now on, for the
@@ -192,13 +208,19 @@ class DecoderStack : public torch::CustomClassHolder {
     const int64_t* slots = row_slot ? row_slot->const_data_ptr<int64_t>() : nullptr;
     auto out = hidden.new_empty(hidden.sizes());
     auto workspace = hidden.new_empty({M * offset(WORKSPACE)});
+    // What the threads share besides: the quantized activations of a projection, attention's partial results.
+    const int64_t xq_bytes = (nanovllm::ggml_scratch_bytes(M, widest_in_) + 63) / 64 * 64;
+    const int64_t partials = nanovllm::paged_decode_partials(context_lens.const_data_ptr<int32_t>(), M, heads_,
+                                                             kv_heads_, head_dim_, 0);
+    auto shared = hidden.new_empty({xq_bytes + partials * 4}, hidden.options().dtype(at::kByte));  // 64-byte aligned
     auto run = [&](auto zero) {
       using T = decltype(zero);
       with_cache_type<T>(layers_[0].k_cache.scalar_type(), [&](auto cache_zero) {
         step<T, decltype(cache_zero)>(hidden.const_data_ptr<T>(), M, positions.const_data_ptr<int64_t>(),
                                       slot_mapping.const_data_ptr<int64_t>(), block_tables.const_data_ptr<int32_t>(),
                                       block_tables.size(1), context_lens.const_data_ptr<int32_t>(), slots,
-                                      out.data_ptr<T>(), workspace.data_ptr<T>());
+                                      out.data_ptr<T>(), workspace.data_ptr<T>(), shared.data_ptr<uint8_t>(),
+                                      reinterpret_cast<float*>(shared.data_ptr<uint8_t>() + xq_bytes));
       });
     };
     switch (hidden.scalar_type()) {
@@ -212,12 +234,12 @@ class DecoderStack : public torch::CustomClassHolder {
 
  private:
   // A step's intermediate rows, each buffer `width(buffer)` values per row, in this order in one workspace.
-  enum Buffer { RESIDUAL, NORMED, BLOCK_OUT, QKV, Q_ROT, K_ROT, ATTN, GATE_UP, ACT, SCRATCH, WORKSPACE };
+  enum Buffer { RESIDUAL, NORMED, BLOCK_OUT, QKV, Q_ROT, K_ROT, ATTN, GATE_UP, ACT, WORKSPACE };
 
   // Where `buffer` starts in a row of the workspace (WORKSPACE: the row's width).
   int64_t offset(Buffer buffer) const {
     const int64_t q = heads_ * head_dim_, kv = kv_heads_ * head_dim_;
-    const int64_t widths[] = {hidden_, hidden_, hidden_, q + 2 * kv, q, kv, q, mlp_, mlp_ / 2, scratch_};
+    const int64_t widths[] = {hidden_, hidden_, hidden_, q + 2 * kv, q, kv, q, mlp_, mlp_ / 2};
     int64_t total = 0;
     for (int i = 0; i < buffer; ++i) total += widths[i];
     return total;
@@ -225,63 +247,66 @@ class DecoderStack : public torch::CustomClassHolder {
 
   template <typename T, typename C>
   void step(const T* hidden, int64_t M, const int64_t* positions, const int64_t* slots, const int32_t* tables,
-            int64_t table_width, const int32_t* context_lens, const int64_t* lora_slots, T* out, T* workspace) {
+            int64_t table_width, const int32_t* context_lens, const int64_t* lora_slots, T* out, T* workspace,
+            void* xq, float* partials) {
     const int64_t H = hidden_, D = head_dim_, q = heads_ * D, kv = kv_heads_ * D, qkv_width = q + 2 * kv;
     auto buffer = [&](Buffer b) { return workspace + M * offset(b); };
     T *residual = buffer(RESIDUAL), *normed = buffer(NORMED), *block_out = buffer(BLOCK_OUT), *qkv = buffer(QKV),
       *q_rot = buffer(Q_ROT), *k_rot = buffer(K_ROT), *attn = buffer(ATTN), *gate_up = buffer(GATE_UP),
-      *act = buffer(ACT), *scratch = buffer(SCRATCH);
+      *act = buffer(ACT);
     const float* cos_sin = cos_sin_.const_data_ptr<float>();
 
-    std::memcpy(residual, hidden, M * H * sizeof(T));
-    for_rows(M, H, [&](int64_t m) {
-      nanovllm::rms_norm_row(hidden + m * H, layers_[0].input_norm.const_data_ptr<T>(), normed + m * H, H, eps_);
-    });
-    for (size_t i = 0; i < layers_.size(); ++i) {
-      const Layer& l = layers_[i];
-      if (i > 0)
-        for_rows(M, H, [&](int64_t m) {
-          nanovllm::add_rms_norm_row(block_out + m * H, residual + m * H, l.input_norm.const_data_ptr<T>(),
+    run_team([&](const Team& team) {
+      for_rows(team, M, [&](int64_t m) {
+        std::memcpy(residual + m * H, hidden + m * H, H * sizeof(T));
+        nanovllm::rms_norm_row(hidden + m * H, layers_[0].input_norm.const_data_ptr<T>(), normed + m * H, H, eps_);
+      });
+      for (size_t i = 0; i < layers_.size(); ++i) {
+        const Layer& l = layers_[i];
+        if (i > 0)
+          for_rows(team, M, [&](int64_t m) {
+            nanovllm::add_rms_norm_row(block_out + m * H, residual + m * H, l.input_norm.const_data_ptr<T>(),
+                                       normed + m * H, residual + m * H, H, eps_);
+          });
+        l.qkv->run(team, normed, M, qkv, xq, isa_);
+        l.lora[QKV_PROJ].add(team, normed, M, H, qkv, qkv_width, lora_slots);
+        C* k_cache = l.k_cache.data_ptr<C>();
+        C* v_cache = l.v_cache.data_ptr<C>();
+        for_rows(team, M, [&](int64_t m) {  // rotary, then the row's K and V into the cache
+          const T* row = qkv + m * qkv_width;
+          const float* table = cos_sin + positions[m] * D;
+          for (int64_t h = 0; h < heads_; ++h) nanovllm::rotary_row(row + h * D, q_rot + m * q + h * D, table, D / 2);
+          for (int64_t h = 0; h < kv_heads_; ++h)
+            nanovllm::rotary_row(row + q + h * D, k_rot + m * kv + h * D, table, D / 2);
+          if (slots[m] >= 0) {
+            store_row(k_rot + m * kv, k_cache + slots[m] * kv, kv);
+            store_row(row + q + kv, v_cache + slots[m] * kv, kv);
+          }
+          if (context_lens[m] <= 0)  // a row that attends to nothing is zeros, as paged_decode returns it
+            std::fill(attn + m * q, attn + (m + 1) * q, from_float<T>(0.f));
+        });
+        nanovllm::paged_decode_rows(q_rot, k_cache, v_cache, tables, context_lens, attn, M, heads_, kv_heads_, D,
+                                    l.k_cache.size(1), table_width, scale_, 0, 0.f, &team, partials);
+        team.barrier();
+        l.o->run(team, attn, M, block_out, xq, isa_);
+        l.lora[O_PROJ].add(team, attn, M, q, block_out, H, lora_slots);
+        for_rows(team, M, [&](int64_t m) {
+          nanovllm::add_rms_norm_row(block_out + m * H, residual + m * H, l.post_norm.const_data_ptr<T>(),
                                      normed + m * H, residual + m * H, H, eps_);
         });
-      l.qkv->run(normed, M, qkv, scratch, isa_);
-      l.lora[QKV_PROJ].add(normed, M, H, qkv, qkv_width, lora_slots);
-      for_rows(M, q + kv, [&](int64_t m) {
-        const T* row = qkv + m * qkv_width;
-        const float* table = cos_sin + positions[m] * D;
-        for (int64_t h = 0; h < heads_; ++h) nanovllm::rotary_row(row + h * D, q_rot + m * q + h * D, table, D / 2);
-        for (int64_t h = 0; h < kv_heads_; ++h)
-          nanovllm::rotary_row(row + q + h * D, k_rot + m * kv + h * D, table, D / 2);
-      });
-      C* k_cache = l.k_cache.data_ptr<C>();
-      C* v_cache = l.v_cache.data_ptr<C>();
-      for (int64_t m = 0; m < M; ++m) {
-        if (slots[m] < 0) continue;
-        store_row(k_rot + m * kv, k_cache + slots[m] * kv, kv);
-        store_row(qkv + m * qkv_width + q + kv, v_cache + slots[m] * kv, kv);
+        const int64_t width = l.gate_up->out_features, half = width / 2;
+        l.gate_up->run(team, normed, M, gate_up, xq, isa_);
+        l.lora[GATE_UP_PROJ].add(team, normed, M, H, gate_up, width, lora_slots);
+        for_rows(team, M, [&](int64_t m) {
+          nanovllm::silu_mul_row(gate_up + m * width, gate_up + m * width + half, act + m * half, half);
+        });
+        l.down->run(team, act, M, block_out, xq, isa_);
+        l.lora[DOWN_PROJ].add(team, act, M, half, block_out, H, lora_slots);
       }
-      for (int64_t m = 0; m < M; ++m)  // a row that attends to nothing is zeros, as paged_decode returns it
-        if (context_lens[m] <= 0) std::fill(attn + m * q, attn + (m + 1) * q, from_float<T>(0.f));
-      nanovllm::paged_decode_rows(q_rot, k_cache, v_cache, tables, context_lens, attn, M, heads_, kv_heads_, D,
-                                  l.k_cache.size(1), table_width, scale_, 0, 0.f);
-      l.o->run(attn, M, block_out, scratch, isa_);
-      l.lora[O_PROJ].add(attn, M, q, block_out, H, lora_slots);
-      for_rows(M, H, [&](int64_t m) {
-        nanovllm::add_rms_norm_row(block_out + m * H, residual + m * H, l.post_norm.const_data_ptr<T>(),
-                                   normed + m * H, residual + m * H, H, eps_);
+      for_rows(team, M, [&](int64_t m) {
+        nanovllm::add_rms_norm_row(block_out + m * H, residual + m * H, final_norm_.const_data_ptr<T>(),
+                                   out + m * H, residual + m * H, H, eps_);
       });
-      const int64_t width = l.gate_up->out_features, half = width / 2;
-      l.gate_up->run(normed, M, gate_up, scratch, isa_);
-      l.lora[GATE_UP_PROJ].add(normed, M, H, gate_up, width, lora_slots);
-      for_rows(M, width, [&](int64_t m) {
-        nanovllm::silu_mul_row(gate_up + m * width, gate_up + m * width + half, act + m * half, half);
-      });
-      l.down->run(act, M, block_out, scratch, isa_);
-      l.lora[DOWN_PROJ].add(act, M, half, block_out, H, lora_slots);
-    }
-    for_rows(M, H, [&](int64_t m) {
-      nanovllm::add_rms_norm_row(block_out + m * H, residual + m * H, final_norm_.const_data_ptr<T>(), out + m * H,
-                                 residual + m * H, H, eps_);
     });
   }
 
@@ -289,7 +314,7 @@ class DecoderStack : public torch::CustomClassHolder {
   float eps_, scale_;
   at::Tensor cos_sin_, final_norm_;
   int64_t isa_, hidden_;
-  int64_t mlp_ = 0, scratch_ = 0;  // the widest gate-up, and the widest segment of a linear with several
+  int64_t mlp_ = 0, widest_in_ = 0;  // the widest gate-up, and the widest input of a projection
   std::vector<Layer> layers_;
 };
 

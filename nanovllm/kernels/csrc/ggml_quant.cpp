@@ -860,33 +860,36 @@ int64_t grain(int64_t row_bytes, int64_t rows) {
 }
 
 template <typename T>
-void write_out(const float* res, int64_t n, int64_t count, const T* bias, T* out) {
+void write_out(const float* res, int64_t n, int64_t count, const T* bias, T* out) {  // out: the row's start
   for (int64_t j = 0; j < count; ++j) out[n + j] = from_float<T>(res[j] + (bias ? to_float(bias[n + j]) : 0.f));
 }
 
-// out[M, N] = x[M] . w[N] + bias. Threads split the weight rows in tiles of L (the ISA's lanes); a thread packs each
-// of its tiles once (K / 32 chunks of a few hundred bytes: in L1 or L2 for any layer) and runs every activation row
-// past it, R rows a pass (8, 4, 2, 1: the most that are left).
+// out[M, N] (rows `ldo` apart) = x[M] . w[N] + bias. Threads split the weight rows in tiles of L (the ISA's lanes); a
+// thread packs each of its tiles once (K / 32 chunks of a few hundred bytes: in L1 or L2 for any layer) and runs every
+// activation row past it, R rows a pass (8, 4, 2, 1: the most that are left). A team quantizes the activations into
+// `scratch`, shared, and waits for all of them before the products.
 template <typename T>
 void quantized_matmul(const Kernel& k, const T* x, int64_t M, int64_t K, const uint8_t* w, int64_t w_stride,
-                      int64_t N, const T* bias, T* out) {
+                      int64_t N, const T* bias, T* out, int64_t ldo, const nanovllm::Team* team, void* scratch) {
   const int64_t xs = K / 32, blocks = K / k.values;
-  std::vector<XBlock> xq(M * xs);
-  at::parallel_for(0, M, std::max<int64_t>(1, MIN_TASK / std::max<int64_t>(K, 1)), [&](int64_t begin, int64_t end) {
-    for (int64_t m = begin; m < end; ++m) quantize_row(x + m * K, xq.data() + m * xs, xs, k.zero);
+  std::vector<XBlock> own(team ? 0 : M * xs);
+  XBlock* xq = team ? static_cast<XBlock*>(scratch) : own.data();
+  nanovllm::split(team, M, std::max<int64_t>(1, MIN_TASK / std::max<int64_t>(K, 1)), [&](int64_t begin, int64_t end) {
+    for (int64_t m = begin; m < end; ++m) quantize_row(x + m * K, xq + m * xs, xs, k.zero);
   });
+  if (team) team->barrier();
   if (!k.pack) {
-    at::parallel_for(0, N, grain(w_stride, M), [&](int64_t n0, int64_t n1) {
+    nanovllm::split(team, N, grain(w_stride, M), [&](int64_t n0, int64_t n1) {
       std::vector<float> res(2 * M);
       for (int64_t n = n0; n < n1; ++n) {
-        k.row(w + n * w_stride, blocks, xq.data(), xs, M, res.data(), res.data() + M);
-        for (int64_t m = 0; m < M; ++m) write_out(&res[m], n, 1, bias, out + m * N);
+        k.row(w + n * w_stride, blocks, xq, xs, M, res.data(), res.data() + M);
+        for (int64_t m = 0; m < M; ++m) write_out(&res[m], n, 1, bias, out + m * ldo);
       }
     });
     return;
   }
   const int64_t L = k.lanes, tiles = (N + L - 1) / L;
-  at::parallel_for(0, tiles, (grain(w_stride, M) + L - 1) / L, [&](int64_t t0, int64_t t1) {
+  nanovllm::split(team, tiles, (grain(w_stride, M) + L - 1) / L, [&](int64_t t0, int64_t t1) {
     const bool packs = !(M == 1 && k.row_tile);
     std::unique_ptr<uint8_t[]> packed(packs ? new uint8_t[xs * k.packed_chunk + 64] : nullptr);  // not zeroed
     uint8_t* buf = packs ? packed.get() + (64 - reinterpret_cast<uintptr_t>(packed.get()) % 64) % 64 : nullptr;
@@ -899,7 +902,7 @@ void quantized_matmul(const Kernel& k, const T* x, int64_t M, int64_t K, const u
         ahead = {w + (n + L) * w_stride, ((bytes + blocks - 1) / blocks + 63) / 64 * 64};
       }
       if (!packs) {
-        k.row_tile(w + n * w_stride, w_stride, static_cast<int>(count), blocks, xq.data(), res, ahead);
+        k.row_tile(w + n * w_stride, w_stride, static_cast<int>(count), blocks, xq, res, ahead);
         write_out(res, n, count, bias, out);
         continue;
       }
@@ -908,8 +911,8 @@ void quantized_matmul(const Kernel& k, const T* x, int64_t M, int64_t K, const u
         int level = 0;
         while ((2 << level) <= std::min<int64_t>(k.max_rows, M - m)) ++level;
         R = int64_t{1} << level;
-        k.tiles[level](buf, xs, xq.data() + m * xs, xs, res);
-        for (int64_t r = 0; r < R; ++r) write_out(res + r * L, n, count, bias, out + (m + r) * N);
+        k.tiles[level](buf, xs, xq + m * xs, xs, res);
+        for (int64_t r = 0; r < R; ++r) write_out(res + r * L, n, count, bias, out + (m + r) * ldo);
       }
     }
   });
@@ -922,15 +925,14 @@ constexpr int FLOAT_ROWS = 4;
 constexpr int64_t TILE = 16;          // weight rows reused from cache across the activation rows
 constexpr int64_t X_TILE = 32;        // activation rows reused from cache across the weight rows
 
-// out[M, N] = x[M] . w[N] + bias: threads over tiles of weight rows; each weight row serves up to `per_pass` activation
-// rows (R = 2^level rows: `rows[level]`) per pass, while its tile stays in L1 and a tile of X_TILE activation rows in
-// L2. Activation row m starts at x + m * x_stride.
+// out[M, N] (rows `ldo` apart) = x[M] . w[N] + bias: threads over tiles of weight rows; each weight row serves up to
+// `per_pass` activation rows (R = 2^level rows: `rows[level]`) per pass, while its tile stays in L1 and a tile of
+// X_TILE activation rows in L2. Activation row m starts at x + m * x_stride.
 template <typename A, typename T>
 void tiled_matmul(void (*const* rows)(const uint8_t*, int64_t, const A*, int64_t, float*), int per_pass,
-                  int64_t depth,
-                  const A* x, int64_t x_stride, int64_t M, const uint8_t* w, int64_t w_stride, int64_t N,
-                  const T* bias, T* out) {
-  at::parallel_for(0, N, grain(w_stride, M), [&](int64_t n0, int64_t n1) {
+                  int64_t depth, const A* x, int64_t x_stride, int64_t M, const uint8_t* w, int64_t w_stride,
+                  int64_t N, const T* bias, T* out, int64_t ldo, const nanovllm::Team* team = nullptr) {
+  nanovllm::split(team, N, grain(w_stride, M), [&](int64_t n0, int64_t n1) {
     float res[FLOAT_ROWS], tile[X_TILE][TILE];  // a tile of results, written out row by row
     for (int64_t m0 = 0; m0 < M; m0 += X_TILE) {
       const int64_t m1 = std::min(m0 + X_TILE, M);
@@ -947,7 +949,7 @@ void tiled_matmul(void (*const* rows)(const uint8_t*, int64_t, const A*, int64_t
         }
         for (int64_t m = m0; m < m1; ++m)
           for (int64_t n = t0; n < t1; ++n)
-            out[m * N + n] = from_float<T>(tile[m - m0][n - t0] + (bias ? to_float(bias[n]) : 0.f));
+            out[m * ldo + n] = from_float<T>(tile[m - m0][n - t0] + (bias ? to_float(bias[n]) : 0.f));
       }
     }
   });
@@ -1028,14 +1030,14 @@ int64_t float_size(int64_t qtype) { return qtype == 0 ? 4 : qtype == 1 || qtype 
 
 template <typename T>
 void float_matmul(int64_t qtype, int64_t isa, const T* x, int64_t M, int64_t K, const uint8_t* w, int64_t w_stride,
-                  int64_t N, const T* bias, T* out) {
+                  int64_t N, const T* bias, T* out, int64_t ldo, const nanovllm::Team* team = nullptr) {
   FloatRowsFn rows[ROW_VARIANTS];
   const int per_pass = qtype == 0   ? float_kernels<float>(isa, rows)
                        : qtype == 1 ? float_kernels<c10::Half>(isa, rows)
                                     : float_kernels<c10::BFloat16>(isa, rows);
   std::vector<float> xf(M * K);
   for (int64_t i = 0; i < M * K; ++i) xf[i] = to_float(x[i]);
-  tiled_matmul(rows, per_pass, K, xf.data(), K, M, w, w_stride, N, bias, out);
+  tiled_matmul(rows, per_pass, K, xf.data(), K, M, w, w_stride, N, bias, out, ldo, team);
 }
 
 }  // namespace
@@ -1073,7 +1075,7 @@ at::Tensor ggml_linear(at::Tensor x, at::Tensor weight, int64_t qtype, int64_t i
                                                               " bytes, not ", weight.size(1)));
     AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, dtype, "ggml_linear_float", [&] {
       float_matmul(qtype, isa, x2.const_data_ptr<scalar_t>(), M, K, weight.const_data_ptr<uint8_t>(),
-                   weight.stride(0), N, b ? b->const_data_ptr<scalar_t>() : nullptr, out.data_ptr<scalar_t>());
+                   weight.stride(0), N, b ? b->const_data_ptr<scalar_t>() : nullptr, out.data_ptr<scalar_t>(), N);
     });
     return out.view(out_sizes);
   }
@@ -1084,26 +1086,35 @@ at::Tensor ggml_linear(at::Tensor x, at::Tensor weight, int64_t qtype, int64_t i
                                 K / k.values * k.bytes, " bytes (whole blocks of ", k.values, "), not ", weight.size(1)));
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, dtype, "ggml_linear", [&] {
     quantized_matmul(k, x2.const_data_ptr<scalar_t>(), M, K, weight.const_data_ptr<uint8_t>(), weight.stride(0), N,
-                     b ? b->const_data_ptr<scalar_t>() : nullptr, out.data_ptr<scalar_t>());
+                     b ? b->const_data_ptr<scalar_t>() : nullptr, out.data_ptr<scalar_t>(), N, nullptr, nullptr);
   });
   return out.view(out_sizes);
 }
 
 template <typename T>
 void nanovllm::ggml_matmul(const T* x, int64_t M, int64_t K, const uint8_t* w, int64_t w_stride, int64_t N,
-                           int64_t qtype, int64_t isa, const T* bias, T* out) {
-  if (float_size(qtype)) return float_matmul(qtype, isa, x, M, K, w, w_stride, N, bias, out);
+                           int64_t qtype, int64_t isa, const T* bias, T* out, int64_t ldo, const Team* team,
+                           void* scratch) {
+  if (float_size(qtype)) return float_matmul(qtype, isa, x, M, K, w, w_stride, N, bias, out, ldo, team);
   Kernel k;
-  TORCH_CHECK(kernel_of(qtype, isa, k), nanovllm::message("ggml_matmul: GGML type ", qtype, " is not supported"));
-  quantized_matmul(k, x, M, K, w, w_stride, N, bias, out);
+  kernel_of(qtype, isa, k);  // the caller checked it with ggml_supported
+  quantized_matmul(k, x, M, K, w, w_stride, N, bias, out, ldo, team, scratch);
 }
 
-template void nanovllm::ggml_matmul<float>(const float*, int64_t, int64_t, const uint8_t*, int64_t, int64_t, int64_t,
-                                           int64_t, const float*, float*);
-template void nanovllm::ggml_matmul<c10::BFloat16>(const c10::BFloat16*, int64_t, int64_t, const uint8_t*, int64_t,
-                                                   int64_t, int64_t, int64_t, const c10::BFloat16*, c10::BFloat16*);
-template void nanovllm::ggml_matmul<c10::Half>(const c10::Half*, int64_t, int64_t, const uint8_t*, int64_t, int64_t,
-                                               int64_t, int64_t, const c10::Half*, c10::Half*);
+int64_t nanovllm::ggml_scratch_bytes(int64_t M, int64_t K) { return M * (K / 32) * sizeof(XBlock); }
+
+bool nanovllm::ggml_supported(int64_t qtype, int64_t isa) {
+  Kernel k;
+  return isa >= PORTABLE && isa <= supported_isa() && (float_size(qtype) || kernel_of(qtype, isa, k));
+}
+
+#define NANOVLLM_GGML_MATMUL(T)                                                                                  \
+  template void nanovllm::ggml_matmul<T>(const T*, int64_t, int64_t, const uint8_t*, int64_t, int64_t, int64_t, \
+                                         int64_t, const T*, T*, int64_t, const Team*, void*);
+NANOVLLM_GGML_MATMUL(float)
+NANOVLLM_GGML_MATMUL(c10::BFloat16)
+NANOVLLM_GGML_MATMUL(c10::Half)
+#undef NANOVLLM_GGML_MATMUL
 
 namespace {
 

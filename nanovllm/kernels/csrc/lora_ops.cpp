@@ -122,7 +122,7 @@ namespace nanovllm {
 template <typename T>
 void lora_rows(const T* x, T* y, const T* const* a, const T* const* bt, const int64_t* slices, const float* scales,
                const int64_t* row_slot, const int64_t* slot_slices, int64_t rows, int64_t in, int64_t out,
-               int64_t slots, int64_t y_stride) {
+               int64_t slots, int64_t y_stride, const Team* team) {
   int64_t max_rank = 0;
   for (int64_t s = 0; s < slot_slices[slots]; ++s) max_rank = std::max(max_rank, slices[s * COLUMNS + RANK]);
   std::vector<int64_t> order;  // the adapted rows by adapter, then tiles of up to TILE of them
@@ -137,7 +137,7 @@ void lora_rows(const T* x, T* y, const T* const* a, const T* const* bt, const in
     i = e;
   }
   const int64_t count = static_cast<int64_t>(tiles.size()) / 2;
-  at::parallel_for(0, count, 2, [&](int64_t begin, int64_t end) {
+  split(team, count, 2, [&](int64_t begin, int64_t end) {
     std::vector<float> xf(TILE * in), shrunk(TILE * max_rank);
     for (int64_t i = begin; i < end; ++i) {
       const int64_t* tile_rows = order.data() + tiles[2 * i];
@@ -150,9 +150,10 @@ void lora_rows(const T* x, T* y, const T* const* a, const T* const* bt, const in
   });
 }
 
-#define NANOVLLM_LORA_ROWS(T)                                                                                \
-  template void lora_rows<T>(const T*, T*, const T* const*, const T* const*, const int64_t*, const float*,    \
-                             const int64_t*, const int64_t*, int64_t, int64_t, int64_t, int64_t, int64_t);
+#define NANOVLLM_LORA_ROWS(T)                                                                             \
+  template void lora_rows<T>(const T*, T*, const T* const*, const T* const*, const int64_t*, const float*, \
+                             const int64_t*, const int64_t*, int64_t, int64_t, int64_t, int64_t, int64_t,    \
+                             const Team*);
 NANOVLLM_LORA_ROWS(float)
 NANOVLLM_LORA_ROWS(c10::BFloat16)
 NANOVLLM_LORA_ROWS(c10::Half)

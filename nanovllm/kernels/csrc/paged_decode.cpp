@@ -19,8 +19,6 @@
 #include "cpu_math.h"
 #include "cpu_ops.h"
 
-constexpr int64_t MAX_HEAD_DIM = 1024;
-
 #if defined(__GNUC__) && !defined(__clang__)
 // Scores 16 keys at a time with GCC's vector types (AVX-512 registers, or two AVX2 ones): each key's products summed
 // lane-wise, then the 16 sums finished together by one tree of shuffles and additions instead of 16 horizontal
@@ -161,7 +159,7 @@ static void decode_chunk(const T* q, const C* k_cache, const C* v_cache, const i
     out[head_dim] = top;
     out[head_dim + 1] = total;
     if constexpr (sizeof(C) == 1) continue;  // `eight_bit_values` below
-    float acc[HEAD_DIM ? HEAD_DIM : MAX_HEAD_DIM] = {};  // in registers when HEAD_DIM is a constant
+    float acc[HEAD_DIM ? HEAD_DIM : nanovllm::MAX_HEAD_DIM] = {};  // in registers when HEAD_DIM is a constant
     for (int64_t t0 = from - from % block_size; t0 < to; t0 += block_size) {
       const C* block = v_cache + table[t0 / block_size] * block_stride + g * head_dim;
       for (int64_t t = std::max(t0, from); t < std::min(t0 + block_size, to); ++t) {
@@ -177,26 +175,35 @@ static void decode_chunk(const T* q, const C* k_cache, const C* v_cache, const i
                                   token_stride, scores.data(), values.data(), partial);
 }
 
+// Work items in order: row, then KV head, then chunk of keys; item_start[row] is the row's first.
+struct WorkItems {
+  std::vector<int64_t> first, chunks, item_start;
+  WorkItems(const int32_t* context_lens, int64_t rows, int64_t kv_heads, int64_t window)
+      : first(rows), chunks(rows), item_start(rows + 1, 0) {
+    for (int64_t row = 0; row < rows; ++row) {
+      const int64_t context = std::max<int64_t>(0, context_lens[row]);
+      first[row] = window > 0 ? std::max<int64_t>(0, context - window) : 0;  // first key the query sees
+      chunks[row] = (context - first[row] + CHUNK - 1) / CHUNK;
+      item_start[row + 1] = item_start[row] + kv_heads * chunks[row];
+    }
+  }
+};
+
 template <typename T, typename C, int64_t HEAD_DIM>
 static void decode_rows(const T* q, const C* k_cache, const C* v_cache, const int32_t* block_tables,
                         const int32_t* context_lens, T* out, int64_t rows, int64_t heads, int64_t kv_heads,
                         int64_t runtime_head_dim, int64_t block_size, int64_t table_width, float scale,
-                        int64_t window, float softcap) {
+                        int64_t window, float softcap, const nanovllm::Team* team, float* shared_partials) {
   const int64_t head_dim = HEAD_DIM ? HEAD_DIM : runtime_head_dim;  // a constant lets the compiler unroll
   const int64_t group = heads / kv_heads;
   const int64_t token_stride = kv_heads * head_dim;   // next token in a block
   const int64_t block_stride = block_size * token_stride;
   const int64_t stride = group * (head_dim + 2);      // one work item's partial results
-  // Work items in order: row, then KV head, then chunk; item_start[row] is the row's first.
-  std::vector<int64_t> first(rows), chunks(rows), item_start(rows + 1, 0);
-  for (int64_t row = 0; row < rows; ++row) {
-    const int64_t context = std::max<int64_t>(0, context_lens[row]);
-    first[row] = window > 0 ? std::max<int64_t>(0, context - window) : 0;  // first key the query sees
-    chunks[row] = (context - first[row] + CHUNK - 1) / CHUNK;
-    item_start[row + 1] = item_start[row] + kv_heads * chunks[row];
-  }
-  std::vector<float> partials(item_start[rows] * stride);
-  at::parallel_for(0, item_start[rows], 1, [&](int64_t begin, int64_t end) {
+  const WorkItems items(context_lens, rows, kv_heads, window);
+  const auto &first = items.first, &chunks = items.chunks, &item_start = items.item_start;
+  std::vector<float> own(team ? 0 : item_start[rows] * stride);
+  float* partials = team ? shared_partials : own.data();
+  nanovllm::split(team, item_start[rows], 1, [&](int64_t begin, int64_t end) {
     std::vector<float> query(group * head_dim), scores(group * CHUNK), key(head_dim);
     std::vector<float> values(sizeof(C) == 1 ? VALUE_TILE * head_dim : 0);  // an 8-bit cache's V, as floats
     for (int64_t item = begin; item < end; ++item) {
@@ -205,20 +212,21 @@ static void decode_rows(const T* q, const C* k_cache, const C* v_cache, const in
       const int64_t from = first[row] + c * CHUNK, to = std::min<int64_t>(from + CHUNK, context_lens[row]);
       decode_chunk<T, C, HEAD_DIM>(q, k_cache, v_cache, block_tables + row * table_width, row, g, from, to, heads,
                                 group, head_dim, block_size, block_stride, token_stride, scale, softcap, query,
-                                scores, key, values, partials.data() + item * stride);
+                                scores, key, values, partials + item * stride);
     }
   });
+  if (team) team->barrier();
   // Each head's chunks merged in order, each rescaled to the row's maximum score (a single chunk is left as it is:
   // exp(0) is 1), then normalized.
-  at::parallel_for(0, rows * kv_heads, 1, [&](int64_t begin, int64_t end) {
+  nanovllm::split(team, rows * kv_heads, 1, [&](int64_t begin, int64_t end) {
     for (int64_t pair = begin; pair < end; ++pair) {
       const int64_t row = pair / kv_heads, g = pair % kv_heads;
       if (chunks[row] == 0) continue;
-      const float* part = partials.data() + (item_start[row] + g * chunks[row]) * stride;
+      const float* part = partials + (item_start[row] + g * chunks[row]) * stride;
       for (int64_t h = 0; h < group; ++h) {
         float top = -std::numeric_limits<float>::infinity();
         for (int64_t c = 0; c < chunks[row]; ++c) top = std::max(top, part[c * stride + h * (head_dim + 2) + head_dim]);
-        float acc[HEAD_DIM ? HEAD_DIM : MAX_HEAD_DIM] = {};
+        float acc[HEAD_DIM ? HEAD_DIM : nanovllm::MAX_HEAD_DIM] = {};
         float total = 0.f;
         for (int64_t c = 0; c < chunks[row]; ++c) {
           const float* p = part + c * stride + h * (head_dim + 2);
@@ -238,17 +246,21 @@ template <typename T, typename C>
 void nanovllm::paged_decode_rows(const T* q, const C* k_cache, const C* v_cache, const int32_t* block_tables,
                                  const int32_t* context_lens, T* out, int64_t rows, int64_t heads, int64_t kv_heads,
                                  int64_t head_dim, int64_t block_size, int64_t table_width, float scale,
-                                 int64_t window, float softcap) {
-  TORCH_CHECK(head_dim <= MAX_HEAD_DIM, nanovllm::message("head_dim above ", MAX_HEAD_DIM));
+                                 int64_t window, float softcap, const Team* team, float* partials) {
   auto run = head_dim == 64 ? decode_rows<T, C, 64> : head_dim == 128 ? decode_rows<T, C, 128> : decode_rows<T, C, 0>;
   run(q, k_cache, v_cache, block_tables, context_lens, out, rows, heads, kv_heads, head_dim, block_size, table_width,
-      scale, window, softcap);
+      scale, window, softcap, team, partials);
+}
+
+int64_t nanovllm::paged_decode_partials(const int32_t* context_lens, int64_t rows, int64_t heads, int64_t kv_heads,
+                                        int64_t head_dim, int64_t window) {
+  return WorkItems(context_lens, rows, kv_heads, window).item_start[rows] * (heads / kv_heads) * (head_dim + 2);
 }
 
 #define NANOVLLM_PAGED_DECODE(T, C)                                                                                \
   template void nanovllm::paged_decode_rows<T, C>(const T*, const C*, const C*, const int32_t*, const int32_t*, T*, \
                                                   int64_t, int64_t, int64_t, int64_t, int64_t, int64_t, float,     \
-                                                  int64_t, float);
+                                                  int64_t, float, const Team*, float*);
 #define NANOVLLM_PAGED_DECODE_CACHES(T) \
   NANOVLLM_PAGED_DECODE(T, T)           \
   NANOVLLM_PAGED_DECODE(T, c10::Float8_e4m3fn) NANOVLLM_PAGED_DECODE(T, c10::Float8_e5m2)
@@ -266,6 +278,7 @@ at::Tensor paged_decode(at::Tensor q, at::Tensor k_cache, at::Tensor v_cache, at
   TORCH_CHECK(v_cache.scalar_type() == cache && (cache == q.scalar_type() || cache == at::kFloat8_e4m3fn ||
                                                  cache == at::kFloat8_e5m2),
               "the caches must hold q's dtype or 8-bit floats (float8_e4m3fn, float8_e5m2)");
+  TORCH_CHECK(q.size(2) <= nanovllm::MAX_HEAD_DIM, nanovllm::message("head_dim above ", nanovllm::MAX_HEAD_DIM));
   q = q.contiguous();
   block_tables = block_tables.to(at::kInt).contiguous();
   context_lens = context_lens.to(at::kInt).contiguous();
