@@ -553,9 +553,20 @@ struct Avx2 {
   static I izero() { return _mm256_setzero_si256(); }
   static I iadd(I a, I b) { return _mm256_add_epi32(a, b); }
   static void storef(float* p, F v) { _mm256_storeu_ps(p, v); }
-  // The sums of 4 products of one weight row's chunk u and an activation chunk q, as 8 int32 (what `reduce` takes)
+  // lane n = the integer dot product of u[n] (32 bytes of weight row n) and the activation chunk q, for L rows
   template <bool kSigned>
-  static __m256i dot_row(__m256i u, __m256i q) { return dot<kSigned>(_mm256_setzero_si256(), u, q); }
+  static I row_sums(const __m256i* u, __m256i q) {
+    I p[L];
+    for (int n = 0; n < L; ++n) p[n] = dot<kSigned>(_mm256_setzero_si256(), u[n], q);
+    return reduce(p);
+  }
+  // lane n: the half floats at bytes 0 and 2 of the 4 bytes at base + index[n] (a block's scale and offset)
+  static void halves(const uint8_t* base, I index, F& low, F& high) {
+    const I g = _mm256_i32gather_epi32(reinterpret_cast<const int*>(base), index, 1);
+    const auto pack = [](I v) { return _mm_packus_epi32(_mm256_castsi256_si128(v), _mm256_extracti128_si256(v, 1)); };
+    low = _mm256_cvtph_ps(pack(_mm256_and_si256(g, _mm256_set1_epi32(0xFFFF))));
+    high = _mm256_cvtph_ps(pack(_mm256_srli_epi32(g, 16)));
+  }
   // lane n = the sum of the 8 lanes of p[n], for 8 vectors
   static I reduce(const __m256i* p) {
     I t[4], u[2];
@@ -607,19 +618,27 @@ struct Avx512 {
   static I izero() { return _mm512_setzero_si512(); }
   static I iadd(I a, I b) { return _mm512_add_epi32(a, b); }
   static void storef(float* p, F v) { _mm512_storeu_ps(p, v); }
-  template <bool kSigned>
-  static __m256i dot_row(__m256i u, __m256i q) { return _mm256_dpbusd_epi32(_mm256_setzero_si256(), u, q); }
-  static I reduce(const __m256i* p) {  // 16 vectors; rows n and n + 8 share a register until the last step
-    I z[8], t[4], u[2];
-    for (int i = 0; i < 8; ++i) z[i] = _mm512_inserti64x4(_mm512_castsi256_si512(p[i]), p[i + 8], 1);
+  // As Avx2::row_sums, rows n and n + 8 side by side in one register from the products on.
+  template <bool kSigned>  // signed weights come packed as u = v + 128 here too
+  static I row_sums(const __m256i* u, __m256i q) {
+    const I q2 = _mm512_broadcast_i64x4(q);
+    I z[8], t[4], p[2];
+    for (int i = 0; i < 8; ++i)
+      z[i] = _mm512_dpbusd_epi32(_mm512_setzero_si512(), _mm512_inserti64x4(_mm512_castsi256_si512(u[i]), u[i + 8], 1),
+                                 q2);
     for (int i = 0; i < 4; ++i)
       t[i] = _mm512_add_epi32(_mm512_unpacklo_epi32(z[2 * i], z[2 * i + 1]), _mm512_unpackhi_epi32(z[2 * i], z[2 * i + 1]));
     for (int i = 0; i < 2; ++i)
-      u[i] = _mm512_add_epi32(_mm512_unpacklo_epi64(t[2 * i], t[2 * i + 1]), _mm512_unpackhi_epi64(t[2 * i], t[2 * i + 1]));
-    // 128-bit lanes of u[0]: rows 0-3 (first and second half of their vectors), rows 8-11 (both halves); u[1]: 4-7, 12-15
-    const I s = _mm512_add_epi32(_mm512_shuffle_i32x4(u[0], u[1], _MM_SHUFFLE(2, 0, 2, 0)),
-                                 _mm512_shuffle_i32x4(u[0], u[1], _MM_SHUFFLE(3, 1, 3, 1)));  // rows 0-3, 8-11, 4-7, 12-15
+      p[i] = _mm512_add_epi32(_mm512_unpacklo_epi64(t[2 * i], t[2 * i + 1]), _mm512_unpackhi_epi64(t[2 * i], t[2 * i + 1]));
+    // 128-bit lanes of p[0]: rows 0-3 (first and second half of their vectors), rows 8-11 (both halves); p[1]: 4-7, 12-15
+    const I s = _mm512_add_epi32(_mm512_shuffle_i32x4(p[0], p[1], _MM_SHUFFLE(2, 0, 2, 0)),
+                                 _mm512_shuffle_i32x4(p[0], p[1], _MM_SHUFFLE(3, 1, 3, 1)));  // rows 0-3, 8-11, 4-7, 12-15
     return _mm512_shuffle_i32x4(s, s, _MM_SHUFFLE(3, 1, 2, 0));
+  }
+  static void halves(const uint8_t* base, I index, F& low, F& high) {  // as Avx2::halves
+    const I g = _mm512_i32gather_epi32(index, base, 1);
+    low = _mm512_cvtph_ps(_mm512_cvtepi32_epi16(g));
+    high = _mm512_cvtph_ps(_mm512_cvtepi32_epi16(_mm512_srli_epi32(g, 16)));
   }
   static void transpose(const uint8_t* rows, uint8_t* out) {
     I z[8], t[8], s[8];
@@ -747,34 +766,47 @@ void tile_rows(const uint8_t* packed, int64_t chunks, const XBlock* x, int64_t s
 
 // One activation row against L weight rows of a type with one chunk a block, straight from the weights (no packing:
 // at one row the packing would cost more than the products): each row's chunk dotted with the activation chunk, the L
-// partial vectors summed across lanes at once. The same integer sums, so the same results as `tile_rows`.
+// partial vectors summed across lanes at once. The same integer sums, so the same results as `tile_rows`. Every type
+// of one chunk a block starts a block with its scale as a half float, followed by its offset where it has one: both
+// are read for the L rows at once (`V::halves`).
 template <class T, class V>
 void row_tile(const uint8_t* w, int64_t w_stride, int rows, int64_t blocks, const XBlock* x, float* out,
               Prefetch ahead) {
   static_assert(T::kValues == 32);
   constexpr int L = V::L;
   using F = typename V::F;
+  using I = typename V::I;
   const uint8_t* row[L];
-  for (int n = 0; n < L; ++n) row[n] = w + std::min(n, rows - 1) * w_stride;
+  alignas(64) int32_t offsets[L];
+  for (int n = 0; n < L; ++n) {
+    row[n] = w + std::min(n, rows - 1) * w_stride;
+    offsets[n] = static_cast<int32_t>(row[n] - w);
+  }
+  const I index = V::load(reinterpret_cast<const uint8_t*>(offsets));
   F acc = V::zero(), off = V::zero();
   for (int64_t i = 0; i < blocks; ++i) {
     ahead(i);
     const XBlock& blk = x[i];
     const __m256i q = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(blk.q));
-    __m256i p[L];
-    alignas(64) float a[L], b[L];
+    __m256i u[L];
 #pragma GCC unroll 16
     for (int n = 0; n < L; ++n) {
-      T::simd(row[n] + i * T::kBytes, [&](int, __m256i u, float a0, float, float b0, float) LAMBDA_INLINE {
-        if constexpr (T::kSigned && zero_of<T, V>() == 128) u = _mm256_xor_si256(u, bytes(0x80));
-        p[n] = V::template dot_row<T::kSigned>(u, q);
-        a[n] = a0;
-        b[n] = b0;
+      T::simd(row[n] + i * T::kBytes, [&](int, __m256i un, float, float, float, float) LAMBDA_INLINE {
+        if constexpr (T::kSigned && zero_of<T, V>() == 128) un = _mm256_xor_si256(un, bytes(0x80));
+        u[n] = un;
       });
     }
-    const typename V::I isum = V::iadd(V::reduce(p), V::set1(blk.z32));
-    acc = V::fma(V::cvt(isum), V::mul(V::loadf(reinterpret_cast<const uint8_t*>(a)), V::set1f(blk.d)), acc);
-    if constexpr (T::kOffset) off = V::fma(V::loadf(reinterpret_cast<const uint8_t*>(b)), V::set1f(blk.s), off);
+    F a, b;
+    if constexpr (!std::is_same_v<T, Q8_0>) {
+      V::halves(w + i * T::kBytes, index, a, b);
+    } else {  // plain bytes: bound by loads, where a gather's 16 cost more than 16 scalar conversions (~15%)
+      alignas(64) float scale[L];
+      for (int n = 0; n < L; ++n) scale[n] = half_at(row[n] + i * T::kBytes);
+      a = V::loadf(reinterpret_cast<const uint8_t*>(scale));
+    }
+    const I isum = V::iadd(V::template row_sums<T::kSigned>(u, q), V::set1(blk.z32));
+    acc = V::fma(V::cvt(isum), V::mul(a, V::set1f(blk.d)), acc);
+    if constexpr (T::kOffset) off = V::fma(b, V::set1f(blk.s), off);
   }
   V::storef(out, T::kOffset ? V::add(acc, off) : acc);
 }
