@@ -2,6 +2,7 @@
 code they replace, rows bitwise the same whatever the batch, and an engine that falls back cleanly without them."""
 import io
 import logging
+import platform
 import re
 import shutil
 import subprocess
@@ -192,6 +193,22 @@ def test_the_package_data_holds_every_kernel_source():
     package = Path(cpu_kernels_module.__file__).parent.parent
     for source in cpu_kernels_module.CSRC.iterdir():
         assert any(source.relative_to(package).match(pattern) for pattern in patterns), source.name
+
+
+@pytest.mark.skipif(platform.machine() != "x86_64" or shutil.which("g++") is None, reason="x86-64 paths, g++")
+@pytest.mark.parametrize("march", ["x86-64", "x86-64-v3"])
+def test_the_kernels_compile_for_a_cpu_without_avx512_or_avx2(march):
+    """The build is -march=native: a CPU without AVX-512 (v3: AVX2) or without AVX2 (plain x86-64, as any other
+    architecture) compiles only the paths it has. The portable build once failed on a struct kept inside the AVX2
+    guard, which this machine's build never sees."""
+    include = Path(torch.__file__).parent / "include"
+    sources = sorted(cpu_kernels_module.CSRC.glob("*.cpp"))
+    procs = [subprocess.Popen(["g++", "-std=c++17", f"-march={march}", "-fopenmp", "-fsyntax-only", "-w",
+                               "-isystem", str(include), "-isystem", str(include / "torch/csrc/api/include"),
+                               str(source)], stderr=subprocess.PIPE, text=True) for source in sources]
+    for source, proc in zip(sources, procs):
+        _, errors = proc.communicate(timeout=300)
+        assert proc.returncode == 0, f"{source.name} -march={march}:\n{errors[:2000]}"
 
 
 def torch_check_messages(source: str) -> list[str]:

@@ -521,6 +521,18 @@ void portable_rows(const uint8_t* w, int64_t blocks, const XBlock* x, int64_t st
     for (int64_t m = 0; m < M; ++m) acc[m] += off[m];
 }
 
+// The next tile's weights on their way to the cache while this one computes, a slice of it for each block i of
+// `blocks`: a tile reads its rows side by side, too short a stream each for the hardware prefetchers (2x slower on
+// weights from memory without).
+struct Prefetch {
+  const uint8_t* next;
+  int64_t slice;  // bytes a block, whole cache lines
+  ALWAYS_INLINE void operator()(int64_t i) const {
+    if (!next) return;
+    for (int64_t b = i * slice; b < (i + 1) * slice; b += 64) __builtin_prefetch(next + b);
+  }
+};
+
 #ifdef NV_AVX2
 // The SIMD paths put L weight rows side by side: a tile of L rows is unpacked once into a packed buffer (`pack`),
 // where each 4 values of a chunk are a vector of L 4-byte lanes, one per weight row, followed by the chunk's scales
@@ -663,18 +675,6 @@ struct Avx512 {
 };
 #endif
 
-// The next tile's weights on their way to the cache while this one computes, a slice of it for each block i of
-// `blocks`: a tile reads its rows side by side, too short a stream each for the hardware prefetchers (2x slower on
-// weights from memory without).
-struct Prefetch {
-  const uint8_t* next;
-  int64_t slice;  // bytes a block, whole cache lines
-  ALWAYS_INLINE void operator()(int64_t i) const {
-    if (!next) return;
-    for (int64_t b = i * slice; b < (i + 1) * slice; b += 64) __builtin_prefetch(next + b);
-  }
-};
-
 // The value stored weights are offset by: u = v + zero. Signed Q8_0 bytes become unsigned for `vpdpbusd` (v + 128);
 // AVX2 keeps them signed (`maddubs` would saturate on 255 * 127 * 2).
 template <class T, class V>
@@ -764,16 +764,17 @@ void tile_rows(const uint8_t* packed, int64_t chunks, const XBlock* x, int64_t s
   for (int r = 0; r < R; ++r) V::storef(out + r * L, T::kOffset ? V::add(acc[r], off[r]) : acc[r]);
 }
 
-// One activation row against L weight rows of a type with one chunk a block, straight from the weights (no packing:
-// at one row the packing would cost more than the products): each row's chunk dotted with the activation chunk, the L
-// partial vectors summed across lanes at once. The same integer sums, so the same results as `tile_rows`. Every type
-// of one chunk a block starts a block with its scale as a half float, followed by its offset where it has one: both
-// are read for the L rows at once (`V::halves`).
+// One activation row against L weight rows, straight from the weights (no packing: at one row the packing would cost
+// more than the products): each row's chunk dotted with the activation chunk (or with each half of it, for types
+// scaled per 16 values), the L partial vectors summed across lanes at once. The same integer sums and float operations
+// in the same order, so the same results as `tile_rows`. Types of one chunk a block start it with their scale as a
+// half float, followed by their offset where they have one: those are read for the L rows at once (`V::halves`).
 template <class T, class V>
 void row_tile(const uint8_t* w, int64_t w_stride, int rows, int64_t blocks, const XBlock* x, float* out,
               Prefetch ahead) {
-  static_assert(T::kValues == 32);
-  constexpr int L = V::L;
+  constexpr int L = V::L, C = T::kValues / 32, H = T::kGroup16 ? 2 : 1;
+  constexpr bool gathered = C == 1 && !std::is_same_v<T, Q8_0>;  // Q8_0's plain bytes: bound by loads, where the
+                                                                 // gather's 16 cost more than 16 conversions (~15%)
   using F = typename V::F;
   using I = typename V::I;
   const uint8_t* row[L];
@@ -783,34 +784,57 @@ void row_tile(const uint8_t* w, int64_t w_stride, int rows, int64_t blocks, cons
     offsets[n] = static_cast<int32_t>(row[n] - w);
   }
   const I index = V::load(reinterpret_cast<const uint8_t*>(offsets));
+  const __m256i low_half = _mm256_setr_epi64x(-1, -1, 0, 0);
   F acc = V::zero(), off = V::zero();
   for (int64_t i = 0; i < blocks; ++i) {
     ahead(i);
-    const XBlock& blk = x[i];
-    const __m256i q = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(blk.q));
-    __m256i u[L];
+    __m256i u[C][L];
+    alignas(64) float a[C][H][L], b[C][H][L];
 #pragma GCC unroll 16
     for (int n = 0; n < L; ++n) {
-      T::simd(row[n] + i * T::kBytes, [&](int, __m256i un, float, float, float, float) LAMBDA_INLINE {
+      T::simd(row[n] + i * T::kBytes, [&](int c, __m256i un, float a0, float a1, float b0, float b1) LAMBDA_INLINE {
         if constexpr (T::kSigned && zero_of<T, V>() == 128) un = _mm256_xor_si256(un, bytes(0x80));
-        u[n] = un;
+        u[c][n] = un;
+        if constexpr (!gathered) {
+          a[c][0][n] = a0, b[c][0][n] = b0;
+          if constexpr (H == 2) a[c][1][n] = a1, b[c][1][n] = b1;
+        }
       });
     }
-    F a, b;
-    if constexpr (!std::is_same_v<T, Q8_0>) {
-      V::halves(w + i * T::kBytes, index, a, b);
-    } else {  // plain bytes: bound by loads, where a gather's 16 cost more than 16 scalar conversions (~15%)
-      alignas(64) float scale[L];
-      for (int n = 0; n < L; ++n) scale[n] = half_at(row[n] + i * T::kBytes);
-      a = V::loadf(reinterpret_cast<const uint8_t*>(scale));
+    F a_gathered, b_gathered;
+    if constexpr (gathered) V::halves(w + i * T::kBytes, index, a_gathered, b_gathered);
+#pragma GCC unroll 8
+    for (int c = 0; c < C; ++c) {
+      const XBlock& blk = x[i * C + c];
+      const __m256i q = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(blk.q));
+#pragma GCC unroll 2
+      for (int h = 0; h < H; ++h) {  // per 16 values: the activation's other half zeroed
+        const __m256i qh = H == 1 ? q : _mm256_and_si256(q, h == 0 ? low_half : _mm256_xor_si256(low_half, bytes(-1)));
+        const I isum = V::iadd(V::template row_sums<T::kSigned>(u[c], qh), V::set1(H == 2 ? blk.z16[h] : blk.z32));
+        const F scale = gathered ? a_gathered : V::loadf(reinterpret_cast<const uint8_t*>(a[c][h]));
+        acc = V::fma(V::cvt(isum), V::mul(scale, V::set1f(blk.d)), acc);
+        if constexpr (T::kOffset) {
+          const F offset = gathered ? b_gathered : V::loadf(reinterpret_cast<const uint8_t*>(b[c][h]));
+          off = V::fma(offset, V::set1f(H == 2 ? blk.ds[h] : blk.s), off);
+        }
+      }
     }
-    const I isum = V::iadd(V::template row_sums<T::kSigned>(u, q), V::set1(blk.z32));
-    acc = V::fma(V::cvt(isum), V::mul(a, V::set1f(blk.d)), acc);
-    if constexpr (T::kOffset) off = V::fma(b, V::set1f(blk.s), off);
   }
   V::storef(out, T::kOffset ? V::add(acc, off) : acc);
 }
 #endif
+
+// Whether one activation row takes `row_tile` rather than a packed tile: measured per path (single thread, 1536 ->
+// 8192, Gval/s). It pays for every type of one chunk a block; for the K-quants, on AVX-512 for all but Q6_K (Q4_K 36
+// against 25 packed, Q6_K 20 against 24), on AVX2 only for Q2_K and Q3_K (Q4_K 21 against 22, Q6_K 19 against 24).
+template <class T, class V>
+constexpr bool row_tile_pays() {
+  if constexpr (T::kValues == 32) return true;
+#ifdef NV_AVX512
+  if constexpr (std::is_same_v<V, Avx512>) return !std::is_same_v<T, Q6_K>;
+#endif
+  return std::is_same_v<T, Q2_K> || std::is_same_v<T, Q3_K>;
+}
 
 constexpr int MAX_ROWS = 8;  // activation rows one pass over a packed tile serves (registers: 3 vectors a row)
 constexpr int MAX_LANES = 16;
@@ -825,7 +849,7 @@ using RowFn = void (*)(const uint8_t* w, int64_t blocks, const XBlock* x, int64_
 struct Kernel {
   TileFn tiles[4] = {};  // 1, 2, 4, 8 rows a pass (as many as the ISA's registers hold)
   PackFn pack = nullptr;
-  RowTileFn row_tile = nullptr;  // one activation row, unpacked (types of 32-value blocks)
+  RowTileFn row_tile = nullptr;  // one activation row, unpacked
   RowFn row = nullptr;   // portable
   int lanes = 1, max_rows = 1, zero = 0;
   int64_t values = 0, bytes = 0, packed_chunk = 0;
@@ -841,7 +865,7 @@ Kernel kernel_for() {
     using V = Avx512;
     k.tiles[0] = tile_rows<T, V, 1>, k.tiles[1] = tile_rows<T, V, 2>, k.tiles[2] = tile_rows<T, V, 4>;
     k.tiles[3] = tile_rows<T, V, 8>;
-    if constexpr (T::kValues == 32) k.row_tile = row_tile<T, V>;
+    if constexpr (row_tile_pays<T, V>()) k.row_tile = row_tile<T, V>;
     k.pack = pack<T, V>, k.lanes = V::L, k.max_rows = 8, k.zero = zero_of<T, V>(), k.packed_chunk = Packed<T, V>::kBytes;
     return k;
   }
@@ -850,7 +874,7 @@ Kernel kernel_for() {
   if constexpr (ISA == AVX2) {
     using V = Avx2;
     k.tiles[0] = tile_rows<T, V, 1>, k.tiles[1] = tile_rows<T, V, 2>, k.tiles[2] = tile_rows<T, V, 4>;
-    if constexpr (T::kValues == 32) k.row_tile = row_tile<T, V>;
+    if constexpr (row_tile_pays<T, V>()) k.row_tile = row_tile<T, V>;
     k.pack = pack<T, V>, k.lanes = V::L, k.max_rows = 4, k.zero = zero_of<T, V>(), k.packed_chunk = Packed<T, V>::kBytes;
     return k;
   }
