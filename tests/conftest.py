@@ -1,4 +1,5 @@
 import os
+from pathlib import Path
 
 import pytest
 from checkpoints import LLAMA3_ROPE, make_checkpoint
@@ -21,6 +22,21 @@ def pytest_configure(config) -> None:
     torch.cuda.device_count = lambda: int(count)
     torch.cuda.get_device_capability = lambda device=None: (9, 0)
     torch.cuda.get_device_name = lambda device=None: f"mocked GPU ({MOCK_CUDA}={count})"
+
+
+@pytest.fixture
+def private_cache(tmp_path, monkeypatch) -> Path:
+    """`NANOVLLM_CACHE` in the test's own folder, for the metadata of the files it makes, sharing the built CPU kernels
+    through a link: a process started there (a tensor-parallel worker) would otherwise build them again (~20 s)."""
+    from nanovllm.cache import cache_dir
+
+    shared = cache_dir() / "kernels"
+    shared.mkdir(parents=True, exist_ok=True)
+    private = tmp_path / "cache"
+    private.mkdir(exist_ok=True)
+    (private / "kernels").symlink_to(shared, target_is_directory=True)
+    monkeypatch.setenv("NANOVLLM_CACHE", str(private))
+    return private
 
 
 @pytest.fixture(scope="session")

@@ -84,11 +84,10 @@ def test_stopping_logprobs_and_seeded_sampling_match_no_speculation(tied_model, 
     assert outputs[0].outputs[0].finish_reason == "stop" and outputs[1].outputs[0].finish_reason == "length"
 
 
-def test_a_gguf_copy_of_the_target_drafts_for_it(tmp_path, monkeypatch):
+def test_a_gguf_copy_of_the_target_drafts_for_it(tmp_path, private_cache):
     """Self-speculation with a Q8_0 GGUF file of the target (its vocabulary read from the file's metadata)."""
     from checkpoints import make_gguf
 
-    monkeypatch.setenv("NANOVLLM_CACHE", str(tmp_path / "cache"))
     target = make_checkpoint(str(tmp_path / "llama"), family="llama", tie_word_embeddings=False, seed=5)
     draft = make_gguf(str(tmp_path / "llama-q8_0.gguf"), target, "", qtype="Q8_0", quantized=("",))
     prompts = grounded_prompts([7, 20], seed=2)

@@ -48,10 +48,9 @@ def test_gguf_adapter_equals_its_peft_source(tmp_path, family):
                                        use_tqdm=False)) == expected, path
 
 
-def test_gguf_adapter_on_a_gguf_base(tmp_path, monkeypatch):
+def test_gguf_adapter_on_a_gguf_base(tmp_path, private_cache):
     """On a float32 GGUF base: PEFT's tokens on the original checkpoint. On Q8_0 blocks with the float adapter: the
     PEFT directory's tokens on the same blocks, which are not the blocks' own."""
-    monkeypatch.setenv("NANOVLLM_CACHE", str(tmp_path / "cache"))  # the base files' metadata
     base = make_checkpoint(str(tmp_path / "base"), family="llama", seed=9)
     peft_dir, gguf_file = adapter_pair(base, str(tmp_path), r=4, lora_alpha=16, target_modules=ALL)
     expected = peft_greedy(base, peft_dir, PROMPTS)

@@ -56,9 +56,8 @@ def converted(gguf_file, tmp_path_factory) -> str:
 
 
 @pytest.fixture(autouse=True)
-def cache(tmp_path, monkeypatch):
-    monkeypatch.setenv("NANOVLLM_CACHE", str(tmp_path / "cache"))
-    return tmp_path / "cache"
+def cache(private_cache):
+    return private_cache
 
 
 def test_converted_weights_are_the_original_ones(llama_dir, converted):

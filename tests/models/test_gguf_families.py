@@ -69,8 +69,8 @@ def checkpoint(tmp_path_factory):
 
 
 @pytest.fixture(autouse=True)
-def cache(tmp_path, monkeypatch):
-    monkeypatch.setenv("NANOVLLM_CACHE", str(tmp_path / "cache"))
+def cache(private_cache):
+    return private_cache
 
 
 @pytest.mark.parametrize("name", list(CASES))

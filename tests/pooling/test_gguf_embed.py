@@ -14,7 +14,6 @@ from transformers import AutoTokenizer
 
 from nanovllm import LLM, PoolingParams, SamplingParams
 from nanovllm.cli import main as cli
-from nanovllm.kernels.cpu import cpu_kernels
 from nanovllm.layers.ggml_weight import GGMLWeight
 from nanovllm.models.gguf import metadata
 
@@ -24,11 +23,8 @@ CPU = dict(device="cpu", dtype="float32")
 
 
 @pytest.fixture(autouse=True)
-def cache(tmp_path, monkeypatch):
-    """The GGUF files' metadata in the test's own cache; the CPU kernels loaded first, from the shared one (not built
-    again)."""
-    cpu_kernels()
-    monkeypatch.setenv("NANOVLLM_CACHE", str(tmp_path / "cache"))
+def cache(private_cache):
+    return private_cache
 
 
 @pytest.fixture(scope="module")
