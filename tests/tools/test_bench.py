@@ -5,6 +5,7 @@ import importlib.util
 import json
 import re
 import shutil
+import sys
 from pathlib import Path
 
 import pytest
@@ -335,9 +336,8 @@ echo '{"pp": 128, "tg": 128, "pl": 32, "speed_pp": 290.0, "speed_tg": 230.0}'
 """
 
 
-def test_llamacpp_baseline_runs_its_tools_on_the_same_file_and_threads(tmp_path, capsys):
-    """llama.cpp's tools (fakes printing their output formats here) get the file, the thread count and the shapes;
-    each of the six rates appears beside nanovllm's, with the ratio."""
+def fake_llamacpp(tmp_path, llama_bench: str) -> tuple[str, str, Path]:
+    """A tiny GGUF file, its source checkpoint, and a folder of fake llama.cpp tools (`llama_bench`'s script)."""
     from checkpoints import make_checkpoint, make_gguf
 
     pytest.importorskip("gguf")
@@ -345,9 +345,16 @@ def test_llamacpp_baseline_runs_its_tools_on_the_same_file_and_threads(tmp_path,
     model = make_gguf(str(tmp_path / "tiny.gguf"), source, "{{ messages[0]['content'] }}")
     bin_dir = tmp_path / "bin"
     bin_dir.mkdir()
-    for name, script in (("llama-bench", FAKE_LLAMA_BENCH), ("llama-batched-bench", FAKE_BATCHED_BENCH)):
+    for name, script in (("llama-bench", llama_bench), ("llama-batched-bench", FAKE_BATCHED_BENCH)):
         (bin_dir / name).write_text(script)
         (bin_dir / name).chmod(0o755)
+    return model, source, bin_dir
+
+
+def test_llamacpp_baseline_runs_its_tools_on_the_same_file_and_threads(tmp_path, capsys):
+    """llama.cpp's tools (fakes printing their output formats here) get the file, the thread count and the shapes;
+    each of the six rates appears beside nanovllm's, with the ratio."""
+    model, source, bin_dir = fake_llamacpp(tmp_path, FAKE_LLAMA_BENCH)
     result = bench.main(["--model", model, "--baseline", "llamacpp", "--llamacpp-bin", str(bin_dir), "--threads",
                          "1", "--dtype", "float32"])
     assert (bin_dir / "llama-bench.args").read_text().split() == ["-m", model, "-t", "1", "-p", "128", "-n", "128",
@@ -372,6 +379,40 @@ def test_llamacpp_baseline_runs_its_tools_on_the_same_file_and_threads(tmp_path,
     assert result["bandwidth_share_batch1"]["llamacpp"] == pytest.approx((weights + 2 * kv) * 100.0
                                                                          / result["read_bandwidth"])
     assert f"llama.cpp at {result['bandwidth_share_batch1']['llamacpp']:.0%}" in printed
+
+
+FAKE_DEPTH_BENCH = f"""#!{sys.executable}
+import json, sys
+args = sys.argv[1:]
+open(__file__ + ".calls", "a").write(" ".join(args) + "\\n")
+value = lambda flag: args[args.index(flag) + 1]
+if "-d" in args:
+    print(json.dumps([{{"n_prompt": 0, "n_gen": int(value("-n")), "n_depth": int(d), "avg_ts": 1000.0 / int(d)}}
+                      for d in value("-d").split(",")]))
+elif value("-n") == "0":
+    print(json.dumps([{{"n_prompt": int(p), "n_gen": 0, "n_depth": 0, "avg_ts": 10.0 * int(p)}}
+                      for p in value("-p").split(",")]))
+else:
+    print(json.dumps([{{"n_prompt": 128, "n_gen": 0, "avg_ts": 300.0}},
+                      {{"n_prompt": 0, "n_gen": 128, "avg_ts": 100.0}}]))
+"""
+
+
+def test_llamacpp_baseline_at_long_contexts(tmp_path, capsys):
+    """--context-depths: llama-bench's prompts of N tokens and decodes after N (a fake here), beside nanovllm's one
+    request of N tokens at a time, each rate with its ratio."""
+    model, _, bin_dir = fake_llamacpp(tmp_path, FAKE_DEPTH_BENCH)
+    result = bench.main(["--model", model, "--baseline", "llamacpp", "--llamacpp-bin", str(bin_dir), "--threads",
+                         "1", "--dtype", "float32", "--context-depths", "40,100"])
+    calls = (bin_dir / "llama-bench.calls").read_text().splitlines()
+    assert any("-p 40,100 -n 0" in call for call in calls) and any("-p 0 -n 64 -d 40,100" in call for call in calls)
+    theirs = {(r["rate"], r["tokens"]): r["llamacpp"] for r in result["context_depths"]}
+    assert theirs == {("prompt", 40): 400.0, ("prompt", 100): 1000.0, ("decode", 40): 25.0, ("decode", 100): 10.0}
+    for row in result["context_depths"]:
+        assert row["nanovllm"] > 0 and row["ratio"] == pytest.approx(row["nanovllm"] / row["llamacpp"])
+    assert "| decode | 100 |" in capsys.readouterr().out
+    with pytest.raises(SystemExit):
+        bench.parse_args(["--model", model, "--context-depths", "512"])  # only beside llama.cpp
 
 
 def test_llamacpp_baseline_without_its_tools_says_how_to_build_them(tmp_path, monkeypatch):
