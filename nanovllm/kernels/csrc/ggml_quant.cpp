@@ -691,14 +691,34 @@ struct Packed {
   static constexpr int64_t kBytes = 4 * V::L * (8 + H * (T::kOffset ? 2 : 1));
 };
 
+// Whether a type's scales and offsets are read for the L rows by one gather (`V::halves`): the types of one chunk a
+// block start it with them as half floats; Q8_0's plain bytes are bound by loads, where the gather's 16 cost more than
+// 16 scalar conversions (~15%).
+template <class T>
+constexpr bool gathered_scales() {
+  return T::kValues == 32 && !std::is_same_v<T, Q8_0>;
+}
+
+// Row n of the tile (`rows` <= L; lanes past `rows` repeat the last row), and its offset from the first, for the gather.
+template <class V>
+typename V::I tile_row_pointers(const uint8_t* w, int64_t w_stride, int rows, const uint8_t** row) {
+  alignas(64) int32_t offsets[V::L];
+  for (int n = 0; n < V::L; ++n) {
+    row[n] = w + std::min(n, rows - 1) * w_stride;
+    offsets[n] = static_cast<int32_t>(row[n] - w);
+  }
+  return V::load(reinterpret_cast<const uint8_t*>(offsets));
+}
+
 // Unpacks `rows` (<= L) weight rows of `blocks` blocks into `out`; lanes past `rows` repeat the last row.
 template <class T, class V>
 void pack(const uint8_t* w, int64_t w_stride, int rows, int64_t blocks, uint8_t* out, Prefetch ahead) {
   using P = Packed<T, V>;
   constexpr int C = T::kValues / 32, L = V::L;
+  constexpr bool gathered = gathered_scales<T>();
   alignas(64) uint8_t stage[C][L][32];
   const uint8_t* row[L];
-  for (int n = 0; n < L; ++n) row[n] = w + std::min(n, rows - 1) * w_stride;
+  const typename V::I index = tile_row_pointers<V>(w, w_stride, rows, row);
   for (int64_t i = 0; i < blocks; ++i) {
     ahead(i);
     uint8_t* chunk0 = out + i * C * P::kBytes;
@@ -707,14 +727,23 @@ void pack(const uint8_t* w, int64_t w_stride, int rows, int64_t blocks, uint8_t*
       T::simd(block, [&](int c, __m256i u, float a0, float a1, float b0, float b1) LAMBDA_INLINE {
         if constexpr (T::kSigned && zero_of<T, V>() == 128) u = _mm256_xor_si256(u, bytes(0x80));
         _mm256_store_si256(reinterpret_cast<__m256i*>(stage[c][n]), u);
-        float* f = reinterpret_cast<float*>(chunk0 + c * P::kBytes + 32 * L);
-        f[n] = a0;
-        if constexpr (P::H == 2) f[L + n] = a1;
-        if constexpr (T::kOffset) {
-          f[P::H * L + n] = b0;
-          if constexpr (P::H == 2) f[(P::H + 1) * L + n] = b1;
+        if constexpr (!gathered) {
+          float* f = reinterpret_cast<float*>(chunk0 + c * P::kBytes + 32 * L);
+          f[n] = a0;
+          if constexpr (P::H == 2) f[L + n] = a1;
+          if constexpr (T::kOffset) {
+            f[P::H * L + n] = b0;
+            if constexpr (P::H == 2) f[(P::H + 1) * L + n] = b1;
+          }
         }
       });
+    }
+    if constexpr (gathered) {
+      typename V::F a, b;
+      V::halves(w + i * T::kBytes, index, a, b);
+      float* f = reinterpret_cast<float*>(chunk0 + 32 * L);
+      V::storef(f, a);
+      if constexpr (T::kOffset) V::storef(f + L, b);
     }
     for (int c = 0; c < C; ++c) V::transpose(&stage[c][0][0], chunk0 + c * P::kBytes);
   }
@@ -767,23 +796,16 @@ void tile_rows(const uint8_t* packed, int64_t chunks, const XBlock* x, int64_t s
 // One activation row against L weight rows, straight from the weights (no packing: at one row the packing would cost
 // more than the products): each row's chunk dotted with the activation chunk (or with each half of it, for types
 // scaled per 16 values), the L partial vectors summed across lanes at once. The same integer sums and float operations
-// in the same order, so the same results as `tile_rows`. Types of one chunk a block start it with their scale as a
-// half float, followed by their offset where they have one: those are read for the L rows at once (`V::halves`).
+// in the same order, so the same results as `tile_rows`.
 template <class T, class V>
 void row_tile(const uint8_t* w, int64_t w_stride, int rows, int64_t blocks, const XBlock* x, float* out,
               Prefetch ahead) {
   constexpr int L = V::L, C = T::kValues / 32, H = T::kGroup16 ? 2 : 1;
-  constexpr bool gathered = C == 1 && !std::is_same_v<T, Q8_0>;  // Q8_0's plain bytes: bound by loads, where the
-                                                                 // gather's 16 cost more than 16 conversions (~15%)
+  constexpr bool gathered = gathered_scales<T>();
   using F = typename V::F;
   using I = typename V::I;
   const uint8_t* row[L];
-  alignas(64) int32_t offsets[L];
-  for (int n = 0; n < L; ++n) {
-    row[n] = w + std::min(n, rows - 1) * w_stride;
-    offsets[n] = static_cast<int32_t>(row[n] - w);
-  }
-  const I index = V::load(reinterpret_cast<const uint8_t*>(offsets));
+  const I index = tile_row_pointers<V>(w, w_stride, rows, row);
   const __m256i low_half = _mm256_setr_epi64x(-1, -1, 0, 0);
   F acc = V::zero(), off = V::zero();
   for (int64_t i = 0; i < blocks; ++i) {
