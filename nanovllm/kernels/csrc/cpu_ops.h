@@ -58,11 +58,11 @@ int64_t paged_decode_partials(const int32_t* context_lens, int64_t rows, int64_t
                               int64_t head_dim, int64_t window);
 
 // ggml_quant.cpp: out [M, N] (rows `ldo` apart) = x [M, K] . w [N, K] + bias, w rows `w_stride` bytes apart in GGML
-// type `qtype` (one `ggml_supported` says runs on path `isa`). Threads over the weight rows; a team quantizes the
-// activations into `scratch` (`ggml_scratch_bytes`, shared), waits for all of them, then takes its weight rows.
+// type `qtype` (one `ggml_supported` says runs on path `isa`), this thread's share of `team`: it quantizes its rows of
+// the activations into `scratch` (`ggml_scratch_bytes`, shared), waits for the others, then takes its weight rows.
 template <typename T>
 void ggml_matmul(const T* x, int64_t M, int64_t K, const uint8_t* w, int64_t w_stride, int64_t N, int64_t qtype,
-                 int64_t isa, const T* bias, T* out, int64_t ldo, const Team* team = nullptr, void* scratch = nullptr);
+                 int64_t isa, const T* bias, T* out, int64_t ldo, const Team& team, void* scratch);
 int64_t ggml_scratch_bytes(int64_t M, int64_t K);
 bool ggml_supported(int64_t qtype, int64_t isa);
 

@@ -75,7 +75,7 @@ struct GGMLLinear : torch::CustomClassHolder {
     for (size_t i = 0; i < segments.size(); ++i) {
       const int64_t n = segments[i].size(0);
       nanovllm::ggml_matmul<T>(x, M, in_features, segments[i].const_data_ptr<uint8_t>(), segments[i].stride(0), n,
-                               qtypes[i], isa, segments.size() == 1 ? b : nullptr, out + column, out_features, &team,
+                               qtypes[i], isa, segments.size() == 1 ? b : nullptr, out + column, out_features, team,
                                scratch);
       team.barrier();  // the products done, and `scratch` free for the next segment's activations
       column += n;

@@ -1171,12 +1171,12 @@ at::Tensor ggml_linear(at::Tensor x, at::Tensor weight, int64_t qtype, int64_t i
 
 template <typename T>
 void nanovllm::ggml_matmul(const T* x, int64_t M, int64_t K, const uint8_t* w, int64_t w_stride, int64_t N,
-                           int64_t qtype, int64_t isa, const T* bias, T* out, int64_t ldo, const Team* team,
+                           int64_t qtype, int64_t isa, const T* bias, T* out, int64_t ldo, const Team& team,
                            void* scratch) {
-  if (float_size(qtype)) return float_matmul(qtype, isa, x, M, K, w, w_stride, N, bias, out, ldo, team);
+  if (float_size(qtype)) return float_matmul(qtype, isa, x, M, K, w, w_stride, N, bias, out, ldo, &team);
   Kernel k;
   kernel_of(qtype, isa, k);  // the caller checked it with ggml_supported
-  quantized_matmul(k, x, M, K, w, w_stride, N, bias, out, ldo, team, scratch);
+  quantized_matmul(k, x, M, K, w, w_stride, N, bias, out, ldo, &team, scratch);
 }
 
 int64_t nanovllm::ggml_scratch_bytes(int64_t M, int64_t K) { return M * (K / 32) * sizeof(XBlock); }
@@ -1188,7 +1188,7 @@ bool nanovllm::ggml_supported(int64_t qtype, int64_t isa) {
 
 #define NANOVLLM_GGML_MATMUL(T)                                                                                  \
   template void nanovllm::ggml_matmul<T>(const T*, int64_t, int64_t, const uint8_t*, int64_t, int64_t, int64_t, \
-                                         int64_t, const T*, T*, int64_t, const Team*, void*);
+                                         int64_t, const T*, T*, int64_t, const Team&, void*);
 NANOVLLM_GGML_MATMUL(float)
 NANOVLLM_GGML_MATMUL(c10::BFloat16)
 NANOVLLM_GGML_MATMUL(c10::Half)
