@@ -6,10 +6,9 @@ and ignores Ctrl-C from its start: SIGINT reaches the parent, which stops its ch
 exit message and `timeout_s` to act on it), then a kill, so no child outlives the engine that started it.
 """
 import signal
-import threading
 from contextlib import contextmanager
 from dataclasses import dataclass
-from multiprocessing import get_context
+from multiprocessing import get_context, resource_tracker
 from multiprocessing.connection import Connection
 from multiprocessing.process import BaseProcess
 from typing import Any, Callable, Iterator
@@ -48,31 +47,31 @@ def spawn(name: str, target: Callable[..., None], *args: Any) -> Child:
     ctx = get_context("spawn")
     conn, child_conn = ctx.Pipe()
     process = ctx.Process(target=_child_main, name=f"nanovllm {name}", args=(target, *args, child_conn))
-    with _ctrl_c_ignored():
+    with _ctrl_c_held():
         process.start()
     child_conn.close()
     return Child(name, process, conn)
 
 
 @contextmanager
-def _ctrl_c_ignored() -> Iterator[None]:
-    """Ctrl-C reaches the whole foreground process group. A child started meanwhile ignores it from its first
-    instruction (an ignored signal stays ignored through exec, and Python then installs no handler), not only once
-    `_child_main` runs: a Ctrl-C during its seconds of imports would end it and leave the parent waiting for it, up to
-    `worker_start_timeout_s` in a tensor-parallel rendezvous. A Ctrl-C in the milliseconds of `start()` is lost.
-    Only the main thread may set a handler."""
-    if threading.current_thread() is not threading.main_thread() or signal.getsignal(signal.SIGINT) is None:
-        yield
-        return
-    previous = signal.signal(signal.SIGINT, signal.SIG_IGN)
+def _ctrl_c_held() -> Iterator[None]:
+    """Ctrl-C reaches the whole foreground process group. A child must not die of it during its seconds of imports
+    (the parent would wait for it, up to `worker_start_timeout_s` in a tensor-parallel rendezvous), and the parent must
+    not lose it: SIGINT is blocked while a child starts. The child inherits the blocked mask through exec, so a Ctrl-C
+    stays pending there until `_child_main` ignores it (which discards it); the parent's arrives when the block ends.
+    (Ignoring SIGINT in the parent instead lost a Ctrl-C that came during `start()`: the program ran on.) The resource
+    tracker is started first: starting it unblocks SIGINT."""
+    resource_tracker.ensure_running()
+    previous = signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGINT})
     try:
         yield
     finally:
-        signal.signal(signal.SIGINT, previous)
+        signal.pthread_sigmask(signal.SIG_SETMASK, previous)
 
 
 def _child_main(target: Callable[..., None], *args: Any) -> None:
-    signal.signal(signal.SIGINT, signal.SIG_IGN)  # for a child started outside the main thread
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # a Ctrl-C pending since the start is dropped with it
+    signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGINT})
     target(*args)
 
 
