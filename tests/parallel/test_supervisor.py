@@ -1,0 +1,36 @@
+"""The child processes' start (`nanovllm.distributed.supervisor.spawn`) and Ctrl-C: one that comes while a child
+starts reaches the parent once the child is up, and never kills the child."""
+import os
+import signal
+import time
+from multiprocessing.context import SpawnProcess
+
+import pytest
+
+from nanovllm.distributed.supervisor import spawn
+
+
+def nap(conn) -> None:
+    """A child that runs two seconds past its start (its parent's end of the pipe is gone with the interrupt)."""
+    time.sleep(2.0)
+
+
+def test_ctrl_c_during_a_child_s_start_reaches_the_parent_and_spares_the_child(monkeypatch):
+    """SIGINT to parent and child while `start()` runs (a terminal's Ctrl-C hits the whole process group): it used to
+    be ignored in the parent, so the program ran on as if no Ctrl-C had come."""
+    if signal.getsignal(signal.SIGINT) is not signal.default_int_handler:
+        pytest.skip("needs Python's own Ctrl-C handler")
+    start, started = SpawnProcess.start, []
+
+    def start_then_ctrl_c(process) -> None:
+        start(process)
+        started.append(process)
+        os.kill(process.pid, signal.SIGINT)
+        os.kill(os.getpid(), signal.SIGINT)
+
+    monkeypatch.setattr(SpawnProcess, "start", start_then_ctrl_c)
+    with pytest.raises(KeyboardInterrupt):
+        spawn("test child", nap)
+    (child,) = started
+    child.join(timeout=60)
+    assert child.exitcode == 0, f"the child ended with {child.exitcode} (-2: killed by the Ctrl-C)"
