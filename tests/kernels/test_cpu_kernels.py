@@ -65,7 +65,7 @@ def reference(q, k_cache, v_cache, tables, lengths, scale, window: int = 0, soft
 
 @needs_compiler
 @pytest.mark.parametrize("block_size", [16, 256])
-@pytest.mark.parametrize("heads, kv_heads, head_dim", [(4, 2, 64), (3, 3, 16), (8, 1, 32)])
+@pytest.mark.parametrize("heads, kv_heads, head_dim", [(4, 2, 64), (3, 3, 16), (8, 1, 32), (9, 3, 64), (10, 1, 128)])
 @pytest.mark.parametrize("dtype, atol", [(torch.float32, 1e-5), (torch.bfloat16, 3e-2)])
 def test_decode_against_a_float64_reference(block_size, heads, kv_heads, head_dim, dtype, atol):
     lengths = [1, 7, 16, 17, 300, 513]

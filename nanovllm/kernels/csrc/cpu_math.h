@@ -144,6 +144,14 @@ static inline void with_cache_type(c10::ScalarType cache, const F& fn) {
     fn(T{});
 }
 
+// The cache lines of one head's dim values from `row` asked for ahead of their use: heads of a row (or a cached token)
+// lie side by side, and the hardware's prefetchers miss a stream of slices that far apart.
+template <int LOCALITY = 3, typename T>
+static inline void prefetch_head(const T* row, int64_t dim) {
+  for (int64_t byte = 0; byte < dim * static_cast<int64_t>(sizeof(T)); byte += 64)
+    __builtin_prefetch(reinterpret_cast<const char*>(row) + byte, 0, LOCALITY);
+}
+
 // exp(x) as 2^n * p(r), r = x - n ln2 in [-ln2/2, ln2/2]: a polynomial the compiler vectorizes (std::exp it calls
 // once per element), relative error ~2e-7; x clamped to [-87, 88] (exp(-87) = 1.6e-38, exp(88) = 1.7e38).
 static inline float exp_clamped(float x) {

@@ -74,11 +74,6 @@ static inline float reduce_lanes(const floatv x, F combine) {
 // A head's slice of the row PREFETCH_ROWS ahead asked for while this one is converted: rows lie heads * head_dim
 // apart, a stride the hardware's prefetchers miss (float32 attention took a fifth longer without).
 constexpr int64_t PREFETCH_ROWS = 8;
-template <typename T>
-static inline void prefetch_head(const T* row, int64_t dim) {
-  for (int64_t byte = 0; byte < dim * static_cast<int64_t>(sizeof(T)); byte += 64)
-    __builtin_prefetch(reinterpret_cast<const char*>(row) + byte);
-}
 
 struct Layout {  // element strides of q, k, v (their last dimension is contiguous) and the heads
   int64_t q_row, q_head, k_row, k_head, v_row, v_head, heads, group, head_dim;

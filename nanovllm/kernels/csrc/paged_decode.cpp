@@ -4,8 +4,11 @@
 // read), scores in float32, capped by softcap * tanh(score / softcap) where softcap > 0, a max-subtracted softmax and
 // the weighted sum of V; then each head's chunks are merged as flash-decoding merges them. A row's result depends only
 // on its own query, its own cached K/V and this binary's fixed operation order: not on its batch, nor on threads.
-// Common head sizes are compiled with head_dim as a constant, which the compiler unrolls (about 2x faster). The cache
-// holds the queries' dtype T, or 8-bit floats C (`kv_cache_dtype="fp8"`), each value read back exactly as it is loaded.
+// Common head sizes are compiled with head_dim as a constant, which the compiler unrolls (about 2x faster); there a
+// chunk's keys are scored 16 at a time for up to 3 heads (bfloat16 queries by the CPU's bfloat16 pair products where
+// it has them), K and V asked for ahead of their use, and V weighted once per token for up to 4 heads in registers:
+// 2x faster over 4,096 cached tokens than one head at a time. The cache holds the queries' dtype T, or 8-bit floats C
+// (`kv_cache_dtype="fp8"`), each value read back exactly as it is loaded, so that both give the same results.
 #include <ATen/Dispatch.h>
 #include <ATen/Parallel.h>
 #include <ATen/core/Tensor.h>
@@ -27,54 +30,197 @@
 typedef float f32x16 __attribute__((vector_size(64), aligned(4)));
 typedef int32_t i32x16 __attribute__((vector_size(64)));
 
-// Lane i of the result: the sum of the lanes of v[i].
-static inline f32x16 lane_sums(const f32x16 v[16]) {
-  const i32x16 lo1 = {0, 1, 2, 3, 4, 5, 6, 7, 16, 17, 18, 19, 20, 21, 22, 23};
-  const i32x16 hi1 = {8, 9, 10, 11, 12, 13, 14, 15, 24, 25, 26, 27, 28, 29, 30, 31};
+// The first step of summing 16 vectors' lanes: lanes 0-7 of the result hold a's pairwise sums, 8-15 b's.
+static inline f32x16 half_sums(f32x16 a, f32x16 b) {
+  const i32x16 lo = {0, 1, 2, 3, 4, 5, 6, 7, 16, 17, 18, 19, 20, 21, 22, 23};
+  const i32x16 hi = {8, 9, 10, 11, 12, 13, 14, 15, 24, 25, 26, 27, 28, 29, 30, 31};
+  return __builtin_shuffle(a, b, lo) + __builtin_shuffle(a, b, hi);
+}
+
+// Lane i of the result: the sum of the lanes of v[i], given r[i] = half_sums(v[i], v[i + 8]).
+static inline f32x16 lane_sums(const f32x16 r[8]) {
   const i32x16 lo2 = {0, 1, 2, 3, 16, 17, 18, 19, 8, 9, 10, 11, 24, 25, 26, 27};
   const i32x16 hi2 = {4, 5, 6, 7, 20, 21, 22, 23, 12, 13, 14, 15, 28, 29, 30, 31};
   const i32x16 lo3 = {0, 1, 16, 17, 4, 5, 20, 21, 8, 9, 24, 25, 12, 13, 28, 29};
   const i32x16 hi3 = {2, 3, 18, 19, 6, 7, 22, 23, 10, 11, 26, 27, 14, 15, 30, 31};
   const i32x16 lo4 = {0, 16, 2, 18, 4, 20, 6, 22, 8, 24, 10, 26, 12, 28, 14, 30};
   const i32x16 hi4 = {1, 17, 3, 19, 5, 21, 7, 23, 9, 25, 11, 27, 13, 29, 15, 31};
-  f32x16 r[8], s[4], t[2];
-  for (int i = 0; i < 8; ++i) r[i] = __builtin_shuffle(v[i], v[i + 8], lo1) + __builtin_shuffle(v[i], v[i + 8], hi1);
+  f32x16 s[4], t[2];
   for (int i = 0; i < 4; ++i) s[i] = __builtin_shuffle(r[i], r[i + 4], lo2) + __builtin_shuffle(r[i], r[i + 4], hi2);
   for (int i = 0; i < 2; ++i) t[i] = __builtin_shuffle(s[i], s[i + 2], lo3) + __builtin_shuffle(s[i], s[i + 2], hi3);
   return __builtin_shuffle(t[0], t[1], lo4) + __builtin_shuffle(t[0], t[1], hi4);
 }
 
-// scores[h * length + t] = query_h . key_(first + t) for the group's heads and the `length` keys from `first`, 16 keys
-// per tile (a short last tile padded with 0).
-template <typename C, int64_t HEAD_DIM>
-static void tiled_scores(const float* query, const C* k_cache, const int32_t* table, int64_t first, int64_t length,
-                         int64_t group, int64_t block_size, int64_t block_stride, int64_t token_stride,
-                         int64_t head_offset, float* scores) {
-  constexpr int64_t CHUNKS = HEAD_DIM / 16;
-  alignas(64) float keys[16][HEAD_DIM];
+// Tokens whose K and V a work item asks for ahead of their keys' scores: the hardware's prefetchers miss a head's
+// slices of the cache, a token's width apart (a work item over 4,096 cached tokens read them twice as slowly).
+constexpr int64_t PREFETCH_TOKENS = 32;
+
+// Lane i of the 16 summed: query . key, for HEAD_DIM values of the dot products' operand type: float, or bfloat16
+// where the CPU multiplies pairs of them into float sums (AVX512-BF16: exact products, half the instructions).
+template <int64_t HEAD_DIM>
+static inline f32x16 dot_lanes(const float* query, const float* key) {
+  const f32x16* q = reinterpret_cast<const f32x16*>(query);
+  const f32x16* k = reinterpret_cast<const f32x16*>(key);
+  f32x16 acc = q[0] * k[0];
+  for (int64_t c = 1; c < HEAD_DIM / 16; ++c) acc += q[c] * k[c];
+  return acc;
+}
+#if defined(__AVX512BF16__)
+template <int64_t HEAD_DIM>
+static inline f32x16 dot_lanes(const c10::BFloat16* query, const c10::BFloat16* key) {
+  __m512 acc = _mm512_setzero_ps();
+  for (int64_t c = 0; c < HEAD_DIM / 32; ++c)
+    acc = _mm512_dpbf16_ps(acc, (__m512bh)_mm512_loadu_si512(query + 32 * c),
+                           (__m512bh)_mm512_loadu_si512(key + 32 * c));
+  return (f32x16)acc;
+}
+#endif
+
+// One tile's scores for HEADS heads from `head`: scores[h * length + j] = scale * query_h . rows[j] for the first n
+// of the 16 keys.
+template <int64_t HEADS, int64_t HEAD_DIM, typename Operand>
+static inline void tile_scores(const Operand* query, int64_t head, const Operand* const rows[16], float scale,
+                               int64_t n, float* scores, int64_t length) {
+  f32x16 halves[HEADS][8];
+  for (int64_t j = 0; j < 8; ++j)
+    for (int64_t h = 0; h < HEADS; ++h) {
+      const Operand* q = query + (head + h) * HEAD_DIM;
+      halves[h][j] = half_sums(dot_lanes<HEAD_DIM>(q, rows[j]), dot_lanes<HEAD_DIM>(q, rows[j + 8]));
+    }
+  for (int64_t h = 0; h < HEADS; ++h) {
+    const f32x16 sums = lane_sums(halves[h]) * scale;
+    float* out = scores + (head + h) * length;
+#if defined(__AVX512F__)
+    _mm512_mask_storeu_ps(out, static_cast<__mmask16>((1u << n) - 1), (__m512)sums);
+#else
+    for (int64_t j = 0; j < n; ++j) out[j] = sums[j];  // a memcpy of n floats: `rep movs`, 7% of the time
+#endif
+  }
+}
+
+// The type a group's query and keys are multiplied in: bfloat16 queries pair by pair where the CPU can, else float.
+template <typename T, int64_t HEAD_DIM>
+using DotOperand = std::conditional_t<
+#if defined(__AVX512BF16__)
+    std::is_same_v<T, c10::BFloat16> && HEAD_DIM % 32 == 0,
+#else
+    false,
+#endif
+    c10::BFloat16, float>;
+
+// An 8-bit key as the dot products' operand type: to floats, then (exactly) to bfloat16 by the CPU's instruction.
+template <int64_t HEAD_DIM, typename C, typename Operand>
+static inline void convert_key(const C* key, Operand* out) {
+  alignas(64) float values[HEAD_DIM];
+  to_floats(key, values, HEAD_DIM);
+  if constexpr (std::is_same_v<Operand, float>) {
+    std::memcpy(out, values, sizeof values);
+  } else {
+#if defined(__AVX512BF16__)
+    for (int64_t d = 0; d < HEAD_DIM; d += 32)
+      _mm512_store_si512(out + d,
+                         (__m512i)_mm512_cvtne2ps_pbh(_mm512_load_ps(values + d + 16), _mm512_load_ps(values + d)));
+#endif
+  }
+}
+
+// scores[h * length + t] = scale * query_h . key_(first + t) for the group's heads and the `length` keys from `first`,
+// 16 keys per tile (a short last tile padded with 0); each token's K and V asked for PREFETCH_TOKENS ahead. Keys
+// stored as the operand type are read in place, others converted once per tile (exactly: the cache holds values the
+// queries' dtype represents).
+template <typename Operand, typename C, int64_t HEAD_DIM>
+static void tiled_scores(const Operand* query, float scale, const C* k_cache, const C* v_cache, const int32_t* table,
+                         int64_t first, int64_t length, int64_t group, int64_t block_size, int64_t block_stride,
+                         int64_t token_stride, int64_t head_offset, float* scores) {
+  alignas(64) Operand keys[16][HEAD_DIM];
+  alignas(64) static const Operand zeros[HEAD_DIM] = {};
+  const Operand* rows[16];
   int64_t block = first / block_size, offset = first % block_size;  // where key first + t0 + j lies
+  int64_t ahead = 0, ahead_block = block, ahead_offset = offset;   // the next token to ask for
+  const auto prefetch_until = [&](int64_t end) {
+    for (; ahead < std::min(end, length); ++ahead) {
+      const int64_t at = table[ahead_block] * block_stride + ahead_offset * token_stride + head_offset;
+      prefetch_head(k_cache + at, HEAD_DIM);
+      prefetch_head<2>(v_cache + at, HEAD_DIM);
+      if (++ahead_offset == block_size) ++ahead_block, ahead_offset = 0;
+    }
+  };
   for (int64_t t0 = 0; t0 < length; t0 += 16) {
     const int64_t n = std::min<int64_t>(16, length - t0);
+    prefetch_until(t0 + 16 + PREFETCH_TOKENS);
     for (int64_t j = 0; j < 16; ++j) {
       if (j >= n) {
-        for (int64_t d = 0; d < HEAD_DIM; ++d) keys[j][d] = 0.f;
+        rows[j] = zeros;
         continue;
       }
-      to_floats(k_cache + table[block] * block_stride + offset * token_stride + head_offset, keys[j], HEAD_DIM);
+      const C* key = k_cache + table[block] * block_stride + offset * token_stride + head_offset;
+      if constexpr (std::is_same_v<C, Operand>) {
+        rows[j] = key;
+      } else {
+        convert_key<HEAD_DIM>(key, keys[j]);
+        rows[j] = keys[j];
+      }
       if (++offset == block_size) ++block, offset = 0;
     }
-    for (int64_t h = 0; h < group; ++h) {
-      const f32x16* q = reinterpret_cast<const f32x16*>(query + h * HEAD_DIM);
-      f32x16 dots[16];
-      for (int64_t j = 0; j < 16; ++j) {
-        const f32x16* k = reinterpret_cast<const f32x16*>(keys[j]);
-        f32x16 acc = q[0] * k[0];
-        for (int64_t c = 1; c < CHUNKS; ++c) acc += q[c] * k[c];
-        dots[j] = acc;
-      }
-      const f32x16 sums = lane_sums(dots);
-      for (int64_t j = 0; j < n; ++j) scores[h * length + t0 + j] = sums[j];
+    for (int64_t h = 0; h < group;) {  // up to 3 heads at a time: each key read once for all of them
+      const auto run = [&](auto heads) {
+        tile_scores<decltype(heads)::value, HEAD_DIM>(query, h, rows, scale, n, scores + t0, length);
+      };
+      const int64_t heads = std::min<int64_t>(3, group - h);
+      if (heads == 3) run(std::integral_constant<int64_t, 3>{});
+      else if (heads == 2) run(std::integral_constant<int64_t, 2>{});
+      else run(std::integral_constant<int64_t, 1>{});
+      h += heads;
     }
+  }
+}
+
+// The weighted sums of V for HEADS heads of the group from `head` (weights[h * (to - from) + t], into partial's rows),
+// kept in registers: each token's V converted to floats once for all of them, then added token by token.
+template <int64_t HEADS, typename C, int64_t HEAD_DIM>
+static void weighted_values(const C* v_cache, const int32_t* table, int64_t head, int64_t from, int64_t to,
+                            int64_t block_size, int64_t block_stride, int64_t token_stride, int64_t head_offset,
+                            const float* weights, float* partial) {
+  constexpr int64_t CHUNKS = HEAD_DIM / 16;
+  const int64_t length = to - from;
+  f32x16 acc[HEADS][CHUNKS] = {};
+  for (int64_t t0 = from - from % block_size; t0 < to; t0 += block_size) {
+    const C* block = v_cache + table[t0 / block_size] * block_stride + head_offset;
+    for (int64_t t = std::max(t0, from); t < std::min(t0 + block_size, to); ++t) {
+      f32x16 v[CHUNKS];
+      to_floats(block + (t - t0) * token_stride, reinterpret_cast<float*>(v), HEAD_DIM);
+      for (int64_t h = 0; h < HEADS; ++h) {
+        const float w = weights[(head + h) * length + t - from];
+        for (int64_t c = 0; c < CHUNKS; ++c) acc[h][c] += w * v[c];
+      }
+    }
+  }
+  for (int64_t h = 0; h < HEADS; ++h)
+    std::memcpy(partial + (head + h) * (HEAD_DIM + 2), acc[h], HEAD_DIM * sizeof(float));
+}
+
+// weighted_values for all the group's heads, as many at a time as 16 registers hold (at most 4).
+template <typename C, int64_t HEAD_DIM>
+static void group_values(const C* v_cache, const int32_t* table, int64_t from, int64_t to, int64_t group,
+                         int64_t block_size, int64_t block_stride, int64_t token_stride, int64_t head_offset,
+                         const float* weights, float* partial) {
+  constexpr int64_t MOST = std::clamp<int64_t>(256 / HEAD_DIM, 1, 4);
+  for (int64_t head = 0; head < group;) {
+    const int64_t heads = std::min(MOST, group - head);
+    const auto run = [&](auto n) {
+      weighted_values<decltype(n)::value, C, HEAD_DIM>(v_cache, table, head, from, to, block_size, block_stride,
+                                                      token_stride, head_offset, weights, partial);
+    };
+    if (heads == 4) {
+      if constexpr (MOST >= 4) run(std::integral_constant<int64_t, 4>{});
+    } else if (heads == 3) {
+      if constexpr (MOST >= 3) run(std::integral_constant<int64_t, 3>{});
+    } else if (heads == 2) {
+      if constexpr (MOST >= 2) run(std::integral_constant<int64_t, 2>{});
+    } else {
+      run(std::integral_constant<int64_t, 1>{});
+    }
+    head += heads;
   }
 }
 #endif
@@ -114,6 +260,17 @@ static void eight_bit_values(const C* v_cache, const int32_t* table, int64_t g, 
   }
 }
 
+// The largest of n floats, 16 lanes at a time (GCC leaves a max reduction scalar: a quarter of a work item's time).
+static inline float largest(const float* p, int64_t n) {
+  float lanes[16];
+  std::fill_n(lanes, 16, -std::numeric_limits<float>::infinity());
+  int64_t t = 0;
+  for (; t + 16 <= n; t += 16)
+    for (int64_t i = 0; i < 16; ++i) lanes[i] = std::max(lanes[i], p[t + i]);
+  for (; t < n; ++t) lanes[0] = std::max(lanes[0], p[t]);
+  return *std::max_element(lanes, lanes + 16);
+}
+
 // One work item: the group's query heads of one row against the keys [from, to) of one KV head. Per head it leaves
 // the unnormalized weighted sum of V (head_dim floats), then the scores' maximum and the sum of their exponentials.
 template <typename T, typename C, int64_t HEAD_DIM>
@@ -128,8 +285,15 @@ static void decode_chunk(const T* q, const C* k_cache, const C* v_cache, const i
       query[h * head_dim + d] = to_float(q[(row * heads + g * group + h) * head_dim + d]) * scale;
 #ifdef NANOVLLM_TILED_SCORES
   if constexpr (HEAD_DIM % 16 == 0 && HEAD_DIM > 0) {
-    tiled_scores<C, HEAD_DIM>(query.data(), k_cache, table, from, length, group, block_size, block_stride,
-                              token_stride, g * head_dim, scores.data());
+    using Operand = DotOperand<T, HEAD_DIM>;
+    const Operand* group_query;
+    float after = 1.f;  // the scale, applied to the scores of queries read as they are
+    if constexpr (std::is_same_v<Operand, float>)
+      group_query = query.data();
+    else
+      group_query = q + (row * heads + g * group) * head_dim, after = scale;
+    tiled_scores<Operand, C, HEAD_DIM>(group_query, after, k_cache, v_cache, table, from, length, group, block_size,
+                                       block_stride, token_stride, g * head_dim, scores.data());
   } else
 #endif
   for (int64_t t0 = from - from % block_size; t0 < to; t0 += block_size) {
@@ -149,16 +313,28 @@ static void decode_chunk(const T* q, const C* k_cache, const C* v_cache, const i
     for (int64_t i = 0; i < group * length; ++i) scores[i] = softcap * std::tanh(scores[i] / softcap);
   for (int64_t h = 0; h < group; ++h) {
     float* p = scores.data() + h * length;
-    float top = -std::numeric_limits<float>::infinity();
-    for (int64_t t = 0; t < length; ++t) top = std::max(top, p[t]);
-#pragma omp simd
-    for (int64_t t = 0; t < length; ++t) p[t] = exp_clamped(p[t] - top);
+    const float top = largest(p, length);
     float total = 0.f;
-    for (int64_t t = 0; t < length; ++t) total += p[t];
+#pragma omp simd reduction(+ : total)
+    for (int64_t t = 0; t < length; ++t) total += p[t] = exp_clamped(p[t] - top);
     float* out = partial + h * (head_dim + 2);
     out[head_dim] = top;
     out[head_dim + 1] = total;
-    if constexpr (sizeof(C) == 1) continue;  // `eight_bit_values` below
+  }
+#ifdef NANOVLLM_TILED_SCORES
+  if constexpr (HEAD_DIM % 16 == 0 && HEAD_DIM > 0) {
+    group_values<C, HEAD_DIM>(v_cache, table, from, to, group, block_size, block_stride, token_stride, g * head_dim,
+                              scores.data(), partial);
+    return;
+  }
+#endif
+  if constexpr (sizeof(C) == 1) {
+    eight_bit_values<C, HEAD_DIM>(v_cache, table, g, from, to, group, head_dim, block_size, block_stride,
+                                  token_stride, scores.data(), values.data(), partial);
+    return;
+  }
+  for (int64_t h = 0; h < group; ++h) {
+    const float* p = scores.data() + h * length;
     float acc[HEAD_DIM ? HEAD_DIM : nanovllm::MAX_HEAD_DIM] = {};  // in registers when HEAD_DIM is a constant
     for (int64_t t0 = from - from % block_size; t0 < to; t0 += block_size) {
       const C* block = v_cache + table[t0 / block_size] * block_stride + g * head_dim;
@@ -168,14 +344,12 @@ static void decode_chunk(const T* q, const C* k_cache, const C* v_cache, const i
         for (int64_t d = 0; d < head_dim; ++d) acc[d] += p[t - from] * to_float(v[d]);
       }
     }
-    for (int64_t d = 0; d < head_dim; ++d) out[d] = acc[d];
+    std::copy_n(acc, head_dim, partial + h * (head_dim + 2));
   }
-  if constexpr (sizeof(C) == 1)
-    eight_bit_values<C, HEAD_DIM>(v_cache, table, g, from, to, group, head_dim, block_size, block_stride,
-                                  token_stride, scores.data(), values.data(), partial);
 }
 
-// Work items in order: row, then KV head, then chunk of keys; item_start[row] is the row's first.
+// Work items in order: row, then chunk of keys, then KV head (a thread's items read a chunk's blocks for every head in
+// turn, while they are in its cache); item_start[row] is the row's first.
 struct WorkItems {
   std::vector<int64_t> first, chunks, item_start;
   WorkItems(const int32_t* context_lens, int64_t rows, int64_t kv_heads, int64_t window)
@@ -208,7 +382,7 @@ static void decode_rows(const T* q, const C* k_cache, const C* v_cache, const in
     std::vector<float> values(sizeof(C) == 1 ? VALUE_TILE * head_dim : 0);  // an 8-bit cache's V, as floats
     for (int64_t item = begin; item < end; ++item) {
       const int64_t row = std::upper_bound(item_start.begin(), item_start.end(), item) - item_start.begin() - 1;
-      const int64_t g = (item - item_start[row]) / chunks[row], c = (item - item_start[row]) % chunks[row];
+      const int64_t c = (item - item_start[row]) / kv_heads, g = (item - item_start[row]) % kv_heads;
       const int64_t from = first[row] + c * CHUNK, to = std::min<int64_t>(from + CHUNK, context_lens[row]);
       decode_chunk<T, C, HEAD_DIM>(q, k_cache, v_cache, block_tables + row * table_width, row, g, from, to, heads,
                                 group, head_dim, block_size, block_stride, token_stride, scale, softcap, query,
@@ -222,14 +396,15 @@ static void decode_rows(const T* q, const C* k_cache, const C* v_cache, const in
     for (int64_t pair = begin; pair < end; ++pair) {
       const int64_t row = pair / kv_heads, g = pair % kv_heads;
       if (chunks[row] == 0) continue;
-      const float* part = partials + (item_start[row] + g * chunks[row]) * stride;
+      const float* part = partials + (item_start[row] + g) * stride;  // chunk c's at c * kv_heads * stride
       for (int64_t h = 0; h < group; ++h) {
         float top = -std::numeric_limits<float>::infinity();
-        for (int64_t c = 0; c < chunks[row]; ++c) top = std::max(top, part[c * stride + h * (head_dim + 2) + head_dim]);
+        for (int64_t c = 0; c < chunks[row]; ++c)
+          top = std::max(top, part[c * kv_heads * stride + h * (head_dim + 2) + head_dim]);
         float acc[HEAD_DIM ? HEAD_DIM : nanovllm::MAX_HEAD_DIM] = {};
         float total = 0.f;
         for (int64_t c = 0; c < chunks[row]; ++c) {
-          const float* p = part + c * stride + h * (head_dim + 2);
+          const float* p = part + c * kv_heads * stride + h * (head_dim + 2);
           const float weight = std::exp(p[head_dim] - top);
           total += weight * p[head_dim + 1];
 #pragma omp simd
