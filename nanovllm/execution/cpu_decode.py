@@ -124,4 +124,4 @@ def _standard_layer(layer: DecoderLayer, first: DecoderLayer) -> bool:
 def _linear(layer: LinearBase) -> torch.ScriptObject:
     weight = layer.weight
     return torch.classes.nanovllm.GGMLLinear([s.data for s in weight.segments], weight.qtypes, weight.in_features,
-                                             layer.bias)
+                                             layer.bias, weight.lanes)

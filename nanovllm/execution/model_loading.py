@@ -11,7 +11,7 @@ from nanovllm.config import Config
 from nanovllm.kernels.attention import Backend
 from nanovllm.kernels.cpu import cpu_kernels
 from nanovllm.layers.attention import Attention
-from nanovllm.layers.prepack import can_prepack, prepack_linear_weights
+from nanovllm.layers.prepack import can_prepack, prepack_linear_weights, repack_ggml_weights
 from nanovllm.models import build_model
 from nanovllm.models.gguf.weights import read_table
 from nanovllm.models.loader import init_dummy_weights, load_model
@@ -51,6 +51,8 @@ def load_runner_model(config: Config, device: torch.device, backend: Backend, lo
     model.eval()
     if device.type == "cpu" and can_prepack(config.torch_dtype):
         prepack_linear_weights(model)
+    if keep_ggml:
+        repack_ggml_weights(model)
     for module in model.modules():
         if isinstance(module, Attention):
             module.backend = backend

@@ -9,6 +9,11 @@ per 32 values to int8, then integer dot products per block, as llama.cpp compute
 reports: AVX-512 (VNNI) where present, else AVX2, else portable C++; `NANOVLLM_CPU_ISA=avx2` (or `portable`),
 read at the first call, forces a lower one, e.g. to test the AVX2 path on an AVX-512 machine. Elsewhere, or without
 the compiled kernels, the reference runs: gguf-py's numpy dequantizer, then a float matmul.
+
+Weights of the types whose blocks are one scale (and offset) and 16 or 32 bytes of values (Q4_0, Q4_1, Q8_0) can be
+repacked once, at load, as llama.cpp's CPU backend repacks them: `repack` reorders the bytes of each tile of
+`repack_lanes(qtype)` rows (16 on AVX-512, 8 on AVX2) into the order the kernel streams them, so that no call unpacks
+or transposes them again (`RepackedLayout` in the kernels); `unpack` restores the file's order.
 """
 import functools
 import os
@@ -83,21 +88,59 @@ def ggml_dequantize(weight: torch.Tensor, qtype: int, in_features: int,
 
 
 def ggml_linear(x: torch.Tensor, weight: torch.Tensor, qtype: int, in_features: int,
-                bias: torch.Tensor | None = None) -> torch.Tensor:
-    """`x @ W.T + bias` for x `[..., in_features]` and a quantized W, in x's dtype."""
+                bias: torch.Tensor | None = None, lanes: int = 0) -> torch.Tensor:
+    """`x @ W.T + bias` for x `[..., in_features]` and a quantized W (repacked in tiles of `lanes` rows, or not: 0),
+    in x's dtype."""
     kernels = cpu_kernels()
     if kernels is not None and x.device.type == "cpu":
-        return kernels.ggml_linear(x, weight, qtype, in_features, bias, kernel_isa())
+        return kernels.ggml_linear(x, weight, qtype, in_features, bias, kernel_isa(), lanes)
+    weight = unpack(weight, qtype, lanes) if lanes else weight
     return F.linear(x, ggml_dequantize(weight, qtype, in_features, x.dtype).to(x.device), bias)
 
 
+def repack_lanes(qtype: int) -> int:
+    """The rows of a tile that `repack` puts weights of `qtype` in for the kernels' path, or 0 where the kernels run
+    them as the file has them (other types, the portable path, no compiled kernels)."""
+    kernels = cpu_kernels()
+    return kernels.ggml_repack_lanes(qtype, kernel_isa()) if kernels is not None else 0
+
+
+# GGML type id: (bytes of a block's scales and offsets, before its values) for the types `repack` takes
+REPACKED_HEADS = {Q4_0: 2, Q4_1: 4, Q8_0: 2}
+
+
+def repack(data: torch.Tensor, qtype: int, lanes: int) -> torch.Tensor:
+    """Blocks `[rows, row_bytes]` (rows a multiple of `lanes`) reordered as tiles of `lanes` rows, in place of those
+    rows: per block, the values of every row in 4-byte units (unit 0 of each row, then unit 1, ...), then each row's
+    half-float scale, then (Q4_1) each row's offset. The same bytes and shape."""
+    head, size = REPACKED_HEADS[qtype], BLOCK[qtype][1]
+    rows, row_bytes = data.shape
+    blocks = data.view(rows // lanes, lanes, row_bytes // size, size).transpose(1, 2)  # tile, block, lane, byte
+    values = blocks[..., head:].unflatten(-1, (-1, 4)).transpose(2, 3)  # tile, block, unit, lane, 4 bytes
+    scales = blocks[..., :head].unflatten(-1, (-1, 2)).transpose(2, 3)  # tile, block, scale, lane, 2 bytes
+    return torch.cat([values.flatten(2), scales.flatten(2)], dim=2).reshape(rows, row_bytes)
+
+
+def unpack(data: torch.Tensor, qtype: int, lanes: int) -> torch.Tensor:
+    """`repack`'s tiles back in the file's order."""
+    head, size = REPACKED_HEADS[qtype], BLOCK[qtype][1]
+    rows, row_bytes = data.shape
+    tiles = data.reshape(rows // lanes, row_bytes // size, lanes * size)  # tile, block, bytes of the repacked block
+    values = tiles[..., :(size - head) * lanes].unflatten(-1, (-1, lanes, 4)).transpose(2, 3)  # tile, block, lane,
+    scales = tiles[..., (size - head) * lanes:].unflatten(-1, (-1, lanes, 2)).transpose(2, 3)  # unit or scale, bytes
+    blocks = torch.cat([scales.flatten(3), values.flatten(3)], dim=3)  # tile, block, lane, byte
+    return blocks.transpose(1, 2).reshape(rows, row_bytes)
+
+
 def ggml_embedding(weight: torch.Tensor, ids: torch.Tensor, qtype: int, in_features: int,
-                   dtype: torch.dtype) -> torch.Tensor:
-    """Rows `ids` of a quantized weight, dequantized to `dtype` (an embedding lookup `[*ids.shape, in_features]`):
-    gguf-py's values, rounded to `dtype`; on the CPU in the compiled kernels, without numpy's per-call overhead."""
+                   dtype: torch.dtype, lanes: int = 0) -> torch.Tensor:
+    """Rows `ids` of a quantized weight (repacked in tiles of `lanes` rows, or not: 0), dequantized to `dtype` (an
+    embedding lookup `[*ids.shape, in_features]`): gguf-py's values, rounded to `dtype`; on the CPU in the compiled
+    kernels, without numpy's per-call overhead."""
     kernels = cpu_kernels()
     if kernels is not None and weight.device.type == "cpu":
-        return kernels.ggml_embedding(weight, ids, qtype, in_features, dtype)
+        return kernels.ggml_embedding(weight, ids, qtype, in_features, dtype, lanes)
+    weight = unpack(weight, qtype, lanes) if lanes else weight
     rows = weight.index_select(0, ids.flatten())
     return ggml_dequantize(rows, qtype, in_features, dtype).view(*ids.shape, in_features)
 

@@ -4,7 +4,7 @@
 weight quantized at load). The layers' weight loaders slice it as they slice float tensors: output rows freely,
 input columns only at block boundaries. `GGMLWeight` is what a layer runs once loaded: its rows as segments of one
 type each (a fused projection may join shards of different types, as Q4_K_M files mix Q4_K and Q6_K), computed by
-`nanovllm.kernels.ggml`.
+`nanovllm.kernels.ggml`, as the file has them or, once `repack`ed for the CPU's kernels, in tiles of `lanes` rows.
 """
 import torch
 from torch import nn
@@ -19,8 +19,11 @@ from nanovllm.kernels.ggml import (
     ggml_embedding,
     ggml_linear,
     ggml_quantize,
+    repack,
+    repack_lanes,
     row_bytes,
     type_name,
+    unpack,
 )
 
 
@@ -100,13 +103,15 @@ def requantize(weight: torch.Tensor, qtype: int) -> GGMLTensor:
 class GGMLWeight(nn.Module):
     """A layer's weight `[rows, in_features]` as GGML row segments, one type each, in row order.
 
-    `dtype` is the model's activation dtype: what an embedding lookup returns."""
+    `dtype` is the model's activation dtype: what an embedding lookup returns. `lanes`: 0 while the segments hold their
+    rows as the file does, else the rows of the tiles `repack` put them in."""
 
     def __init__(self, segments: list[GGMLTensor], dtype: torch.dtype):
         super().__init__()
         self.qtypes = [s.qtype for s in segments]
         self.in_features = segments[0].in_features
         self.dtype = dtype
+        self.lanes = 0
         for i, segment in enumerate(segments):
             self.register_buffer(f"segment{i}", segment.data, persistent=False)
 
@@ -131,9 +136,22 @@ class GGMLWeight(nn.Module):
                   for group in segments]
         return cls(joined, dtype)
 
+    def repack(self) -> None:
+        """Reorder the segments' bytes in place of the file's into the tiles the CPU kernels stream (a few times
+        faster at one or a few activation rows, `nanovllm.kernels.ggml.repack`), where every segment's type and row
+        count allow it on the kernels' path; else leave them as they are."""
+        lanes = {repack_lanes(qtype) for qtype in self.qtypes}
+        if self.lanes or len(lanes) != 1 or not (lanes := lanes.pop()) \
+                or any(s.data.size(0) % lanes or s.data.device.type != "cpu" for s in self.segments):
+            return
+        for i, segment in enumerate(self.segments):
+            setattr(self, f"segment{i}", repack(segment.data, segment.qtype, lanes))
+        self.lanes = lanes
+
     def write_rows(self, start: int, rows: GGMLTensor) -> None:
         """Overwrite rows `start`.. with `rows` in place (a weight reloaded: kernels and a `DecoderStack` holding the
-        segments see the new bytes); they must lie in one segment of their type."""
+        segments see the new bytes); they must lie in one segment of their type. Repacked segments take them through
+        their tiles: the tiles the rows touch are unpacked, written and repacked."""
         end = 0
         for i, qtype in enumerate(self.qtypes):
             segment = getattr(self, f"segment{i}")
@@ -142,28 +160,41 @@ class GGMLWeight(nn.Module):
                 if start + rows.size(0) > end or qtype != rows.qtype or rows.in_features != self.in_features:
                     raise RuntimeError(f"GGML rows {start}..{start + rows.size(0)} of type {type_name(rows.qtype)} do "
                                      f"not fit segment {i} (rows {begin}..{end}, {type_name(qtype)})")
-                segment[start - begin:start - begin + rows.size(0)].copy_(rows.data)
+                first, last = start - begin, start - begin + rows.size(0)
+                if not self.lanes:
+                    segment[first:last].copy_(rows.data)
+                    return
+                tiles = slice(first // self.lanes * self.lanes, -(-last // self.lanes) * self.lanes)
+                plain = unpack(segment[tiles], qtype, self.lanes)
+                plain[first - tiles.start:last - tiles.start] = rows.data
+                segment[tiles].copy_(repack(plain, qtype, self.lanes))
                 return
         raise RuntimeError(f"GGML rows from {start} lie outside this weight's {end} rows")
 
     @property
     def segments(self) -> list[GGMLTensor]:
+        """The segments as they are held (in tiles of `lanes` rows once repacked)."""
         return [GGMLTensor(getattr(self, f"segment{i}"), qtype, self.in_features)
                 for i, qtype in enumerate(self.qtypes)]
+
+    def _file_rows(self, segment: GGMLTensor) -> GGMLTensor:
+        return GGMLTensor(unpack(segment.data, segment.qtype, self.lanes), segment.qtype, self.in_features) \
+            if self.lanes else segment
 
     @property
     def is_float(self) -> bool:
         return all(qtype in FLOAT_TYPES for qtype in self.qtypes)
 
     def dequantize(self, dtype: torch.dtype) -> torch.Tensor:
-        return torch.cat([s.dequantize(dtype) for s in self.segments])
+        return torch.cat([self._file_rows(s).dequantize(dtype) for s in self.segments])
 
     def linear(self, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
         if len(self.qtypes) == 1:
-            return ggml_linear(x, self.segment0, self.qtypes[0], self.in_features, bias)
-        y = torch.cat([ggml_linear(x, s.data, s.qtype, self.in_features) for s in self.segments], dim=-1)
+            return ggml_linear(x, self.segment0, self.qtypes[0], self.in_features, bias, self.lanes)
+        y = torch.cat([ggml_linear(x, s.data, s.qtype, self.in_features, lanes=self.lanes) for s in self.segments],
+                      dim=-1)
         return y if bias is None else y + bias
 
     def embedding(self, ids: torch.Tensor) -> torch.Tensor:
         """Rows `ids` dequantized (an embedding lookup; the weight is one segment, a GGUF token embedding)."""
-        return ggml_embedding(self.segment0, ids, self.qtypes[0], self.in_features, self.dtype)
+        return ggml_embedding(self.segment0, ids, self.qtypes[0], self.in_features, self.dtype, self.lanes)

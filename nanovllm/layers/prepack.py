@@ -11,11 +11,16 @@ packed product is the plain one's result, faster at decode sizes. Elsewhere bflo
 
 The LM head is packed too. When it is tied to the embedding it gets its own packed copy (the
 embedding lookup needs the plain matrix), which costs `vocab x hidden` more memory.
+
+GGML weights are repacked in the same spirit (`repack_ggml_weights`), as llama.cpp's CPU backend repacks them: the
+bytes of each tile of 16 (AVX-512) or 8 (AVX2) rows reordered into the order the kernels stream them, so that no call
+unpacks them again. Same bytes, same memory, tied LM heads included (their embedding lookups read through the tiles).
 """
 import torch
 from torch import nn
 
 from nanovllm.layers.embed_head import ParallelLMHead
+from nanovllm.layers.ggml_weight import GGMLWeight
 from nanovllm.layers.linear import LinearBase
 from nanovllm.layers.moe import FusedMoE
 
@@ -43,3 +48,10 @@ def prepack_linear_weights(model: nn.Module) -> None:
             module.weight = nn.Parameter(packed, requires_grad=False)
         elif isinstance(module, FusedMoE):
             module.prepack()
+
+
+def repack_ggml_weights(model: nn.Module) -> None:
+    """Repack the GGML weight of every linear layer and LM head for the CPU kernels (`GGMLWeight.repack`)."""
+    for module in model.modules():
+        if isinstance(module, (LinearBase, ParallelLMHead)) and isinstance(module.weight, GGMLWeight):
+            module.weight.repack()

@@ -15,7 +15,19 @@ import torch
 
 import nanovllm.kernels.ggml as ggml_ops
 from benchmarks.ggml_random import SCALES, random_ggml_weight
-from nanovllm.kernels.ggml import BLOCK, ISA_ENV, TYPE_NAMES, ggml_dequantize, ggml_linear, ggml_quantize, kernel_isa
+from nanovllm.kernels.ggml import (
+    BLOCK,
+    ISA_ENV,
+    REPACKED_HEADS,
+    TYPE_NAMES,
+    ggml_dequantize,
+    ggml_embedding,
+    ggml_linear,
+    ggml_quantize,
+    kernel_isa,
+    repack,
+    unpack,
+)
 
 quantize = pytest.importorskip("gguf.quants").quantize  # gguf-py's reference quantizer: the test extra's
 
@@ -173,6 +185,36 @@ def test_bad_weights_are_refused():
         kernels().ggml_linear(torch.randn(1, 64), weight, 16, 64, None, 0)
     with pytest.raises(RuntimeError, match="features"):
         kernels().ggml_linear(torch.randn(1, 32), weight, 3, 64, None, 0)
+
+
+@pytest.mark.parametrize("name", ["avx2", "avx512"])
+@pytest.mark.parametrize("qtype", REPACKED_HEADS, ids=TYPE_NAMES.get)
+def test_weights_repacked_at_load_compute_the_same_bits(qtype, name):
+    """Q4_0, Q4_1 and Q8_0 in tiles of the path's rows (the file's bytes reordered: `unpack` restores them): the same
+    products, bit for bit, for 1 to 16 activation rows in each dtype, and the same embedding rows; a tile size the path
+    does not run is refused."""
+    isa, k = path(name), in_features(qtype)
+    lanes = kernels().ggml_repack_lanes(qtype, isa)
+    assert lanes == {1: 8, 2: 16}[isa] and kernels().ggml_repack_lanes(qtype, 0) == 0
+    assert kernels().ggml_repack_lanes(12, isa) == 0, "Q4_K stays as the file has it"
+    weight = random_ggml_weight(qtype, 3 * lanes, k, seed=qtype)
+    tiles = repack(weight, qtype, lanes)
+    assert tiles.shape == weight.shape and not torch.equal(tiles, weight)
+    assert torch.equal(unpack(tiles, qtype, lanes), weight)
+    bias = torch.randn(3 * lanes)
+    for rows in range(1, 17):
+        x = torch.randn(rows, k, generator=torch.Generator().manual_seed(rows))
+        for dtype in (torch.float32, torch.bfloat16):
+            expected = run(x.to(dtype), weight, qtype, isa, bias.to(dtype))
+            got = kernels().ggml_linear(x.to(dtype), tiles, qtype, k, bias.to(dtype), isa, lanes)
+            assert torch.equal(got, expected), (rows, dtype)
+    ids = torch.tensor([[0, 3 * lanes - 1], [lanes + 1, 5]])
+    assert torch.equal(kernels().ggml_embedding(tiles, ids, qtype, k, torch.float32, lanes),
+                       ggml_embedding(weight, ids, qtype, k, torch.float32))
+    with pytest.raises(RuntimeError, match="repacked in tiles of 4 rows"):
+        kernels().ggml_linear(torch.randn(1, k), tiles, qtype, k, None, isa, 4)
+    with pytest.raises(RuntimeError, match="repacked in tiles"):
+        kernels().ggml_linear(torch.randn(1, k), tiles[:lanes + 1], qtype, k, None, isa, lanes)
 
 
 @pytest.fixture

@@ -6,6 +6,7 @@ from checkpoints import make_checkpoint, make_gguf
 
 from nanovllm import LLM, SamplingParams
 from nanovllm.execution.cpu_decode import cpu_decoder
+from nanovllm.kernels.ggml import repack_lanes
 from nanovllm.layers.ggml_weight import GGMLTensor, GGMLWeight
 
 pytest.importorskip("gguf")
@@ -54,6 +55,9 @@ def test_decode_steps_equal_the_layer_by_layer_path_bitwise(mixed_gguf, dtype):
     with LLM(mixed_gguf, device="cpu", dtype=dtype, max_model_len=256, kvcache_block_size=16) as llm:
         model = llm.engine.model_runner.model
         assert model.model.layers[0].self_attn.qkv_proj.weight.qtypes == [Q4_1, F32]
+        # O and the MLP repacked for the kernels where their path repacks (a float32 segment keeps QKV as it is)
+        assert model.model.layers[0].self_attn.o_proj.weight.lanes == repack_lanes(Q4_1)
+        assert model.model.layers[0].self_attn.qkv_proj.weight.lanes == 0
         assert run_both_paths(llm) == [len(PROMPTS)] * (GREEDY.max_tokens - 1)  # every decode step, batched
 
 

@@ -6,8 +6,9 @@ import torch.nn.functional as F
 from checkpoints import CORPUS, hf_teacher_forced, make_checkpoint, teacher_forced
 from torch import nn
 
-from nanovllm import LLM
-from nanovllm.kernels.ggml import ggml_linear
+import nanovllm.execution.model_loading as model_loading
+from nanovllm import LLM, SamplingParams
+from nanovllm.kernels.ggml import ggml_linear, repack_lanes
 from nanovllm.layers.embed_head import VocabParallelEmbedding
 from nanovllm.layers.ggml_weight import GGMLTensor, GGMLWeight, quantize
 from nanovllm.layers.linear import QKVParallelLinear
@@ -69,6 +70,52 @@ def test_quantized_embedding_tied_to_its_lm_head():
     assert isinstance(model.embed.weight, GGMLWeight) and model.head.weight is model.embed.weight
     ids = torch.tensor([3, 99, 0, 3])
     assert torch.equal(model.embed(ids), table.dequantize()[ids])
+
+
+def test_a_repacked_weight_keeps_its_products_rows_and_lookups():
+    """`repack` puts Q8_0 and Q4_1 segments in the kernels' tiles: the same products, embedding rows and dequantized
+    matrix; rows written over it (across tile edges) land where a plain weight puts them. A segment whose rows do not
+    fill whole tiles, or of a type without tiles (Q4_K), leaves the weight as the file has it."""
+    lanes = repack_lanes(Q8_0)
+    if not lanes:
+        pytest.skip("the kernels' path runs GGML weights as the file has them")
+    parts = [(0, quantize(random_weight(2 * lanes, 64, 7), Q8_0)),
+             (2 * lanes, quantize(random_weight(lanes, 64, 8), Q4_1))]
+    plain, tiles = (GGMLWeight.assemble(parts, 3 * lanes, torch.float32) for _ in range(2))
+    tiles.repack()
+    assert tiles.lanes == lanes and not torch.equal(tiles.segment0, plain.segment0)
+    x, ids = torch.randn(3, 64), torch.tensor([0, lanes + 3, 2 * lanes - 1])
+    assert torch.equal(tiles.linear(x), plain.linear(x)) and torch.equal(tiles.dequantize(torch.float32),
+                                                                         plain.dequantize(torch.float32))
+    assert torch.equal(tiles.embedding(ids), plain.embedding(ids))
+    rows = quantize(random_weight(lanes, 64, 9), Q8_0)
+    for weight in (plain, tiles):
+        weight.write_rows(lanes // 2, rows)
+    assert torch.equal(tiles.linear(x), plain.linear(x)) and torch.equal(tiles.dequantize(torch.float32),
+                                                                         plain.dequantize(torch.float32))
+    for odd in ([(0, quantize(random_weight(lanes + 1, 64, 7), Q8_0))],
+                [(0, GGMLTensor(torch.zeros(lanes, 144, dtype=torch.uint8), 12, 256))]):
+        weight = GGMLWeight.assemble(odd, odd[0][1].size(0), torch.float32)
+        weight.repack()
+        assert weight.lanes == 0
+
+
+def test_weights_repacked_at_load_give_the_same_tokens(tiny_dir, monkeypatch):
+    """Every linear weight quantized at load is repacked for the CPU kernels; the tokens are those of the same
+    weights run as the file has them."""
+    if not repack_lanes(Q4_1):
+        pytest.skip("the kernels' path runs GGML weights as the file has them")
+    prompts, greedy = [[5, 9, 2, 7], list(range(40, 90))], SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
+    tokens = {}
+    for repacked in (True, False):
+        if not repacked:
+            monkeypatch.setattr(model_loading, "repack_ggml_weights", lambda model: None)
+        with LLM(tiny_dir, device="cpu", dtype="float32", max_model_len=256, quantization="int4") as llm:
+            weights = [m.weight for m in llm.engine.model_runner.model.modules()
+                       if isinstance(getattr(m, "weight", None), GGMLWeight)]
+            assert weights and all(bool(w.lanes) == repacked for w in weights)
+            tokens[repacked] = [o["token_ids"] for o in llm.generate(prompts, greedy, use_tqdm=False)]
+    assert tokens[True] == tokens[False]
 
 
 def test_column_slices_must_keep_whole_blocks():

@@ -44,16 +44,18 @@ void for_rows(const Team& team, int64_t M, const F& fn) {
   team.barrier();
 }
 
-// A linear layer's weight as GGML row segments of one type each, in row order (`GGMLWeight`), and its bias.
+// A linear layer's weight as GGML row segments of one type each, in row order (`GGMLWeight`: as the file has them, or
+// repacked in tiles of `lanes` rows), and its bias.
 struct GGMLLinear : torch::CustomClassHolder {
   std::vector<at::Tensor> segments;
   std::vector<int64_t> qtypes;
-  int64_t in_features, out_features = 0;
+  int64_t in_features, lanes, out_features = 0;
   std::optional<at::Tensor> bias;
 
   GGMLLinear(std::vector<at::Tensor> segments_, std::vector<int64_t> qtypes_, int64_t in_features_,
-             std::optional<at::Tensor> bias_)
-      : segments(std::move(segments_)), qtypes(std::move(qtypes_)), in_features(in_features_), bias(std::move(bias_)) {
+             std::optional<at::Tensor> bias_, int64_t lanes_)
+      : segments(std::move(segments_)), qtypes(std::move(qtypes_)), in_features(in_features_), lanes(lanes_),
+        bias(std::move(bias_)) {
     TORCH_CHECK(!segments.empty() && segments.size() == qtypes.size(), "GGMLLinear: one GGML type per segment");
     for (const auto& s : segments) {
       TORCH_CHECK(s.scalar_type() == at::kByte && s.dim() == 2 && s.stride(1) == 1,
@@ -75,8 +77,8 @@ struct GGMLLinear : torch::CustomClassHolder {
     for (size_t i = 0; i < segments.size(); ++i) {
       const int64_t n = segments[i].size(0);
       nanovllm::ggml_matmul<T>(x, M, in_features, segments[i].const_data_ptr<uint8_t>(), segments[i].stride(0), n,
-                               qtypes[i], isa, segments.size() == 1 ? b : nullptr, out + column, out_features, team,
-                               scratch);
+                               qtypes[i], isa, lanes, segments.size() == 1 ? b : nullptr, out + column, out_features,
+                               team, scratch);
       team.barrier();  // the products done, and `scratch` free for the next segment's activations
       column += n;
     }
@@ -146,7 +148,9 @@ class DecoderStack : public torch::CustomClassHolder {
     bool supported = true;
     for (const auto* linear : {qkv.get(), o.get(), gate_up.get(), down.get()}) {
       same = same && (!linear->bias || linear->bias->scalar_type() == dtype);
-      for (const int64_t qtype : linear->qtypes) supported = supported && nanovllm::ggml_supported(qtype, isa_);
+      for (size_t i = 0; i < linear->qtypes.size(); ++i)
+        supported = supported && nanovllm::ggml_supported(linear->qtypes[i], isa_, linear->lanes,
+                                                          linear->segments[i].size(0));
     }
     TORCH_CHECK(same, "DecoderStack: the norms and biases must share the activations' dtype, the caches hold it (or "
                 "8-bit floats, in every layer)");
@@ -322,7 +326,7 @@ class DecoderStack : public torch::CustomClassHolder {
 
 TORCH_LIBRARY_FRAGMENT(nanovllm, m) {
   m.class_<GGMLLinear>("GGMLLinear")
-      .def(torch::init<std::vector<at::Tensor>, std::vector<int64_t>, int64_t, std::optional<at::Tensor>>());
+      .def(torch::init<std::vector<at::Tensor>, std::vector<int64_t>, int64_t, std::optional<at::Tensor>, int64_t>());
   m.class_<DecoderStack>("DecoderStack")
       .def(torch::init<int64_t, int64_t, int64_t, double, double, at::Tensor, at::Tensor, int64_t>())
       .def("add_layer", &DecoderStack::add_layer)

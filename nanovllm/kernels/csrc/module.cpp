@@ -15,9 +15,11 @@ std::tuple<at::Tensor, at::Tensor> apply_rotary(at::Tensor positions, at::Tensor
 at::Tensor silu_and_mul(at::Tensor x);
 void store_kvcache(at::Tensor k, at::Tensor v, at::Tensor k_cache, at::Tensor v_cache, at::Tensor slot_mapping);
 int64_t ggml_isa();
+int64_t ggml_repack_lanes(int64_t qtype, int64_t isa);
 at::Tensor ggml_linear(at::Tensor x, at::Tensor weight, int64_t qtype, int64_t in_features,
-                       std::optional<at::Tensor> bias, int64_t isa);
-at::Tensor ggml_embedding(at::Tensor weight, at::Tensor ids, int64_t qtype, int64_t in_features, at::ScalarType dtype);
+                       std::optional<at::Tensor> bias, int64_t isa, int64_t lanes);
+at::Tensor ggml_embedding(at::Tensor weight, at::Tensor ids, int64_t qtype, int64_t in_features, at::ScalarType dtype,
+                          int64_t lanes);
 void lora_add(at::Tensor y, at::Tensor x, std::vector<at::Tensor> a, std::vector<at::Tensor> bt, at::Tensor slices,
               at::Tensor scales, at::Tensor row_slot, at::Tensor slot_slices);
 
@@ -34,10 +36,11 @@ TORCH_LIBRARY(nanovllm, m) {
   m.def("store_kvcache(Tensor k, Tensor v, Tensor(a!) k_cache, Tensor(b!) v_cache, Tensor slot_mapping) -> ()",
         &store_kvcache);
   m.def("ggml_isa() -> int", &ggml_isa);
-  m.def("ggml_linear(Tensor x, Tensor weight, int qtype, int in_features, Tensor? bias, int isa) -> Tensor",
-        &ggml_linear);
-  m.def("ggml_embedding(Tensor weight, Tensor ids, int qtype, int in_features, ScalarType dtype) -> Tensor",
-        &ggml_embedding);
+  m.def("ggml_repack_lanes(int qtype, int isa) -> int", &ggml_repack_lanes);
+  m.def("ggml_linear(Tensor x, Tensor weight, int qtype, int in_features, Tensor? bias, int isa, int lanes=0) "
+        "-> Tensor", &ggml_linear);
+  m.def("ggml_embedding(Tensor weight, Tensor ids, int qtype, int in_features, ScalarType dtype, int lanes=0) "
+        "-> Tensor", &ggml_embedding);
   m.def("lora_add(Tensor(a!) y, Tensor x, Tensor[] a, Tensor[] bt, Tensor slices, Tensor scales, Tensor row_slot, "
         "Tensor slot_slices) -> ()", &lora_add);
 }
