@@ -1028,8 +1028,9 @@ void quantized_matmul(const Kernel& k, const T* x, int64_t M, int64_t K, const u
   const int64_t xs = K / 32, blocks = K / k.values;
   std::vector<XBlock> own(team ? 0 : M * xs);
   XBlock* xq = team ? static_cast<XBlock*>(scratch) : own.data();
-  nanovllm::split(team, M, std::max<int64_t>(1, MIN_TASK / std::max<int64_t>(K, 1)), [&](int64_t begin, int64_t end) {
-    for (int64_t m = begin; m < end; ++m) quantize_row(x + m * K, xq + m * xs, xs, k.zero);
+  // by blocks, not rows: at one row a team's threads share it (a row each left one thread idle, 4 times a layer)
+  nanovllm::split(team, M * xs, MIN_TASK / 32, [&](int64_t begin, int64_t end) {
+    for (int64_t b = begin; b < end; ++b) quantize_row(x + b / xs * K + b % xs * 32, xq + b, 1, k.zero);
   });
   if (team) team->barrier();
   if (!k.pack) {
