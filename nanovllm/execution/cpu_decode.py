@@ -14,7 +14,7 @@ step's adapters change) and adds each row's delta with the kernel the layers cal
 import torch
 
 from nanovllm.kernels.attention.context import get_context
-from nanovllm.kernels.attention.torch_backend import TorchBackend, short_query_rows
+from nanovllm.kernels.attention.torch_backend import TorchBackend, query_rows
 from nanovllm.kernels.ggml import kernel_isa
 from nanovllm.layers.ggml_weight import GGMLWeight
 from nanovllm.layers.layernorm import RMSNorm
@@ -22,6 +22,8 @@ from nanovllm.layers.linear import LinearBase
 from nanovllm.layers.lora import Packed, lora_step
 from nanovllm.models.decoder import DecoderForCausalLM, DecoderLayer, DecoderMLP, DecoderOptions
 
+SHORT_QUERIES = 16
+"""Steps whose every sequence has at most this many queries (decodes, drafts being verified, short chunks) run here."""
 STANDARD = DecoderOptions()
 """The options of the layer the C++ stack computes, apart from the biases (which it adds) and what happens before the
 first layer or after the final norm (embedding, logits)."""
@@ -42,11 +44,11 @@ class CpuDecoder:
     def __call__(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         """The final norm's hidden states of a step whose every sequence has at most `SHORT_QUERIES` queries (see
         `Context`): decodes, drafts being verified, short prompts. Each query row attends as its token's decode
-        would, as the layer-by-layer path computes such rows (`short_query_rows`)."""
+        would, as the layer-by-layer path computes every row (`query_rows`)."""
         ctx = get_context()
         block_tables, context_lens = ctx.block_tables, ctx.context_lens
         if not ctx.is_decode:
-            sequences, _, lengths = short_query_rows(ctx.cu_seqlens_q.tolist(), context_lens.tolist())
+            sequences, _, lengths = query_rows(ctx.cu_seqlens_q.tolist(), context_lens.tolist())
             block_tables = block_tables[torch.tensor(sequences)]
             context_lens = torch.tensor(lengths, dtype=torch.int32)
         hidden_states = self.model.embed(input_ids)

@@ -8,7 +8,7 @@ import torch
 
 from nanovllm.config import Config
 from nanovllm.core.scheduler import ScheduledBatch
-from nanovllm.execution.cpu_decode import cpu_decoder
+from nanovllm.execution.cpu_decode import SHORT_QUERIES, cpu_decoder
 from nanovllm.execution.cpu_threads import ThreadGovernor
 from nanovllm.execution.cuda_graph import DecodeGraphs, graph_batch_sizes
 from nanovllm.execution.draft_model import DraftModel
@@ -23,7 +23,6 @@ from nanovllm.execution.tensor_parallel import WorkerGroup, started
 from nanovllm.execution.verifier import verify
 from nanovllm.kernels.attention import Platform, importable, load_backend
 from nanovllm.kernels.attention.context import get_context, reset_context
-from nanovllm.kernels.attention.torch_backend import SHORT_QUERIES
 from nanovllm.kernels.cpu import cpu_kernels
 from nanovllm.kernels.fused import set_fused_ops
 from nanovllm.lora.manager import LoRAManager

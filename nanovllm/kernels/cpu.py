@@ -40,6 +40,7 @@ SOURCES = [CSRC / "module.cpp", CSRC / "paged_decode.cpp", CSRC / "encoder_atten
            CSRC / "ggml_quant.cpp", CSRC / "decoder_stack.cpp", CSRC / "lora_ops.cpp"]
 CFLAGS = ["-O3", "-march=native", "-fopenmp"]
 BUILD_WAIT_S = 600.0
+DECODE_CHUNK = 256  # keys per work item of `paged_decode` (`CHUNK` in csrc/paged_decode.cpp): what sizes its memory
 PROGRESS_EVERY_S = 10.0
 
 

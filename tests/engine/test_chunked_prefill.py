@@ -130,3 +130,29 @@ def test_chunked_prefill_and_mixed_steps_on_the_gpu(gpu_model, name):
             assert [o["token_ids"] for o in llm.generate(prompts, GREEDY, use_tqdm=False)] == expected
             assert (llm.stats()["num_mixed_steps"] > 0) == chunked
             assert_all_blocks_free(llm)
+
+
+def test_a_prompt_s_logits_are_bitwise_the_same_however_it_was_prefilled(tied_model):
+    """A prompt's last logits, whole in one step, chunked (7 or 64 tokens a step), after a prefix-cache hit of 48 or
+    96 of its tokens (the rest 4 or 52 rows), or beside other prompts: every CPU query row attends as its token's
+    decode, so they are the same bits (through SDPA, a row's result changed with the rows beside it and greedy tokens
+    of a real model changed after a cache hit)."""
+    prompt = random_prompts([100], seed=11)[0]
+    params = SamplingParams(temperature=0, max_tokens=1, logprobs=20)
+
+    def last_logprobs(llm: LLM, prompts: list[list[int]]) -> dict:
+        return llm.generate(prompts, params, use_tqdm=False)[-1].outputs[0].logprobs[0]
+
+    with LLM(tied_model, kvcache_block_size=16, enable_prefix_caching=False, **CPU) as llm:
+        whole = last_logprobs(llm, [prompt])
+    for budget in (7, 64):
+        with LLM(tied_model, kvcache_block_size=16, enable_prefix_caching=False, max_num_batched_tokens=budget,
+                 **CPU) as llm:
+            assert last_logprobs(llm, [prompt]) == whole, budget
+    with LLM(tied_model, kvcache_block_size=16, **CPU) as llm:
+        for cached in (48, 96):
+            llm.generate([prompt[:cached] + [1]], params, use_tqdm=False)  # leaves the prefix's blocks cached
+            before = llm.stats()["num_cached_tokens"]
+            assert last_logprobs(llm, [prompt]) == whole, cached
+            assert llm.stats()["num_cached_tokens"] - before == cached
+        assert last_logprobs(llm, random_prompts([30, 70], seed=12) + [prompt]) == whole

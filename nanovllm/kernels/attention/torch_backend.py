@@ -7,12 +7,12 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from nanovllm.kernels.attention.context import Context
 from nanovllm.kernels.attention.kv_quant import to_cache_dtype
-from nanovllm.kernels.cpu import cpu_kernels, paged_decode
+from nanovllm.kernels.cpu import DECODE_CHUNK, cpu_kernels, paged_decode
 
 _CUDA_KERNELS = [SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH]
-# On CPU a sequence with this many queries or fewer (a decode with drafts to verify, a short chunk) runs each query
-# through the decode kernel: one call for all of them, and each row's result is its decode's.
-SHORT_QUERIES = 16
+DECODE_ROWS_BYTES = 64 * 2**20
+"""The most partial results (float32) one call of the CPU decode kernel keeps while a step's query rows run as decodes:
+a long prompt's rows go in groups under it (4,096 rows over their own prompt would keep ~80 MB at once)."""
 DECODE_GATHER_BYTES = 256 * 2**20
 """The most K/V a batched decode gathers at once (CUDA): rows are taken in groups under it, so its working memory is
 bounded whatever the batch and its contexts (512 rows of 40k tokens would gather tens of GB otherwise)."""
@@ -136,27 +136,30 @@ class TorchBackend:
     @staticmethod
     def attend(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, ctx: Context, scale: float, *,
                window: int = 0, softcap: float = 0.0) -> torch.Tensor:
-        """One sequence at a time, except single-query sequences (decodes): on CUDA a pure decode step is one batched
-        masked SDPA; on CPU every query of a sequence with few queries goes through one compiled-kernel call
-        (`cpu_kernels.paged_decode`; where it cannot be built, SDPA over its K/V in place, one call each). With a
-        sliding `window` only the blocks the window covers are read."""
+        """On CPU every query row, prompts' included, as the decode of its token: the compiled decode kernel
+        (`cpu_kernels.paged_decode`) over the row's own context, whatever else shares the step, so that a row's
+        result never depends on how its prompt was chunked, on prefix-cache hits or on its batch (SDPA's rows do:
+        over a cached prefix a prompt's greedy tokens changed). On CUDA, or without the kernel, one sequence at a
+        time through masked SDPA, except a pure CUDA decode step: one batched masked SDPA. With a sliding `window`
+        only the blocks the window covers are read."""
         cpu = q.device.type == "cpu"
         if ctx.is_decode and not cpu:
             return _decode_batched(q, k_cache, v_cache, ctx, scale, window, softcap)
         if ctx.is_decode and (o := paged_decode(q, k_cache, v_cache, ctx.block_tables, ctx.context_lens,
                                                 scale, window, softcap)) is not None:
             return o
-        o = torch.zeros_like(q)
         cu_q, lengths = ctx.cu_seqlens_q.tolist(), ctx.context_lens.tolist()
+        if cpu and (o := _decode_every_row(q, k_cache, v_cache, ctx, cu_q, lengths, scale, window,
+                                           softcap)) is not None:
+            return o
+        o = torch.zeros_like(q)
         tables = ctx.block_tables.tolist() if cpu else ctx.block_tables
-        decoded = cpu and _decode_short_rows(q, k_cache, v_cache, ctx, cu_q, lengths, scale, o, window, softcap)
         block_size = k_cache.size(1)
         for i, length in enumerate(lengths):
             rows = slice(cu_q[i], cu_q[i + 1])
-            single = cu_q[i + 1] - cu_q[i] == 1
-            if not length or decoded and cu_q[i + 1] - cu_q[i] <= SHORT_QUERIES:  # padding rows attend to nothing
+            if not length:  # padding rows attend to nothing
                 continue
-            if single and cpu and not softcap:
+            if cu_q[i + 1] - cu_q[i] == 1 and cpu and not softcap:
                 o[rows] = _decode_in_place(q[cu_q[i]], k_cache, v_cache, tables[i], length, scale, window)
             else:
                 first = max(0, length - (cu_q[i + 1] - cu_q[i]) - window + 1) // block_size * block_size \
@@ -167,36 +170,43 @@ class TorchBackend:
         return o
 
 
-def short_query_rows(cu_q: list[int], lengths: list[int]) -> tuple[list[int], list[int], list[int]]:
-    """The query rows of every sequence with at most `SHORT_QUERIES` queries, each as a decode: its sequence, its row,
-    and the context length it attends over (row r of a sequence with n queries and context length L: its first
-    L - n + 1 + r tokens)."""
+def query_rows(cu_q: list[int], lengths: list[int]) -> tuple[list[int], list[int], list[int]]:
+    """Every query row as a decode: its sequence, its row, and the context length it attends over (row r of a
+    sequence with n queries and context length L: its first L - n + 1 + r tokens)."""
     sequences, rows, context_lens = [], [], []
     for i, length in enumerate(lengths):
         n = cu_q[i + 1] - cu_q[i]
-        if n <= SHORT_QUERIES:
-            sequences += [i] * n
-            rows += range(cu_q[i], cu_q[i + 1])
-            context_lens += range(length - n + 1, length + 1)
+        sequences += [i] * n
+        rows += range(cu_q[i], cu_q[i + 1])
+        context_lens += range(length - n + 1, length + 1)
     return sequences, rows, context_lens
 
 
-def _decode_short_rows(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, ctx: Context, cu_q: list[int],
-                       lengths: list[int], scale: float, o: torch.Tensor, window: int, softcap: float) -> bool:
-    """The query rows of every CPU sequence with at most `SHORT_QUERIES` queries (decodes, drafts being verified,
-    short chunks) in one compiled-kernel call, into `o`: row r of a sequence with n queries and context length L is a
-    single query over its first L - n + 1 + r tokens, computed exactly as that token's decode would be. False
-    (nothing done) without the kernel."""
-    sequences, rows, context_lens = short_query_rows(cu_q, lengths)
-    if not rows:
-        return True
-    rows = torch.tensor(rows)
-    out = paged_decode(q[rows], k_cache, v_cache, ctx.block_tables[torch.tensor(sequences)],
-                       torch.tensor(context_lens, dtype=torch.int32), scale, window, softcap)
-    if out is None:
-        return False
-    o[rows] = out
-    return True
+def _decode_every_row(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, ctx: Context, cu_q: list[int],
+                      lengths: list[int], scale: float, window: int, softcap: float) -> torch.Tensor | None:
+    """Every query row of a CPU step as a single query over its context (`query_rows`), computed exactly as that
+    token's decode would be, by the compiled kernel in groups of rows under `DECODE_ROWS_BYTES` of partial results;
+    None (nothing done) without the kernel."""
+    sequences, rows, context_lens = query_rows(cu_q, lengths)
+    kv_heads, group, head_dim = k_cache.size(2), q.size(1) // k_cache.size(2), q.size(2)
+    per_chunk = kv_heads * group * (head_dim + 2) * 4  # bytes of one chunk's partial results, all KV heads
+    groups, start, used = [], 0, 0
+    for end, context in enumerate(context_lens):
+        need = -(-min(context, window or context) // DECODE_CHUNK) * per_chunk
+        if used + need > DECODE_ROWS_BYTES and end > start:
+            groups.append((start, end))
+            start, used = end, 0
+        used += need
+    groups.append((start, len(rows)))
+    o = torch.zeros_like(q)
+    for start, end in groups:
+        picked = torch.tensor(rows[start:end])
+        out = paged_decode(q[picked], k_cache, v_cache, ctx.block_tables[torch.tensor(sequences[start:end])],
+                           torch.tensor(context_lens[start:end], dtype=torch.int32), scale, window, softcap)
+        if out is None:
+            return None
+        o[picked] = out
+    return o
 
 
 def _decode_batched(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, ctx: Context, scale: float,
