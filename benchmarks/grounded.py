@@ -1,5 +1,6 @@
-"""Input-grounded requests: repeat, edit or annotate a given passage or piece of code, as chat prompts. Most of such
-an answer is in its prompt, which is where prompt-lookup speculation pays (`bench.py --workload grounded`)."""
+"""Input-grounded requests: copy, edit, annotate, correct, number, reformat or extract from a given passage or piece
+of code, as chat prompts: 8 kinds of task over 4 passages (prose and code). Much of such an answer is in its prompt,
+which is where prompt-lookup speculation pays (`bench.py --workload grounded`)."""
 from transformers import PreTrainedTokenizerBase
 
 PASSAGES = [
@@ -23,11 +24,16 @@ TASKS = [
     "Rewrite the following text with every sentence or line kept in the same order, changing as little as "
     "possible.\n\n{passage}",
     "Copy the following text and add a short comment after it.\n\n{passage}",
+    "Correct any mistakes in the following text and return all of it, corrected.\n\n{passage}",
+    "Return the following text with each sentence or line numbered, starting at 1.\n\n{passage}",
+    "Turn the following text into a bulleted list, one bullet per sentence or line, keeping the wording.\n\n{passage}",
+    "Quote the first half of the following text exactly, then summarize the rest in one sentence.\n\n{passage}",
+    "Find the longest sentence or line in the following text and return it exactly as written.\n\n{passage}",
 ]
 
-
 def grounded_prompts(tokenizer: PreTrainedTokenizerBase, num_prompts: int) -> list[list[int]]:
-    """`num_prompts` chat prompts cycling through the tasks and passages, as token ids (the model's chat template)."""
+    """`num_prompts` chat prompts, every task on the first passage, then on the next, ..., as token ids (the model's
+    chat template): 32 cover every task on every passage."""
     return chat_token_ids(tokenizer, [TASKS[i % len(TASKS)].format(passage=PASSAGES[i // len(TASKS) % len(PASSAGES)])
                                       for i in range(num_prompts)])
 
