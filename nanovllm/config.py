@@ -29,12 +29,10 @@ POOLING_TYPES = ("LAST", "MEAN", "CLS")
 DEFAULT_PROMPT_LOOKUP = 5  # vLLM's n-gram length when neither bound is given
 # The step cost model of the adaptive draft count, in units of one more row (token) in the forward: a step of B
 # sequences and D drafts costs about fixed + (1 + per_sequence) * B + D: the fixed part reads the weights, each
-# sequence brings its host work, sampling and attention besides its row. Refitted on the 2-core CPU with SmolLM2-135M's
-# Q4_1 file once its weights were repacked (ab5c83a): a decode step of 32 sequences then cost 10.2 of one sequence's
-# (1528 against 487 tok/s), rows having become the cost, so a draft costs about what a sequence does; (8, 8), fitted
-# before, priced drafts too cheap at 32 grounded requests (0.97x against 0.99x with (6, 1); batch 1 the same). The
-# CUDA figures are a guess, not measured: a GPU stays bound by reading the weights up to hundreds of rows.
-STEP_COST = {"cpu": (6, 1), "cuda": (256, 1)}
+# sequence brings its host work, sampling and attention besides its row. Fitted to step times with 2 to 16 requests
+# (k=5, always on) on the 2-core CPU with SmolLM2-135M (README, speculative decoding); the CUDA figures are a guess,
+# not measured: a GPU stays bound by reading the weights up to hundreds of rows.
+STEP_COST = {"cpu": (8, 8), "cuda": (256, 1)}
 # vLLM V1's refusal of custom logits processors beside speculative decoding, in its words
 SPEC_DECODE_REJECTS_LOGITS_PROCESSORS = "Custom logits processors are not supported when speculative decoding is " \
     "enabled."
