@@ -126,8 +126,9 @@ def unpack(data: torch.Tensor, qtype: int, lanes: int) -> torch.Tensor:
     head, size = REPACKED_HEADS[qtype], BLOCK[qtype][1]
     rows, row_bytes = data.shape
     tiles = data.reshape(rows // lanes, row_bytes // size, lanes * size)  # tile, block, bytes of the repacked block
-    values = tiles[..., :(size - head) * lanes].unflatten(-1, (-1, lanes, 4)).transpose(2, 3)  # tile, block, lane,
-    scales = tiles[..., (size - head) * lanes:].unflatten(-1, (-1, lanes, 2)).transpose(2, 3)  # unit or scale, bytes
+    # tile, block, lane, then unit (or scale) and its bytes
+    values = tiles[..., :(size - head) * lanes].unflatten(-1, (-1, lanes, 4)).transpose(2, 3)
+    scales = tiles[..., (size - head) * lanes:].unflatten(-1, (-1, lanes, 2)).transpose(2, 3)
     blocks = torch.cat([scales.flatten(3), values.flatten(3)], dim=3)  # tile, block, lane, byte
     return blocks.transpose(1, 2).reshape(rows, row_bytes)
 

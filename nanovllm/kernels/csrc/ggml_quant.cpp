@@ -1045,18 +1045,18 @@ void quantized_matmul(const Kernel& k, const T* x, int64_t M, int64_t K, const u
   }
   const int64_t L = k.lanes, tiles = (N + L - 1) / L;
   nanovllm::split(team, tiles, (grain(w_stride, M) + L - 1) / L, [&](int64_t t0, int64_t t1) {
-    const bool packs = !repacked && !(M == 1 && k.row_tile);
+    const bool one_row = !repacked && M == 1 && k.row_tile, packs = !repacked && !one_row;
     std::unique_ptr<uint8_t[]> packed(packs ? new uint8_t[xs * k.packed_chunk + 64] : nullptr);  // not zeroed
     uint8_t* buf = packs ? packed.get() + (64 - reinterpret_cast<uintptr_t>(packed.get()) % 64) % 64 : nullptr;
     alignas(64) float res[MAX_ROWS * MAX_LANES];
     for (int64_t t = t0; t < t1; ++t) {
       const int64_t n = t * L, count = std::min(L, N - n);
-      Prefetch ahead{nullptr, 0};
-      if (t + 1 < t1) {
+      Prefetch ahead{nullptr, 0};  // repacked tiles are contiguous: the hardware's prefetchers follow them
+      if (t + 1 < t1 && !repacked) {
         const int64_t bytes = std::min(L, N - n - L) * w_stride;
         ahead = {w + (n + L) * w_stride, ((bytes + blocks - 1) / blocks + 63) / 64 * 64};
       }
-      if (!packs && !repacked) {
+      if (one_row) {
         k.row_tile(w + n * w_stride, w_stride, static_cast<int>(count), blocks, xq, res, ahead);
         write_out(res, n, count, bias, out);
         continue;

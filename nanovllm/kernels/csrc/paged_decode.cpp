@@ -280,9 +280,15 @@ static void decode_chunk(const T* q, const C* k_cache, const C* v_cache, const i
                          std::vector<float>& query, std::vector<float>& scores, std::vector<float>& key,
                          std::vector<float>& values, float* partial) {
   const int64_t length = to - from;
-  for (int64_t h = 0; h < group; ++h)
-    for (int64_t d = 0; d < head_dim; ++d)
-      query[h * head_dim + d] = to_float(q[(row * heads + g * group + h) * head_dim + d]) * scale;
+#ifdef NANOVLLM_TILED_SCORES
+  constexpr bool bf16_dots = HEAD_DIM > 0 && !std::is_same_v<DotOperand<T, HEAD_DIM>, float>;
+#else
+  constexpr bool bf16_dots = false;
+#endif
+  if constexpr (!bf16_dots)  // the queries as floats, scaled (bfloat16 pair products take them as they are)
+    for (int64_t h = 0; h < group; ++h)
+      for (int64_t d = 0; d < head_dim; ++d)
+        query[h * head_dim + d] = to_float(q[(row * heads + g * group + h) * head_dim + d]) * scale;
 #ifdef NANOVLLM_TILED_SCORES
   if constexpr (HEAD_DIM % 16 == 0 && HEAD_DIM > 0) {
     using Operand = DotOperand<T, HEAD_DIM>;
