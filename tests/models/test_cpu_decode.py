@@ -61,16 +61,18 @@ def test_decode_steps_equal_the_layer_by_layer_path_bitwise(mixed_gguf, dtype):
         assert run_both_paths(llm) == [len(PROMPTS)] * (GREEDY.max_tokens - 1)  # every decode step, batched
 
 
-@pytest.mark.parametrize("threads", [1, 3])
+@pytest.mark.parametrize("threads", [1, 2, 3])
 def test_any_number_of_threads_in_the_step_s_team_too(mixed_gguf, threads):
-    """The step runs as one team of torch's threads, each kernel split into shares: one thread, or three (uneven
-    shares), compute the same bits as the layer-by-layer path."""
+    """The step runs as one team of torch's threads, each kernel split into shares: one thread, two, or three (uneven
+    shares), compute the same bits as the layer-by-layer path; so do steps of one row, where every thread computes the
+    rows they all read (norms, SiLU, the projections' quantized inputs) into a copy of its own."""
     before = torch.get_num_threads()
     torch.set_num_threads(threads)
     try:
         with LLM(mixed_gguf, device="cpu", dtype="float32", max_model_len=256, kvcache_block_size=16) as llm:
             assert torch.get_num_threads() == threads
             assert run_both_paths(llm) == [len(PROMPTS)] * (GREEDY.max_tokens - 1)
+            assert run_both_paths(llm, [list(range(120, 140))]) == [1] * (GREEDY.max_tokens - 1)
     finally:
         torch.set_num_threads(before)
 

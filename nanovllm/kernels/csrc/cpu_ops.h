@@ -59,11 +59,13 @@ int64_t paged_decode_partials(const int32_t* context_lens, int64_t rows, int64_t
 
 // ggml_quant.cpp: out [M, N] (rows `ldo` apart) = x [M, K] . w [N, K] + bias, w rows `w_stride` bytes apart in GGML
 // type `qtype` (as the file has them, or repacked in tiles of `lanes` rows), one `ggml_supported` says runs on path
-// `isa`; this thread's share of `team`: it quantizes its rows of the activations into `scratch`
-// (`ggml_scratch_bytes`, shared), waits for the others, then takes its weight rows.
+// `isa`; this thread's share of `team`: it quantizes its share of the activations into `scratch`
+// (`ggml_scratch_bytes`, shared), waits for the others, then takes its weight rows. `own_scratch`: every thread
+// quantizes all of them into a `scratch` of its own and waits for no one (a few rows cost less than a barrier).
 template <typename T>
 void ggml_matmul(const T* x, int64_t M, int64_t K, const uint8_t* w, int64_t w_stride, int64_t N, int64_t qtype,
-                 int64_t isa, int64_t lanes, const T* bias, T* out, int64_t ldo, const Team& team, void* scratch);
+                 int64_t isa, int64_t lanes, const T* bias, T* out, int64_t ldo, const Team& team, void* scratch,
+                 bool own_scratch = false);
 int64_t ggml_scratch_bytes(int64_t M, int64_t K);
 bool ggml_supported(int64_t qtype, int64_t isa, int64_t lanes, int64_t rows);
 

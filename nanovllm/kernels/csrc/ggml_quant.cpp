@@ -1020,19 +1020,20 @@ void write_out(const float* res, int64_t n, int64_t count, const T* bias, T* out
 // thread packs each of its tiles once (K / 32 chunks of a few hundred bytes: in L1 or L2 for any layer) and runs every
 // activation row past it, R rows a pass (8, 4, 2, 1: the most that are left); weights repacked at load (`repacked`:
 // their tiles of L rows) are run as they lie. A team quantizes the activations into `scratch`, shared, and waits for
-// all of them before the products.
+// all of them before the products; or, `own_scratch`, each thread quantizes all of them into its own.
 template <typename T>
 void quantized_matmul(const Kernel& k, const T* x, int64_t M, int64_t K, const uint8_t* w, int64_t w_stride,
                       int64_t N, bool repacked, const T* bias, T* out, int64_t ldo, const nanovllm::Team* team,
-                      void* scratch) {
+                      void* scratch, bool own_scratch) {
   const int64_t xs = K / 32, blocks = K / k.values;
   std::vector<XBlock> own(team ? 0 : M * xs);
   XBlock* xq = team ? static_cast<XBlock*>(scratch) : own.data();
+  const nanovllm::Team alone;
   // by blocks, not rows: at one row a team's threads share it (a row each left one thread idle, 4 times a layer)
-  nanovllm::split(team, M * xs, MIN_TASK / 32, [&](int64_t begin, int64_t end) {
+  nanovllm::split(own_scratch ? &alone : team, M * xs, MIN_TASK / 32, [&](int64_t begin, int64_t end) {
     for (int64_t b = begin; b < end; ++b) quantize_row(x + b / xs * K + b % xs * 32, xq + b, 1, k.zero);
   });
-  if (team) team->barrier();
+  if (team && !own_scratch) team->barrier();
   if (!k.pack) {
     nanovllm::split(team, N, grain(w_stride, M), [&](int64_t n0, int64_t n1) {
       std::vector<float> res(2 * M);
@@ -1258,7 +1259,7 @@ at::Tensor ggml_linear(at::Tensor x, at::Tensor weight, int64_t qtype, int64_t i
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, dtype, "ggml_linear", [&] {
     quantized_matmul(k, x2.const_data_ptr<scalar_t>(), M, K, weight.const_data_ptr<uint8_t>(), weight.stride(0), N,
                      lanes > 0, b ? b->const_data_ptr<scalar_t>() : nullptr, out.data_ptr<scalar_t>(), N, nullptr,
-                     nullptr);
+                     nullptr, false);
   });
   return out.view(out_sizes);
 }
@@ -1266,11 +1267,11 @@ at::Tensor ggml_linear(at::Tensor x, at::Tensor weight, int64_t qtype, int64_t i
 template <typename T>
 void nanovllm::ggml_matmul(const T* x, int64_t M, int64_t K, const uint8_t* w, int64_t w_stride, int64_t N,
                            int64_t qtype, int64_t isa, int64_t lanes, const T* bias, T* out, int64_t ldo,
-                           const Team& team, void* scratch) {
+                           const Team& team, void* scratch, bool own_scratch) {
   if (float_size(qtype)) return float_matmul(qtype, isa, x, M, K, w, w_stride, N, bias, out, ldo, &team);
   Kernel k;
   kernel_of(qtype, isa, k);  // the caller checked it with ggml_supported
-  quantized_matmul(k, x, M, K, w, w_stride, N, lanes > 0, bias, out, ldo, &team, scratch);
+  quantized_matmul(k, x, M, K, w, w_stride, N, lanes > 0, bias, out, ldo, &team, scratch, own_scratch);
 }
 
 int64_t nanovllm::ggml_scratch_bytes(int64_t M, int64_t K) { return M * (K / 32) * sizeof(XBlock); }
@@ -1283,7 +1284,7 @@ bool nanovllm::ggml_supported(int64_t qtype, int64_t isa, int64_t lanes, int64_t
 
 #define NANOVLLM_GGML_MATMUL(T)                                                                                  \
   template void nanovllm::ggml_matmul<T>(const T*, int64_t, int64_t, const uint8_t*, int64_t, int64_t, int64_t, \
-                                         int64_t, int64_t, const T*, T*, int64_t, const Team&, void*);
+                                         int64_t, int64_t, const T*, T*, int64_t, const Team&, void*, bool);
 NANOVLLM_GGML_MATMUL(float)
 NANOVLLM_GGML_MATMUL(c10::BFloat16)
 NANOVLLM_GGML_MATMUL(c10::Half)
