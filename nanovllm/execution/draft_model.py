@@ -31,7 +31,7 @@ from nanovllm.core.sequence import Sequence
 from nanovllm.execution.kv_cache import allocate_kv_cache, bind_kv_cache
 from nanovllm.execution.model_loading import load_runner_model
 from nanovllm.execution.sampler import DeviceTail, Sampler, SamplingRow, to_host
-from nanovllm.execution.sampling_ops import exponential_race
+from nanovllm.execution.sampling_ops import exponential_race, greedy_tokens
 from nanovllm.execution.step_inputs import Chunk, set_step_context, to_device
 from nanovllm.execution.stopwatch import Stopwatch
 from nanovllm.kernels.attention import Platform, load_backend
@@ -171,7 +171,7 @@ class DraftModel:
         seqs = [SamplingRow(seq.seq_id, seq.params, seq.token_ids + drafts[:j], seq.num_prompt_tokens)
                 for seq, drafts in rows]
         masked = sampler.masked(logits, seqs, tail)
-        tokens = masked.argmax(dim=-1)
+        tokens = greedy_tokens(masked)
         sampled = [i for i, (seq, _) in enumerate(rows) if samples_drafts(seq)]
         if sampled:
             index = slice(None) if len(sampled) == len(rows) else to_device(sampled, torch.int64, logits.device)

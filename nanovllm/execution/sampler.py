@@ -17,6 +17,7 @@ from nanovllm.execution.sampling_ops import (
     apply_top_k,
     apply_top_p,
     exponential_race,
+    greedy_tokens,
     token_logprobs,
 )
 from nanovllm.execution.step_inputs import to_device
@@ -395,7 +396,7 @@ class Sampler:
         params = [seq.params for seq in seqs]
         greedy = [p.temperature == 0 for p in params]
         if all(greedy):
-            return logits.argmax(dim=-1), logits
+            return greedy_tokens(logits), logits
         processors = self.logits_processors
         scaled = self._truncated(logits, params, greedy,
                                  processors if processors is not None and processors.argmax_invariant else None)
@@ -404,7 +405,7 @@ class Sampler:
         sampled = exponential_race(scaled.softmax(dim=-1), generators)
         if not any(greedy):
             return sampled, scaled
-        return torch.where(self._tensor(greedy, torch.bool), logits.argmax(dim=-1), sampled), scaled
+        return torch.where(self._tensor(greedy, torch.bool), greedy_tokens(logits), sampled), scaled
 
     def _truncated(self, logits: torch.Tensor, params: list[SamplingParams], greedy: list[bool],
                    processors: ProcessorBatch | None = None) -> torch.Tensor:

@@ -20,6 +20,12 @@ def apply_penalties(logits: torch.Tensor, prompt_mask: torch.Tensor, output_coun
     return logits - frequency.unsqueeze(1) * output_counts - presence.unsqueeze(1) * in_output
 
 
+@fused_op(cpu_kernel="greedy_tokens")
+def greedy_tokens(logits: torch.Tensor) -> torch.Tensor:
+    """Each row's most likely token (the first of equal maxima), int64 `[batch]`."""
+    return logits.argmax(dim=-1)
+
+
 @fused_op
 def apply_min_p(logits: torch.Tensor, min_p: torch.Tensor) -> torch.Tensor:
     """Drop tokens less likely than `min_p` times the most likely one: p_i < min_p * p_max is

@@ -292,6 +292,25 @@ def test_a_fused_row_is_bitwise_the_same_whatever_its_batch():
 
 
 @needs_compiler
+def test_greedy_tokens_are_torch_s_argmax_ties_nans_and_infinities_included():
+    kernels = cpu_kernels()
+    generator = torch.Generator().manual_seed(0)
+    for rows, vocab in ((1, 49152), (40, 1000), (3, 130), (2, 1)):  # rows split over threads; lengths not of 64
+        logits = torch.randn(rows, vocab, generator=generator)
+        assert torch.equal(kernels.greedy_tokens(logits), logits.argmax(dim=-1))
+    logits = torch.zeros(6, 200)
+    logits[0, 70] = logits[0, 150] = 1.0  # a tie: the first
+    logits[1, 199] = float("inf")
+    logits[2, :] = float("-inf")  # nothing allowed: the first, as torch
+    logits[3, 5] = 3.0
+    logits[3, 130] = logits[3, 140] = float("nan")  # a NaN wins, the first of them, even after the maximum
+    logits[4, 0] = float("nan")
+    logits[5, 64] = 2.0  # the first value of the second block of 64
+    assert kernels.greedy_tokens(logits).tolist() == logits.argmax(dim=-1).tolist() == [70, 199, 0, 130, 0, 64]
+    assert torch.equal(kernels.greedy_tokens(logits[::2]), logits[::2].argmax(dim=-1))  # rows not contiguous
+
+
+@needs_compiler
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_the_kv_store_writes_every_slot_and_skips_padding(dtype):
     _, _, k, v = fused_cases(dtype, 40)

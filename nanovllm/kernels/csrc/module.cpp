@@ -13,6 +13,7 @@ std::tuple<at::Tensor, at::Tensor> add_rms_norm(at::Tensor x, at::Tensor residua
 std::tuple<at::Tensor, at::Tensor> apply_rotary(at::Tensor positions, at::Tensor q, at::Tensor k,
                                                 at::Tensor cos_sin_cache);
 at::Tensor silu_and_mul(at::Tensor x);
+at::Tensor greedy_tokens(at::Tensor logits);
 void store_kvcache(at::Tensor k, at::Tensor v, at::Tensor k_cache, at::Tensor v_cache, at::Tensor slot_mapping);
 int64_t ggml_isa();
 int64_t ggml_repack_lanes(int64_t qtype, int64_t isa);
@@ -33,6 +34,7 @@ TORCH_LIBRARY(nanovllm, m) {
   m.def("apply_rotary(Tensor positions, Tensor q, Tensor k, Tensor cos_sin_cache) -> (Tensor, Tensor)",
         &apply_rotary);
   m.def("silu_and_mul(Tensor x) -> Tensor", &silu_and_mul);
+  m.def("greedy_tokens(Tensor logits) -> Tensor", &greedy_tokens);
   m.def("store_kvcache(Tensor k, Tensor v, Tensor(a!) k_cache, Tensor(b!) v_cache, Tensor slot_mapping) -> ()",
         &store_kvcache);
   m.def("ggml_isa() -> int", &ggml_isa);
