@@ -1,7 +1,8 @@
 // The decoder's small ops on the CPU, each one pass over its rows instead of several torch operators: RMSNorm (with
-// the residual add), rotary embedding, SiLU-and-mul, and the KV-cache store. Each computes what the eager torch
-// code in layers/ computes, rounding to the tensor's dtype where that code does. Decode-sized inputs run on the
-// calling thread (no parallel region); larger ones split their rows over torch's threads.
+// the residual add), rotary embedding, SiLU-and-mul, the KV-cache store, and the sampler's greedy tokens. Each
+// computes what the eager torch code in layers/ (execution/sampling_ops.py) computes, rounding to the tensor's dtype
+// where that code does. Decode-sized inputs run on the calling thread (no parallel region); larger ones split their
+// rows over torch's threads.
 #pragma GCC optimize("fp-contract=off")  // a * b - c * d rounded as torch rounds it, not fused into an FMA
 #include <ATen/Dispatch.h>
 #include <ATen/Parallel.h>
