@@ -31,7 +31,7 @@ from nanovllm.core.sequence import Sequence
 from nanovllm.execution.kv_cache import allocate_kv_cache, bind_kv_cache
 from nanovllm.execution.model_loading import load_runner_model
 from nanovllm.execution.sampler import DeviceTail, Sampler, SamplingRow, to_host
-from nanovllm.execution.sampling_ops import exponential_race, greedy_tokens
+from nanovllm.execution.sampling_ops import draw_tokens, greedy_tokens
 from nanovllm.execution.step_inputs import Chunk, set_step_context, to_device
 from nanovllm.execution.stopwatch import Stopwatch
 from nanovllm.kernels.attention import Platform, load_backend
@@ -176,7 +176,7 @@ class DraftModel:
         if sampled:
             index = slice(None) if len(sampled) == len(rows) else to_device(sampled, torch.int64, logits.device)
             q = sampler.distribution(masked[index], [seqs[i] for i in sampled])
-            tokens[index] = exponential_race(q, {})
+            tokens[index] = draw_tokens(q, {})
             for i, row in zip(sampled, q):
                 probs.setdefault(rows[i][0].seq_id, []).append(row)
         return tokens

@@ -16,7 +16,8 @@ from nanovllm.execution.sampling_ops import (
     apply_penalties,
     apply_top_k,
     apply_top_p,
-    exponential_race,
+    apply_top_p_sorting_few,
+    draw_tokens,
     greedy_tokens,
     token_logprobs,
 )
@@ -402,7 +403,7 @@ class Sampler:
                                  processors if processors is not None and processors.argmax_invariant else None)
         generators = {i: self._generator(seq) for i, (seq, g) in enumerate(zip(seqs, greedy))
                       if not g and seq.params.seed is not None}
-        sampled = exponential_race(scaled.softmax(dim=-1), generators)
+        sampled = draw_tokens(scaled.softmax(dim=-1), generators)
         if not any(greedy):
             return sampled, scaled
         return torch.where(self._tensor(greedy, torch.bool), greedy_tokens(logits), sampled), scaled
@@ -425,8 +426,19 @@ class Sampler:
         top_p = [1.0 if g else p.top_p for p, g in zip(params, greedy)]
         if min(top_p) < 1:
             truncated = all(k or g for k, g in zip(top_k, greedy))  # then only max(top_k) tokens per row are left
-            scaled = apply_top_p(scaled, self._tensor(top_p, torch.float32), max(top_k) if truncated else None)
+            top_p = self._tensor(top_p, torch.float32)
+            if truncated or not self.reads_cost_nothing:
+                scaled = apply_top_p(scaled, top_p, max(top_k) if truncated else None)
+            else:
+                scaled = apply_top_p_sorting_few(scaled, top_p)
         return scaled
+
+    @property
+    def reads_cost_nothing(self) -> bool:
+        """Whether reading a tensor's values on the host waits for nothing (the CPU: the device is the host), so
+        that the sampler may take paths that read them (`apply_top_p_sorting_few`); on CUDA each is a pipeline
+        bubble."""
+        return self.device.type == "cpu"
 
     def _generator(self, seq: SamplingRow) -> torch.Generator:
         if seq.seq_id not in self.generators:

@@ -57,29 +57,71 @@ def apply_top_p(logits: torch.Tensor, top_p: torch.Tensor, candidates: int | Non
     return logits.masked_fill(torch.zeros_like(logits, dtype=torch.bool).scatter_(1, order, drop), NEG_INF)
 
 
-def exponential_race(probs: torch.Tensor, generators: dict[int, torch.Generator]) -> torch.Tensor:
-    """One draw per row: argmax(p / E) with E ~ Exp(1) i.i.d. picks token i with probability p_i, with no cumulative
-    sum and no host sync. The rows in `generators` draw their E from their own generator, so their draw does not
-    depend on the rest of the batch; the others share torch's default generator. Each seeded row is a launch of its
-    own (a kernel launch, never a host sync, as in vLLM V1's sampler): one launch for all would need a counter-based
-    generator keyed by each request's seed and draw count, which torch does not offer, and would change every seeded
-    request's tokens."""
+NUCLEUS_CANDIDATES = (256, 4096)
+
+
+def apply_top_p_sorting_few(logits: torch.Tensor, top_p: torch.Tensor) -> torch.Tensor:
+    """`apply_top_p`, sorting only a row's most likely tokens where its nucleus lies within them (the fewest of
+    `NUCLEUS_CANDIDATES` that hold it), the rows whose nucleus no candidates hold sorted whole: for the CPU, where torch
+    sorted 49,152 logits in 1.5 ms a row (topk of 256: 0.06 ms; of 4,096: 0.5). The same tokens as the whole sort, up
+    to which of equal logits at the boundary are kept (the sort does not order them) and to a cumulative probability
+    within rounding of 1 - top_p. It reads the rows' verdicts on the host."""
+    result = logits.clone()  # top_p 1 keeps every token
+    pending = (top_p < 1).nonzero().squeeze(1).tolist()
+    for candidates in NUCLEUS_CANDIDATES:
+        if not pending or logits.size(-1) <= candidates:
+            break
+        kept, within = _top_p_within(logits[pending], top_p[pending], candidates)
+        done, left = [], []
+        for row, inside in zip(pending, within.tolist()):
+            (done if inside else left).append(row)
+        result[done] = kept[within]
+        pending = left
+    if pending:
+        result[pending] = apply_top_p(logits[pending], top_p[pending])
+    return result
+
+
+def _top_p_within(logits: torch.Tensor, top_p: torch.Tensor, candidates: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """`apply_top_p` over each row's `candidates` most likely tokens, and whether the row's nucleus lies within them:
+    the probability outside them is at most 1 - top_p, so every token outside is dropped, and each candidate's
+    cumulative probability (ascending) is that outside plus the candidates' up to it."""
+    top, order = logits.topk(candidates, dim=-1)  # descending
+    probs = (top - logits.logsumexp(dim=-1, keepdim=True)).double().exp().flip(-1)  # ascending
+    threshold = 1 - top_p.double().unsqueeze(1)
+    outside = (1 - probs.sum(dim=-1, keepdim=True)).clamp_min_(0)
+    drop = probs.cumsum(dim=-1) + outside <= threshold
+    drop[:, -1] = False
+    kept = torch.zeros_like(logits, dtype=torch.bool).scatter_(1, order.flip(-1), ~drop)
+    return logits.masked_fill(~kept, NEG_INF), (outside <= threshold).squeeze(1)
+
+
+def draw_tokens(probs: torch.Tensor, generators: dict[int, torch.Generator]) -> torch.Tensor:
+    """One draw per row from its distribution `probs`, with no host sync. The rows in `generators` draw from their own
+    generator, so their draw does not depend on the rest of the batch; the others share torch's default generator.
+    On CUDA an exponential race (argmax of p / E, E ~ Exp(1) for every token; each seeded row is a launch of its own,
+    never a host sync, as in vLLM V1's sampler); on the CPU, where that noise cost more than the model's step (12 ms
+    for 32 rows of 49,152 tokens), the inverse of each row's cumulative distribution at one uniform draw (0.6 ms)."""
+    if probs.device.type == "cpu":
+        return _inverse_cdf(probs, generators)
     noise = torch.empty_like(probs)
     if len(generators) < probs.size(0):
-        _exponential(noise)
+        noise.exponential_()
     for row, generator in generators.items():
-        _exponential(noise[row], generator)
+        noise[row].exponential_(generator=generator)
     return (probs / noise.clamp_min_(1e-10)).argmax(dim=-1)
 
 
-def _exponential(out: torch.Tensor, generator: torch.Generator | None = None) -> None:
-    """Fill `out` with Exp(1) draws. On CPU as -log(U), U uniform drawn in float64 (so never 0 in practice):
-    2.5x faster there than `exponential_`, which is the faster one on GPUs."""
-    if out.device.type != "cpu":
-        out.exponential_(generator=generator)
-        return
-    uniform = torch.rand(out.shape, dtype=torch.float64, generator=generator)
-    out.copy_(uniform.log_().neg_())
+def _inverse_cdf(probs: torch.Tensor, generators: dict[int, torch.Generator]) -> torch.Tensor:
+    """The first token whose cumulative probability (summed in float64) exceeds u times the row's total, u uniform in
+    [0, 1) in float64 (so below the total: a token of nonzero probability)."""
+    uniform = torch.rand(probs.size(0), dtype=torch.float64) if len(generators) < probs.size(0) else \
+        torch.empty(probs.size(0), dtype=torch.float64)
+    for row, generator in generators.items():
+        uniform[row] = torch.rand((), dtype=torch.float64, generator=generator)
+    cumulative = probs.cumsum(dim=-1, dtype=torch.float64)
+    target = (uniform * cumulative[:, -1]).unsqueeze(1)
+    return torch.searchsorted(cumulative, target, right=True).squeeze(1).clamp_max_(probs.size(-1) - 1)
 
 
 def token_logprobs(scores: torch.Tensor, token_ids: torch.Tensor, num_top: int,

@@ -29,7 +29,7 @@ import torch
 
 from nanovllm.core.sequence import Sequence
 from nanovllm.execution.sampler import Pending, Sampler, SamplerOutput, SamplingRow, fetch_step, gather
-from nanovllm.execution.sampling_ops import exponential_race
+from nanovllm.execution.sampling_ops import draw_tokens
 from nanovllm.execution.step_inputs import to_device
 from nanovllm.structured_output.bitmask import TokenBitmask
 
@@ -134,7 +134,7 @@ def _verify_distributions(sampler: Sampler, logits: torch.Tensor, rows: list[tup
     target = p[last]
     residual = (target - q[seq_drafts + torch.minimum(num_accepted, seq_lengths - 1)]).clamp_min_(0)
     rejected = (num_accepted < seq_lengths) & (residual.sum(dim=1) > 0)
-    finals = exponential_race(torch.where(rejected.unsqueeze(1), residual, target), {})
+    finals = draw_tokens(torch.where(rejected.unsqueeze(1), residual, target), {})
     logprobs = sampler.logprobs(logits, virtual, row_tokens.index_put((last,), finals), truncated) if asked else None
 
     def finish(results: list) -> SamplerOutput:
@@ -189,4 +189,4 @@ def _replay(sampler: Sampler, seq: Sequence, state: torch.Tensor | None, draws: 
     else:
         generator.set_state(state)
     probs = torch.ones(draws, sampler.vocab_size, device=sampler.device)
-    exponential_race(probs, dict.fromkeys(range(draws), generator))
+    draw_tokens(probs, dict.fromkeys(range(draws), generator))

@@ -179,6 +179,7 @@ def test_processed_modes_sync_once_per_step(tied_model, monkeypatch, mode):
     """Sampling, n-gram verification and prompt logprobs in the processed modes: still one transfer per step."""
     syncs = HostSyncs()
     monkeypatch.setattr(sampler_module, "to_host", syncs.counting(sampler_module.to_host))
+    monkeypatch.setattr(sampler_module.Sampler, "reads_cost_nothing", False)  # the paths a CUDA device takes
     spec = {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_max": 3, "prompt_lookup_min": 1}
     params = [SamplingParams(temperature=0.8, top_p=0.9, max_tokens=8, ignore_eos=True, logprobs=2),
               SamplingParams(temperature=0, max_tokens=8, ignore_eos=True, logprobs=1, prompt_logprobs=2),

@@ -14,7 +14,7 @@ from transformers.generation.logits_process import (
 
 from nanovllm import SamplingParams
 from nanovllm.execution.sampler import Sampler, SamplingRow
-from nanovllm.execution.sampling_ops import apply_penalties, apply_top_k, apply_top_p
+from nanovllm.execution.sampling_ops import apply_penalties, apply_top_k, apply_top_p, apply_top_p_sorting_few
 
 EOS = 5
 DEVICES = ["cpu", pytest.param("cuda", marks=pytest.mark.cuda)]
@@ -253,6 +253,20 @@ def test_logprobs_are_raw_log_softmax():
 def test_no_logprobs_when_none_asked():
     out = Sampler(10, {EOS}, "cpu")(torch.randn(2, 10), rows_for([SamplingParams()] * 2))
     assert out.logprobs is None and len(out.token_ids) == 2
+
+
+def test_top_p_sorting_only_the_likely_tokens_equals_the_full_sort():
+    """Rows from flat to peaked: nuclei within 256 candidates, within 4,096, beyond (sorted whole), and top_p 1."""
+    torch.manual_seed(4)
+    scales = torch.tensor([0.02, 0.3, 1.0, 3.0, 8.0]).repeat(5)
+    logits = torch.randn(len(scales), 6000) * scales.unsqueeze(1)
+    top_p = torch.rand(len(scales)) * 0.98 + 0.01
+    top_p[:3] = torch.tensor([1.0, 0.999, 0.5])
+    ours = apply_top_p_sorting_few(logits, top_p)
+    assert torch.equal(ours, apply_top_p(logits, top_p))
+    nuclei = (ours > float("-inf")).sum(dim=-1)
+    assert (nuclei <= 256).any() and ((nuclei > 256) & (nuclei <= 4096)).any() and (nuclei[1:] > 4096).any()
+    assert nuclei[0] == 6000
 
 
 def test_top_p_over_the_top_k_candidates_equals_the_full_sort():

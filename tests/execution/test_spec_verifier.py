@@ -72,8 +72,9 @@ def peaked_model(tmp_path_factory) -> str:
 
 def test_first_tokens_have_the_same_distribution_with_and_without_speculation(peaked_model):
     """Thousands of seeds of one prompt that holds the model's own continuation (so lookup proposes what it may
-    sample): the tokens at positions 2 and 3, where drafts are verified, are distributed alike with and without
-    n-gram speculation (different seeds on each side)."""
+    sample; its seed one of those whose continuation repeats enough for that, about 1 in 5): the tokens at positions
+    2 and 3, where drafts are verified, are distributed alike with and without n-gram speculation (different seeds
+    on each side)."""
     n, temperature = 2000, 0.7
     rng = random.Random(12)
     passage = [rng.randrange(384) for _ in range(6)]
@@ -85,7 +86,7 @@ def test_first_tokens_have_the_same_distribution_with_and_without_speculation(pe
         params = [SamplingParams(temperature=temperature, max_tokens=3, ignore_eos=True, seed=seed) for seed in seeds]
         with LLM(peaked_model, speculative_config=spec, **settings) as llm:
             own = llm.generate([passage], SamplingParams(temperature=temperature, max_tokens=40, ignore_eos=True,
-                                                         seed=1), use_tqdm=False)[0]["token_ids"]
+                                                         seed=12), use_tqdm=False)[0]["token_ids"]
             samples[spec is None] = [o["token_ids"] for o in llm.generate([passage + own] * n, params,
                                                                           use_tqdm=False)]
             if spec is not None:
