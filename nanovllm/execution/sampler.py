@@ -20,8 +20,10 @@ from nanovllm.execution.sampling_ops import (
     draw_tokens,
     greedy_tokens,
     token_logprobs,
+    uniforms,
 )
 from nanovllm.execution.step_inputs import to_device
+from nanovllm.kernels.fused import cpu_kernel
 from nanovllm.outputs import TokenLogprobs
 from nanovllm.sampling_params import SamplingParams
 from nanovllm.structured_output.bitmask import TokenBitmask, apply_token_bitmask
@@ -391,19 +393,31 @@ class Sampler:
                                        self._tensor([t for _, t, _ in unsure], torch.int64)), ban, accumulate=True)
         return logits
 
-    def _sample(self, logits: torch.Tensor, seqs: Sequence[SamplingRow]) -> tuple[torch.Tensor, torch.Tensor]:
+    def _sample(self, logits: torch.Tensor, seqs: Sequence[SamplingRow]) -> tuple[torch.Tensor, torch.Tensor | None]:
         """Each row's token, and the logits it was drawn from (a greedy row's: `logits`, temperature 1, nothing
-        truncated)."""
+        truncated; None where the CPU kernel drew them: only the processed logprobs modes read them)."""
         params = [seq.params for seq in seqs]
         greedy = [p.temperature == 0 for p in params]
         if all(greedy):
             return greedy_tokens(logits), logits
         processors = self.logits_processors
-        scaled = self._truncated(logits, params, greedy,
-                                 processors if processors is not None and processors.argmax_invariant else None)
+        processing = processors if processors is not None and processors.argmax_invariant else None
         generators = {i: self._generator(seq) for i, (seq, g) in enumerate(zip(seqs, greedy))
                       if not g and seq.params.seed is not None}
-        sampled = draw_tokens(scaled.softmax(dim=-1), generators)
+        kernel = cpu_kernel("sample_tokens") if logits.device.type == "cpu" else None
+        if kernel is not None and processing is None and not self.processed_logprobs:
+            # one pass or a few per row (`kernels/csrc/sampling.cpp`); no one reads the truncated logits
+            settings = [(p.temperature or 1.0, 0.0 if g else p.min_p,
+                         p.top_k if not g and 0 < p.top_k < self.vocab_size else 0, 1.0 if g else p.top_p)
+                        for p, g in zip(params, greedy)]
+            temperature, min_p, top_k, top_p = zip(*settings)
+            sampled = kernel(logits, self._tensor(temperature, torch.float32), self._tensor(min_p, torch.float32),
+                             self._tensor(top_k, torch.int64), self._tensor(top_p, torch.float32),
+                             uniforms(len(seqs), generators))
+            scaled = None
+        else:
+            scaled = self._truncated(logits, params, greedy, processing)
+            sampled = draw_tokens(scaled.softmax(dim=-1), generators)
         if not any(greedy):
             return sampled, scaled
         return torch.where(self._tensor(greedy, torch.bool), greedy_tokens(logits), sampled), scaled

@@ -103,7 +103,7 @@ def draw_tokens(probs: torch.Tensor, generators: dict[int, torch.Generator]) -> 
     never a host sync, as in vLLM V1's sampler); on the CPU, where that noise cost more than the model's step (12 ms
     for 32 rows of 49,152 tokens), the inverse of each row's cumulative distribution at one uniform draw (0.6 ms)."""
     if probs.device.type == "cpu":
-        return _inverse_cdf(probs, generators)
+        return inverse_cdf(probs, uniforms(probs.size(0), generators))
     noise = torch.empty_like(probs)
     if len(generators) < probs.size(0):
         noise.exponential_()
@@ -112,13 +112,18 @@ def draw_tokens(probs: torch.Tensor, generators: dict[int, torch.Generator]) -> 
     return (probs / noise.clamp_min_(1e-10)).argmax(dim=-1)
 
 
-def _inverse_cdf(probs: torch.Tensor, generators: dict[int, torch.Generator]) -> torch.Tensor:
-    """The first token whose cumulative probability (summed in float64) exceeds u times the row's total, u uniform in
-    [0, 1) in float64 (so below the total: a token of nonzero probability)."""
-    uniform = torch.rand(probs.size(0), dtype=torch.float64) if len(generators) < probs.size(0) else \
-        torch.empty(probs.size(0), dtype=torch.float64)
+def uniforms(rows: int, generators: dict[int, torch.Generator]) -> torch.Tensor:
+    """One float64 uniform draw in [0, 1) per row, on the CPU: the rows in `generators` from theirs, the others from
+    torch's default generator (one draw each of all the rows, when any row uses it)."""
+    drawn = torch.rand(rows, dtype=torch.float64) if len(generators) < rows else torch.empty(rows, dtype=torch.float64)
     for row, generator in generators.items():
-        uniform[row] = torch.rand((), dtype=torch.float64, generator=generator)
+        drawn[row] = torch.rand((), dtype=torch.float64, generator=generator)
+    return drawn
+
+
+def inverse_cdf(probs: torch.Tensor, uniform: torch.Tensor) -> torch.Tensor:
+    """Each row's first token whose cumulative probability (summed in float64) exceeds `uniform` (float64, in [0, 1))
+    times the row's total: below the total, so a token of nonzero probability."""
     cumulative = probs.cumsum(dim=-1, dtype=torch.float64)
     target = (uniform * cumulative[:, -1]).unsqueeze(1)
     return torch.searchsorted(cumulative, target, right=True).squeeze(1).clamp_max_(probs.size(-1) - 1)

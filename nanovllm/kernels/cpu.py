@@ -37,7 +37,7 @@ logger = logging.getLogger("nanovllm")
 NAME = "nanovllm_cpu_kernels"
 CSRC = Path(__file__).with_name("csrc")
 SOURCES = [CSRC / "module.cpp", CSRC / "paged_decode.cpp", CSRC / "encoder_attention.cpp", CSRC / "fused_ops.cpp",
-           CSRC / "ggml_quant.cpp", CSRC / "decoder_stack.cpp", CSRC / "lora_ops.cpp"]
+           CSRC / "ggml_quant.cpp", CSRC / "decoder_stack.cpp", CSRC / "lora_ops.cpp", CSRC / "sampling.cpp"]
 CFLAGS = ["-O3", "-march=native", "-fopenmp"]
 BUILD_WAIT_S = 600.0
 DECODE_CHUNK = 256  # keys per work item of `paged_decode` (`CHUNK` in csrc/paged_decode.cpp): what sizes its memory

@@ -23,6 +23,11 @@ def set_fused_ops(compiled: bool, cpu_kernels: ModuleType | None) -> None:
     _compiled, _cpu_kernels = compiled, cpu_kernels
 
 
+def cpu_kernel(name: str) -> Callable | None:
+    """The CPU kernel `name` as set by `set_fused_ops`, or None (not on the CPU, or the kernels are not built)."""
+    return None if _cpu_kernels is None else getattr(_cpu_kernels, name)
+
+
 def fused_op(fn: F | None = None, *, cpu_kernel: str | None = None) -> F:
     """`fn` as set by `set_fused_ops`: compiled on first use, or the CPU kernel `cpu_kernel` (same arguments, same
     results) when its first argument is on the CPU, or as is."""

@@ -1,5 +1,6 @@
 """The batched sampler against independent references on the same logits: transformers' logits processors and
 warpers, log_softmax, hand-written penalties, and a chi-square test of the drawn tokens."""
+import shutil
 from collections import Counter
 
 import pytest
@@ -14,10 +15,27 @@ from transformers.generation.logits_process import (
 
 from nanovllm import SamplingParams
 from nanovllm.execution.sampler import Sampler, SamplingRow
-from nanovllm.execution.sampling_ops import apply_penalties, apply_top_k, apply_top_p, apply_top_p_sorting_few
+from nanovllm.execution.sampling_ops import (
+    apply_penalties,
+    apply_top_k,
+    apply_top_p,
+    apply_top_p_sorting_few,
+    inverse_cdf,
+)
+from nanovllm.kernels import fused
+from nanovllm.kernels.cpu import cpu_kernels
 
 EOS = 5
 DEVICES = ["cpu", pytest.param("cuda", marks=pytest.mark.cuda)]
+needs_compiler = pytest.mark.skipif(shutil.which("g++") is None and shutil.which("c++") is None,
+                                    reason="the CPU kernels need a C++ compiler")
+
+
+@pytest.fixture(params=["torch", pytest.param("kernel", marks=needs_compiler)])
+def draws(request, monkeypatch) -> str:
+    """Sampled rows drawn by the torch ops, or on the CPU by the compiled kernel (`kernels/csrc/sampling.cpp`)."""
+    monkeypatch.setattr(fused, "_cpu_kernels", cpu_kernels() if request.param == "kernel" else None)
+    return request.param
 
 
 def rows_for(params: list[SamplingParams], prompts: list[list[int]] | None = None, first_id: int = 0):
@@ -36,7 +54,7 @@ def run_steps(sampler: Sampler, rows: list[SamplingRow], logits: list[torch.Tens
 
 @pytest.mark.parametrize("params", [SamplingParams(top_k=1), SamplingParams(top_p=1e-9), SamplingParams(min_p=1.0),
                                     SamplingParams(temperature=1.5, min_p=0.999999), SamplingParams(temperature=0)])
-def test_degenerate_truncation_is_greedy(params):
+def test_degenerate_truncation_is_greedy(params, draws):
     torch.manual_seed(0)
     logits = torch.randn(64, 1000) * 3
     out = Sampler(1000, {EOS}, "cpu")(logits, rows_for([params] * 64))
@@ -97,7 +115,7 @@ LOGITS_8 = torch.tensor([2.0, 1.5, 1.2, 0.9, 0.4, 0.0, -0.5, -1.0])
     (SamplingParams(temperature=1.5, min_p=0.1, top_k=6, top_p=0.8),
      [TemperatureLogitsWarper(1.5), MinPLogitsWarper(0.1), TopKLogitsWarper(6), TopPLogitsWarper(0.8)]),
 ])
-def test_draws_follow_the_truncated_distribution(params, warpers):
+def test_draws_follow_the_truncated_distribution(params, warpers, draws):
     num_draws = 6000
     scores = LOGITS_8.unsqueeze(0)
     for warper in warpers:
@@ -267,6 +285,35 @@ def test_top_p_sorting_only_the_likely_tokens_equals_the_full_sort():
     nuclei = (ours > float("-inf")).sum(dim=-1)
     assert (nuclei <= 256).any() and ((nuclei > 256) & (nuclei <= 4096)).any() and (nuclei[1:] > 4096).any()
     assert nuclei[0] == 6000
+
+
+@needs_compiler
+def test_the_cpu_kernel_draws_the_torch_ops_tokens():
+    """At the same uniform draws, the kernel's tokens are the torch ops' (`_truncated`, then the inverse CDF), from
+    flat to peaked rows, with masked tokens, min-p, top-k (ties at the k-th kept), top-p, and all of them."""
+    kernel = cpu_kernels().sample_tokens
+    torch.manual_seed(5)
+    vocab, rows = 5000, 16
+    sampler = Sampler(vocab, {EOS}, "cpu")
+    for trial in range(40):
+        logits = torch.randn(rows, vocab) * [0.5, 2.0, 5.0, 10.0][trial % 4]
+        if trial % 5 == 0:
+            logits[:, ::3] = float("-inf")  # a grammar's mask
+        if trial % 7 == 0:
+            logits = logits.round()  # ties
+        params = [SamplingParams(temperature=0.3 + 0.9 * (r % 3) / 2, min_p=[0.0, 0.05, 0.2][r % 3],
+                                 top_k=[-1, 1, 5, 50, 1000][(r + trial) % 5], top_p=[1.0, 0.9, 0.5, 0.99][r // 4])
+                  for r in range(rows)]
+        uniform = torch.rand(rows, dtype=torch.float64)
+        expected = inverse_cdf(sampler._truncated(logits, params, [False] * rows).softmax(dim=-1), uniform)
+        got = kernel(logits, torch.tensor([p.temperature for p in params]), torch.tensor([p.min_p for p in params]),
+                     torch.tensor([max(p.top_k, 0) for p in params]), torch.tensor([p.top_p for p in params]),
+                     uniform)
+        if trial % 7:
+            assert torch.equal(got, expected), trial
+        else:  # which of the tokens tied at a boundary are kept is the sort's choice: one at least as likely
+            kept = sampler._truncated(logits, params, [False] * rows) > float("-inf")
+            assert all(logits[r, got[r]] >= logits[r][kept[r]].min() for r in range(rows)), trial
 
 
 def test_top_p_over_the_top_k_candidates_equals_the_full_sort():

@@ -1,14 +1,12 @@
 // The decoder's small ops on the CPU, each one pass over its rows instead of several torch operators: RMSNorm (with
-// the residual add), rotary embedding, SiLU-and-mul, the KV-cache store, and the sampler's greedy tokens. Each
-// computes what the eager torch code in layers/ (execution/sampling_ops.py) computes, rounding to the tensor's dtype
-// where that code does. Decode-sized inputs run on the calling thread (no parallel region); larger ones split their
-// rows over torch's threads.
+// the residual add), rotary embedding, SiLU-and-mul, and the KV-cache store. Each computes what the eager torch
+// code in layers/ computes, rounding to the tensor's dtype where that code does. Decode-sized inputs run on the
+// calling thread (no parallel region); larger ones split their rows over torch's threads.
 #pragma GCC optimize("fp-contract=off")  // a * b - c * d rounded as torch rounds it, not fused into an FMA
 #include <ATen/Dispatch.h>
 #include <ATen/Parallel.h>
 #include <ATen/core/Tensor.h>
 
-#include <limits>
 #include <vector>
 
 #include "cpu_math.h"
@@ -184,48 +182,6 @@ at::Tensor silu_and_mul(at::Tensor x) {
     at::parallel_for(0, rows, grain(width), [&](int64_t begin, int64_t end) {
       for (int64_t r = begin; r < end; ++r) silu_mul_row(src + r * width, src + r * width + n, dst + r * n, n);
     });
-  });
-  return out;
-}
-
-// The first i in [0, n) with is(row[i]) (there is one), 64 values tested at a time.
-template <typename F>
-int64_t first_where(const float* row, int64_t n, const F& is) {
-  int64_t i = 0;
-  for (; i + 64 <= n; i += 64) {
-    int hit = 0;
-#pragma omp simd reduction(| : hit)
-    for (int64_t j = i; j < i + 64; ++j) hit |= is(row[j]);
-    if (hit) break;
-  }
-  while (!is(row[i])) ++i;
-  return i;
-}
-
-// Each row's index of its largest value, as torch.argmax(dim=-1) finds it (the first of equal maxima; the first NaN
-// where a row has one), for float32 rows `[rows, n]`: a vectorized maximum, then a vectorized scan for its first
-// index (torch's argmax took 29 us for a row of 49,152 on this machine's CPU, this 3 us).
-at::Tensor greedy_tokens(at::Tensor logits) {
-  TORCH_CHECK(logits.dim() == 2 && logits.scalar_type() == at::kFloat && logits.size(1) > 0,
-              "greedy_tokens: the logits must be float32 [rows, vocabulary]");
-  logits = logits.contiguous();
-  const int64_t rows = logits.size(0), n = logits.size(1);
-  auto out = logits.new_empty({rows}, logits.options().dtype(at::kLong));
-  const float* x = logits.const_data_ptr<float>();
-  int64_t* tokens = out.data_ptr<int64_t>();
-  at::parallel_for(0, rows, grain(n), [&](int64_t begin, int64_t end) {
-    for (int64_t r = begin; r < end; ++r) {
-      const float* row = x + r * n;
-      float top = -std::numeric_limits<float>::infinity();
-      int nans = 0;
-#pragma omp simd reduction(max : top) reduction(| : nans)
-      for (int64_t i = 0; i < n; ++i) {
-        top = row[i] > top ? row[i] : top;
-        nans |= row[i] != row[i];
-      }
-      tokens[r] = nans ? first_where(row, n, [](float v) { return v != v; })
-                       : first_where(row, n, [top](float v) { return v == top; });
-    }
   });
   return out;
 }

@@ -1,6 +1,6 @@
-// nanovllm's CPU kernels (paged_decode.cpp, encoder_attention.cpp, fused_ops.cpp, ggml_quant.cpp, lora_ops.cpp) as
-// torch operators, `torch.ops.nanovllm.*`: a plain shared library that torch.ops.load_library loads, with no pybind11
-// and no Python headers to compile.
+// nanovllm's CPU kernels (paged_decode.cpp, encoder_attention.cpp, fused_ops.cpp, ggml_quant.cpp, lora_ops.cpp,
+// sampling.cpp) as torch operators, `torch.ops.nanovllm.*`: a plain shared library that torch.ops.load_library loads,
+// with no pybind11 and no Python headers to compile.
 #include <ATen/core/Tensor.h>
 #include <torch/library.h>
 
@@ -14,6 +14,8 @@ std::tuple<at::Tensor, at::Tensor> apply_rotary(at::Tensor positions, at::Tensor
                                                 at::Tensor cos_sin_cache);
 at::Tensor silu_and_mul(at::Tensor x);
 at::Tensor greedy_tokens(at::Tensor logits);
+at::Tensor sample_tokens(at::Tensor logits, at::Tensor temperature, at::Tensor min_p, at::Tensor top_k,
+                         at::Tensor top_p, at::Tensor uniform);
 void store_kvcache(at::Tensor k, at::Tensor v, at::Tensor k_cache, at::Tensor v_cache, at::Tensor slot_mapping);
 int64_t ggml_isa();
 int64_t ggml_repack_lanes(int64_t qtype, int64_t isa);
@@ -35,6 +37,8 @@ TORCH_LIBRARY(nanovllm, m) {
         &apply_rotary);
   m.def("silu_and_mul(Tensor x) -> Tensor", &silu_and_mul);
   m.def("greedy_tokens(Tensor logits) -> Tensor", &greedy_tokens);
+  m.def("sample_tokens(Tensor logits, Tensor temperature, Tensor min_p, Tensor top_k, Tensor top_p, Tensor uniform) "
+        "-> Tensor", &sample_tokens);
   m.def("store_kvcache(Tensor k, Tensor v, Tensor(a!) k_cache, Tensor(b!) v_cache, Tensor slot_mapping) -> ()",
         &store_kvcache);
   m.def("ggml_isa() -> int", &ggml_isa);
