@@ -14,18 +14,20 @@ import torch
 from tqdm.auto import tqdm
 
 from benchmarks.machine import PeakMemory, matmul_peak, synchronize
+from benchmarks.options import SAMPLING
 from benchmarks.report import Measured
 from benchmarks.workload import Requests
 
 
 def run_baseline(args: argparse.Namespace, device: str, dtype: torch.dtype, model_dir: str, load_format: str,
-                 requests: Requests, vllm_python: str | None) -> Measured:
-    """One timed run of `--baseline` (hf or vllm), after its own matmul probe."""
+                 requests: Requests, vllm_python: str | None, sampling: str) -> Measured:
+    """One timed run of `--baseline` (hf or vllm), after its own matmul probe; vLLM samples as the `--sampling`
+    setting `sampling` says (transformers at the workload's temperature)."""
     probe, mem = matmul_peak(device, dtype, seconds=0.5), PeakMemory(device)
     if args.baseline == "hf":
         seconds, tokens, engine = run_hf(model_dir, requests, device, dtype, args, mem)
         return Measured(seconds, tokens, probe, mem.gib, baseline=("transformers", engine))
-    seconds, tokens, engine = run_vllm(vllm_python, model_dir, load_format, requests, args, dtype)
+    seconds, tokens, engine = run_vllm(vllm_python, model_dir, load_format, requests, args, dtype, sampling)
     return Measured(seconds, tokens, probe, None, baseline=(engine, "vllm"))
 
 
@@ -61,11 +63,15 @@ def run_vllm_runner(python: str, runner: str, model: str, spec: dict, *flags: st
 
 
 def run_vllm(python: str, model_dir: str, load_format: str, requests: Requests, args: argparse.Namespace,
-             dtype: torch.dtype) -> tuple[float, int, str]:
-    """vLLM's offline generate on the same requests (greedy, ignore_eos) in `python`, by `vllm_runner.py`."""
+             dtype: torch.dtype, sampling: str) -> tuple[float, int, str]:
+    """vLLM's offline generate on the same requests (ignore_eos), sampled as nanovllm's rows of the `--sampling`
+    setting `sampling` are (`throughput.run_engine`), in `python`, by `vllm_runner.py`."""
     print("vLLM ...", file=sys.stderr)
+    options = SAMPLING[sampling]
     result = run_vllm_runner(python, "vllm_runner.py", model_dir,
-                             {"prompts": requests.prompts, "max_tokens": requests.max_tokens},
+                             {"prompts": requests.prompts, "max_tokens": requests.max_tokens,
+                              "sampling": dict(options, temperature=args.temperature),
+                              "seeds": [args.seed + i for i in range(len(requests.prompts))] if options else None},
                              "--dtype", str(dtype).removeprefix("torch."), "--seed", str(args.seed),
                              "--max-model-len", str(args.max_input_len + args.max_output_len),
                              *(["--dummy"] if load_format == "dummy" else []))

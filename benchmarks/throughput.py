@@ -105,7 +105,8 @@ def measure(args: argparse.Namespace, device: str, model_dir: str, baseline_dir:
     specs = [None] + ([speculation_label(args)] if args.speculative else [])
     runs: dict[Key, list[Measured]] = {key: [] for key in product(names, args.scheduling, args.sampling, conditions,
                                                                   specs)}
-    baseline_runs: dict[bool, list[Measured]] = {busy: [] for busy in conditions}
+    baseline_runs: dict[tuple[bool, str], list[Measured]] = {(busy, sampling): [] for busy in conditions
+                                                               for sampling in baseline_samplings(args)}
     for _ in range(args.repeat):
         for busy in conditions:
             with competing_process() if busy else nullcontext():
@@ -131,11 +132,18 @@ def measure(args: argparse.Namespace, device: str, model_dir: str, baseline_dir:
                     probe = matmul_peak(served.facts["device"], getattr(torch, served.facts["dtype"]), seconds=0.5)
                     runs[name, mode, sampling, busy, spec].append(Measured(served.seconds, served.tokens, probe,
                                                                            memory.gib, served))
-                if args.baseline != "none":
+                for sampling in baseline_samplings(args) if args.baseline != "none" else []:
                     facts = next(m for measured in runs.values() for m in measured).served.facts
-                    baseline_runs[busy].append(run_baseline(args, facts["device"], getattr(torch, facts["dtype"]),
-                                                            baseline_dir, load_format, requests, vllm_python))
+                    baseline_runs[busy, sampling].append(run_baseline(
+                        args, facts["device"], getattr(torch, facts["dtype"]), baseline_dir, load_format, requests,
+                        vllm_python, sampling))
     return runs, baseline_runs
+
+
+def baseline_samplings(args: argparse.Namespace) -> list[str]:
+    """The `--sampling` settings the baseline runs: vLLM each (its rows compared with nanovllm's sampling alike),
+    transformers the first only (at the workload's temperature)."""
+    return args.sampling if args.baseline == "vllm" else args.sampling[:1]
 
 
 def engine_settings(args: argparse.Namespace, device: str, load_format: str, attention_backend: str, mode: str,
@@ -246,19 +254,22 @@ def speculation_report(runs: dict[Key, list[Measured]]) -> list[str]:
     return lines
 
 
-def make_rows(args: argparse.Namespace, runs: dict[Key, list[Measured]], baseline_runs: dict[bool, list[Measured]],
-              cfg, requests: Requests, model_name: str) -> tuple[list[Row], list[str]]:
-    """One row per nanovllm configuration and condition (its median run), then the condition's baseline; ratios
-    within one condition, against its baseline, else its first row. Also the rows whose matmul probe read below the
-    rate they achieved (their MFU is capped at 100%)."""
+def make_rows(args: argparse.Namespace, runs: dict[Key, list[Measured]],
+              baseline_runs: dict[tuple[bool, str], list[Measured]], cfg, requests: Requests,
+              model_name: str) -> tuple[list[Row], list[str]]:
+    """One row per nanovllm configuration and condition (its median run), then the condition's baseline (vLLM's:
+    one per sampling setting, after the rows that sample so); ratios within one group, against its baseline, else its
+    first row. Also the rows whose matmul probe read below the rate they achieved (their MFU is capped at 100%)."""
     first = next(iter(runs.values()))[0].served.facts
     dtype_name, device_name = first["dtype"], first["device"]
     prompt_lens = [len(p) for p in requests.prompts]
     dp = f", {args.data_parallel_size} replicas" if args.data_parallel_size > 1 else ""
     rows, probe_low = [], []
-    for busy, baseline_measured in baseline_runs.items():
+    per_sampling = args.baseline == "vllm"
+    for (busy, group_sampling), baseline_measured in baseline_runs.items():
         start = len(rows)
-        for (_, mode, sampling, _, spec), measured in ((k, v) for k, v in runs.items() if k[3] == busy):
+        for (_, mode, sampling, _, spec), measured in ((k, v) for k, v in runs.items() if k[3] == busy
+                                                       and (not per_sampling or k[2] == group_sampling)):
             m = median(measured)
             facts = m.served.facts
             row_mfu, low = mfu(run_flops(cfg, prompt_lens, facts["output_lens"], facts["num_cached_tokens"]), m.seconds,
@@ -272,7 +283,8 @@ def make_rows(args: argparse.Namespace, runs: dict[Key, list[Measured]], baselin
         if baseline_measured:
             m = median(baseline_measured)
             row_mfu, low = mfu(run_flops(cfg, prompt_lens, requests.max_tokens), m.seconds, m.probe)
-            rows.append(Row(m.baseline[0] + BUSY * busy, m.baseline[1], model_name, device_name, dtype_name,
+            label = m.baseline[0] + ("" if group_sampling == "plain" else f", {group_sampling} sampling")
+            rows.append(Row(label + BUSY * busy, m.baseline[1], model_name, device_name, dtype_name,
                             len(requests.prompts), m.tokens, m.seconds, m.tokens / m.seconds, None, row_mfu,
                             m.peak_mem_gib))
             probe_low += [rows[-1].engine] if low else []

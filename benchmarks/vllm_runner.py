@@ -5,9 +5,11 @@ the standard library and vLLM:
 
     VLLM_PYTHON vllm_runner.py MODEL_DIR REQUESTS.json --dtype bfloat16 [--dummy] [--max-model-len N]
 
-REQUESTS.json is `{"prompts": [[token ids], ...], "max_tokens": [n, ...]}`; every request is greedy with `ignore_eos`,
-so any engine given the file produces exactly `sum(max_tokens)` tokens. `--dummy`: random weights (MODEL_DIR needs
-only config.json). Start-up (weights, compilation, KV cache) and one short warm-up request are not timed.
+REQUESTS.json is `{"prompts": [[token ids], ...], "max_tokens": [n, ...]}`, with optionally `"sampling"` (the
+`SamplingParams` fields every request shares; greedy without) and `"seeds"` (one per request); every request has
+`ignore_eos`, so any engine given the file produces exactly `sum(max_tokens)` tokens. `--dummy`: random weights
+(MODEL_DIR needs only config.json). Start-up (weights, compilation, KV cache) and one short warm-up request are not
+timed.
 """
 import argparse
 import json
@@ -35,8 +37,10 @@ def main() -> None:
     extra = {"load_format": "dummy", "skip_tokenizer_init": True} if args.dummy else {}
     llm = LLM(model=args.model, dtype=args.dtype, max_model_len=args.max_model_len, seed=args.seed, **extra)
     prompts = [TokensPrompt(prompt_token_ids=ids) for ids in requests["prompts"]]
-    params = [SamplingParams(temperature=0, max_tokens=n, ignore_eos=True, detokenize=not args.dummy)
-              for n in requests["max_tokens"]]
+    sampling = requests.get("sampling", {"temperature": 0})
+    seeds = requests.get("seeds") or [None] * len(prompts)
+    params = [SamplingParams(**sampling, seed=seed, max_tokens=n, ignore_eos=True, detokenize=not args.dummy)
+              for n, seed in zip(requests["max_tokens"], seeds)]
     llm.generate(prompts[:1], SamplingParams(temperature=0, max_tokens=4, detokenize=not args.dummy), use_tqdm=False)
     start = time.perf_counter()
     outputs = llm.generate(prompts, params, use_tqdm=False)

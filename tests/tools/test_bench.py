@@ -166,6 +166,33 @@ def test_vllm_baseline_without_vllm_says_how_to_get_it(tiny_config, tmp_path, mo
         bench.main(flags + ["--vllm-python", str(tmp_path / "nope")])
 
 
+def test_the_vllm_baseline_samples_as_each_sampling_row_does(tied_model, monkeypatch):
+    """vLLM runs once per `--sampling` setting, with nanovllm's sampling fields and seeds; each row's ratio is against
+    the vLLM run that sampled alike (vLLM's runner faked: its request file and one line of figures)."""
+    import benchmarks.baselines as baselines
+    import benchmarks.throughput as throughput
+    from benchmarks.options import SAMPLING
+
+    specs = []
+
+    def fake_runner(python, runner, model, spec, *flags):
+        specs.append(spec)
+        return {"engine": "vLLM fake", "tokens": sum(spec["max_tokens"]), "seconds": 2.0 * len(specs)}
+
+    monkeypatch.setattr(baselines, "run_vllm_runner", fake_runner)
+    monkeypatch.setattr(throughput, "find_vllm_python", lambda given, device: sys.executable)
+    flags = ["--model", tied_model, "--device", "cpu", "--num-seqs", "3", "--min-input-len", "4", "--max-input-len",
+             "8", "--min-output-len", "2", "--max-output-len", "4", "--scheduling", "chunked", "--seed", "7"]
+    rows = bench.main(flags + ["--baseline", "vllm", "--sampling", "plain,all"])["rows"]
+    assert [r["engine"] for r in rows] == ["nanovllm chunked", "vLLM fake", "nanovllm chunked, all sampling",
+                                           "vLLM fake, all sampling"]
+    plain, everything = specs
+    assert plain["sampling"] == {"temperature": 0.6} and plain["seeds"] is None
+    assert everything["sampling"] == dict(SAMPLING["all"], temperature=0.6) and everything["seeds"] == [7, 8, 9]
+    assert rows[0]["ratio"] == rows[0]["tokens_per_s"] / rows[1]["tokens_per_s"]
+    assert rows[2]["ratio"] == rows[2]["tokens_per_s"] / rows[3]["tokens_per_s"]
+
+
 def test_repeats_are_interleaved_and_the_median_reported(tiny_config):
     flags = ["--config", tiny_config, "--device", "cpu", "--num-seqs", "2", "--min-input-len", "3", "--max-input-len",
              "6", "--min-output-len", "2", "--max-output-len", "3", "--scheduling", "chunked", "--repeat", "3"]
