@@ -42,15 +42,17 @@ class Child:
         return f"{self.name} (pid {self.pid}) {state}"
 
 
-def spawn(name: str, target: Callable[..., None], *args: Any) -> Child:
-    """Start `target(*args, conn)` in a new process, `conn` being the child's end of the pipe."""
+def spawn(name: str, target: Callable[..., None], *args: Any, register: Callable[[Child], None]) -> None:
+    """Start `target(*args, conn)` in a new process, `conn` being the child's end of the pipe, and hand the child to
+    `register` (the parent's list of children) before a Ctrl-C held meanwhile is raised: raised in between, it left a
+    started child that no one stopped, and the program's exit waited for it (up to its rendezvous timeout)."""
     ctx = get_context("spawn")
     conn, child_conn = ctx.Pipe()
     process = ctx.Process(target=_child_main, name=f"nanovllm {name}", args=(target, *args, child_conn))
     with _ctrl_c_held():
         process.start()
-    child_conn.close()
-    return Child(name, process, conn)
+        child_conn.close()
+        register(Child(name, process, conn))
 
 
 @contextmanager

@@ -156,8 +156,8 @@ class DataParallelLLM:
             for i in range(data_parallel_size):
                 devices = list(range(i * tp, (i + 1) * tp)) if config.device == "cuda" else None
                 share = cores[i * per:(i + 1) * per] or [cores[i % len(cores)]]
-                self.replicas.append(Replica(i, spawn(f"data-parallel replica {i}", _replica_main, i, config,
-                                                      devices, share)))
+                spawn(f"data-parallel replica {i}", _replica_main, i, config, devices, share,
+                      register=lambda child, i=i: self.replicas.append(Replica(i, child)))
             config.max_model_len = min(self._wait_ready(replica) for replica in self.replicas)
         except BaseException:
             self.exit()

@@ -163,8 +163,8 @@ class WorkerGroup:
                 raise RuntimeError(f"could not listen on MASTER_ADDR:MASTER_PORT = {addr}:{port} for the "
                                    f"tensor-parallel rendezvous ({e}); unset MASTER_PORT to use a free port") from e
             for rank in range(1, world_size):
-                self.workers.append(spawn(f"tensor-parallel worker rank {rank}", _worker_main,
-                                          runner_cls, config, rank, addr, store.port, threads))
+                spawn(f"tensor-parallel worker rank {rank}", _worker_main, runner_cls, config, rank, addr, store.port,
+                      threads, register=self.workers.append)
             threading.Thread(target=self._watch, name="nanovllm-tp-watchdog", daemon=True).start()
             init_process_group(config, 0, store)
         except BaseException:

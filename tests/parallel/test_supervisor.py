@@ -1,5 +1,5 @@
 """The child processes' start (`nanovllm.distributed.supervisor.spawn`) and Ctrl-C: one that comes while a child
-starts reaches the parent once the child is up, and never kills the child."""
+starts reaches the parent once the child is up and in the parent's list of children, and never kills the child."""
 import os
 import signal
 import time
@@ -29,8 +29,12 @@ def test_ctrl_c_during_a_child_s_start_reaches_the_parent_and_spares_the_child(m
         os.kill(os.getpid(), signal.SIGINT)
 
     monkeypatch.setattr(SpawnProcess, "start", start_then_ctrl_c)
+    registered = []
     with pytest.raises(KeyboardInterrupt):
-        spawn("test child", nap)
+        spawn("test child", nap, register=registered.append)
     (child,) = started
+    # the parent knows its child, so that stopping its children stops it: a child started but raised past before it
+    # was registered was left running, and the program's exit waited for it (a worker in its rendezvous: minutes)
+    assert [c.process for c in registered] == [child]
     child.join(timeout=60)
     assert child.exitcode == 0, f"the child ended with {child.exitcode} (-2: killed by the Ctrl-C)"
