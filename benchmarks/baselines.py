@@ -27,7 +27,8 @@ def run_baseline(args: argparse.Namespace, device: str, dtype: torch.dtype, mode
     if args.baseline == "hf":
         seconds, tokens, engine = run_hf(model_dir, requests, device, dtype, args, mem)
         return Measured(seconds, tokens, probe, mem.gib, baseline=("transformers", engine))
-    seconds, tokens, engine = run_vllm(vllm_python, model_dir, load_format, requests, args, dtype, sampling)
+    seconds, tokens, engine = run_vllm(vllm_python, model_dir, load_format, requests, args, dtype, sampling,
+                                       seeded=device != "cpu")
     return Measured(seconds, tokens, probe, None, baseline=(engine, "vllm"))
 
 
@@ -63,15 +64,17 @@ def run_vllm_runner(python: str, runner: str, model: str, spec: dict, *flags: st
 
 
 def run_vllm(python: str, model_dir: str, load_format: str, requests: Requests, args: argparse.Namespace,
-             dtype: torch.dtype, sampling: str) -> tuple[float, int, str]:
+             dtype: torch.dtype, sampling: str, seeded: bool = True) -> tuple[float, int, str]:
     """vLLM's offline generate on the same requests (ignore_eos), sampled as nanovllm's rows of the `--sampling`
-    setting `sampling` are (`throughput.run_engine`), in `python`, by `vllm_runner.py`."""
+    setting `sampling` are (`throughput.run_engine`), in `python`, by `vllm_runner.py`. Not `seeded`: without the
+    per-request seeds (vLLM 0.32.0's CPU build fails on them: "CPU Generator does not use offset")."""
     print("vLLM ...", file=sys.stderr)
     options = SAMPLING[sampling]
     result = run_vllm_runner(python, "vllm_runner.py", model_dir,
                              {"prompts": requests.prompts, "max_tokens": requests.max_tokens,
                               "sampling": dict(options, temperature=args.temperature),
-                              "seeds": [args.seed + i for i in range(len(requests.prompts))] if options else None},
+                              "seeds": [args.seed + i for i in range(len(requests.prompts))]
+                              if options and seeded else None},
                              "--dtype", str(dtype).removeprefix("torch."), "--seed", str(args.seed),
                              "--max-model-len", str(args.max_input_len + args.max_output_len),
                              *(["--dummy"] if load_format == "dummy" else []))

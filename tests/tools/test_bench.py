@@ -167,8 +167,9 @@ def test_vllm_baseline_without_vllm_says_how_to_get_it(tiny_config, tmp_path, mo
 
 
 def test_the_vllm_baseline_samples_as_each_sampling_row_does(tied_model, monkeypatch):
-    """vLLM runs once per `--sampling` setting, with nanovllm's sampling fields and seeds; each row's ratio is against
-    the vLLM run that sampled alike (vLLM's runner faked: its request file and one line of figures)."""
+    """vLLM runs once per `--sampling` setting, with nanovllm's sampling fields (and its seeds, but on the CPU); each
+    row's ratio is against the vLLM run that sampled alike (vLLM's runner faked: its request file and one line of
+    figures)."""
     import benchmarks.baselines as baselines
     import benchmarks.throughput as throughput
     from benchmarks.options import SAMPLING
@@ -188,7 +189,8 @@ def test_the_vllm_baseline_samples_as_each_sampling_row_does(tied_model, monkeyp
                                            "vLLM fake, all sampling"]
     plain, everything = specs
     assert plain["sampling"] == {"temperature": 0.6} and plain["seeds"] is None
-    assert everything["sampling"] == dict(SAMPLING["all"], temperature=0.6) and everything["seeds"] == [7, 8, 9]
+    assert everything["sampling"] == dict(SAMPLING["all"], temperature=0.6)
+    assert everything["seeds"] is None  # vLLM's CPU build fails on seeded requests
     assert rows[0]["ratio"] == rows[0]["tokens_per_s"] / rows[1]["tokens_per_s"]
     assert rows[2]["ratio"] == rows[2]["tokens_per_s"] / rows[3]["tokens_per_s"]
 
