@@ -66,12 +66,13 @@ int64_t draw_index(const float* weights, int64_t n, double u, std::vector<double
   return last;
 }
 
-// The tokens of nonzero weight within `nats` of the largest scaled logit `top`, in vocabulary order; 64 values
-// tested at a time (few blocks hold any).
-void candidates(const Scratch& scratch, int64_t n, float top, float nats, std::vector<Token>& tokens) {
+// scratch.tokens: those of nonzero weight within `nats` of the largest scaled logit `top`, in vocabulary order; 64
+// values tested at a time (few blocks hold any).
+void candidates(Scratch& scratch, int64_t n, float top, float nats) {
   const float* scaled = scratch.scaled.data();
   const float* weights = scratch.weights.data();
   const float lowest = top - nats;
+  auto& tokens = scratch.tokens;
   tokens.clear();
   for (int64_t i0 = 0; i0 < n; i0 += 64) {
     const int64_t i1 = std::min(n, i0 + 64);
@@ -85,6 +86,12 @@ void candidates(const Scratch& scratch, int64_t n, float top, float nats, std::v
 }
 
 bool more_likely(const Token& a, const Token& b) { return a.value > b.value; }
+
+double weight_of(const std::vector<Token>& tokens, const float* weights) {
+  double total = 0.;
+  for (const auto& t : tokens) total += weights[t.index];
+  return total;
+}
 
 // Row `x`'s token (n logits) at uniform draw `u` in [0, 1), as `Sampler._truncated` then `draw_tokens` draw it on the
 // CPU: scaled = x / temperature; min-p drops scaled < max + log(min_p) (min_p 0: none); top-k (0 < k < n) keeps the
@@ -121,9 +128,8 @@ int64_t sample_row(const float* x, int64_t n, float temperature, float min_p, in
   auto& tokens = scratch.tokens;
   double near = 0.;  // the candidates' weight
   for (const float nats : {2.f, 4.f, 8.f, 16.f, 32.f, std::numeric_limits<float>::infinity()}) {
-    candidates(scratch, n, top, nats, tokens);
-    near = 0.;
-    for (const auto& t : tokens) near += weights[t.index];
+    candidates(scratch, n, top, nats);
+    near = weight_of(tokens, weights);
     if (by_k ? static_cast<int64_t>(tokens.size()) >= top_k : near >= top_p * total) break;
   }
   double kept = total;  // the truncated distribution's weight
@@ -134,9 +140,7 @@ int64_t sample_row(const float* x, int64_t n, float temperature, float min_p, in
       tokens.erase(std::partition(tokens.begin(), tokens.end(), [kth](const Token& t) { return t.value >= kth; }),
                    tokens.end());
     }
-    kept = 0.;
-    for (const auto& t : tokens) kept += weights[t.index];
-    near = kept;
+    kept = near = weight_of(tokens, weights);
   }
   if (by_p) {
     std::sort(tokens.begin(), tokens.end(), more_likely);
@@ -147,9 +151,7 @@ int64_t sample_row(const float* x, int64_t n, float temperature, float min_p, in
     tokens.resize(keep);
   }
   std::sort(tokens.begin(), tokens.end(), [](const Token& a, const Token& b) { return a.index < b.index; });
-  double weight = 0.;
-  for (const auto& t : tokens) weight += weights[t.index];
-  const double target = u * weight;
+  const double target = u * weight_of(tokens, weights);
   double cumulative = 0.;
   for (const auto& t : tokens)
     if ((cumulative += weights[t.index]) > target) return t.index;
