@@ -43,16 +43,19 @@ class Child:
 
 
 def spawn(name: str, target: Callable[..., None], *args: Any, register: Callable[[Child], None]) -> None:
-    """Start `target(*args, conn)` in a new process, `conn` being the child's end of the pipe, and hand the child to
-    `register` (the parent's list of children) before a Ctrl-C held meanwhile is raised: raised in between, it left a
-    started child that no one stopped, and the program's exit waited for it (up to its rendezvous timeout)."""
+    """Start `target(*args, conn)` in a new process, `conn` being the child's end of the pipe. The child goes to
+    `register` (the parent's list of children) before it starts, so that a Ctrl-C raised at any point from then on
+    leaves no child the parent does not stop: handed over after the start, a Ctrl-C raised in between left one
+    running, and the program's exit waited for it (a worker in its rendezvous: up to its timeout)."""
     ctx = get_context("spawn")
     conn, child_conn = ctx.Pipe()
     process = ctx.Process(target=_child_main, name=f"nanovllm {name}", args=(target, *args, child_conn))
-    with _ctrl_c_held():
-        process.start()
+    register(Child(name, process, conn))
+    try:
+        with _ctrl_c_held():
+            process.start()
+    finally:
         child_conn.close()
-        register(Child(name, process, conn))
 
 
 @contextmanager
@@ -86,11 +89,12 @@ def stop(children: list[Child], exit_message: Any, timeout_s: float, wait: bool 
         except OSError:
             pass
     for child in children:
-        if wait:
-            child.process.join(timeout_s)
-        if child.process.exitcode is None:
-            child.process.kill()
-            child.process.join()
+        if child.process.pid is not None:  # else it never started (its start failed or was interrupted)
+            if wait:
+                child.process.join(timeout_s)
+            if child.process.exitcode is None:
+                child.process.kill()
+                child.process.join()
         child.conn.close()
 
 
