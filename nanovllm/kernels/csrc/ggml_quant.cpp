@@ -30,6 +30,7 @@
 
 #include <memory>
 #include <type_traits>
+#include <utility>
 #include <vector>
 
 #include "check.h"
@@ -932,14 +933,23 @@ using RowFn = void (*)(const uint8_t* w, int64_t blocks, const XBlock* x, int64_
                       float* off);
 
 struct Kernel {
-  TileFn tiles[4] = {};  // 1, 2, 4, 8 rows a pass (as many as the ISA's registers hold)
-  TileFn repacked[4] = {};  // the same over tiles repacked at load (`RepackedLayout`), where the type has them
+  TileFn tiles[MAX_ROWS] = {};  // tiles[R - 1]: R rows a pass, up to `max_rows` (as many as the ISA's registers hold)
+  TileFn repacked[MAX_ROWS] = {};  // the same over tiles repacked at load (`RepackedLayout`), where the type has them
   PackFn pack = nullptr;
   RowTileFn row_tile = nullptr;  // one activation row, unpacked
   RowFn row = nullptr;   // portable
   int lanes = 1, max_rows = 1, zero = 0;
   int64_t values = 0, bytes = 0, packed_chunk = 0;
 };
+
+#ifdef NV_AVX2
+// k.tiles[R - 1] (and k.repacked[R - 1], where T is repacked at load) for every R of `rows` + 1.
+template <class T, class V, int... rows>
+void set_tiles(Kernel& k, std::integer_sequence<int, rows...>) {
+  ((k.tiles[rows] = tile_rows<T, V, rows + 1>), ...);
+  if constexpr (quant_bytes<T>() > 0) ((k.repacked[rows] = tile_rows<T, V, rows + 1, RepackedLayout<T, V>>), ...);
+}
+#endif
 
 template <class T, int ISA>
 Kernel kernel_for() {
@@ -949,13 +959,7 @@ Kernel kernel_for() {
 #ifdef NV_AVX512
   if constexpr (ISA == AVX512) {
     using V = Avx512;
-    k.tiles[0] = tile_rows<T, V, 1>, k.tiles[1] = tile_rows<T, V, 2>, k.tiles[2] = tile_rows<T, V, 4>;
-    k.tiles[3] = tile_rows<T, V, 8>;
-    if constexpr (quant_bytes<T>() > 0) {
-      using Layout = RepackedLayout<T, V>;
-      k.repacked[0] = tile_rows<T, V, 1, Layout>, k.repacked[1] = tile_rows<T, V, 2, Layout>;
-      k.repacked[2] = tile_rows<T, V, 4, Layout>, k.repacked[3] = tile_rows<T, V, 8, Layout>;
-    }
+    set_tiles<T, V>(k, std::make_integer_sequence<int, 8>{});
     if constexpr (row_tile_pays<T, V>()) k.row_tile = row_tile<T, V>;
     k.pack = pack<T, V>, k.lanes = V::L, k.max_rows = 8, k.zero = zero_of<T, V>(), k.packed_chunk = Packed<T, V>::kBytes;
     return k;
@@ -964,12 +968,7 @@ Kernel kernel_for() {
 #ifdef NV_AVX2
   if constexpr (ISA == AVX2) {
     using V = Avx2;
-    k.tiles[0] = tile_rows<T, V, 1>, k.tiles[1] = tile_rows<T, V, 2>, k.tiles[2] = tile_rows<T, V, 4>;
-    if constexpr (quant_bytes<T>() > 0) {
-      using Layout = RepackedLayout<T, V>;
-      k.repacked[0] = tile_rows<T, V, 1, Layout>, k.repacked[1] = tile_rows<T, V, 2, Layout>;
-      k.repacked[2] = tile_rows<T, V, 4, Layout>;
-    }
+    set_tiles<T, V>(k, std::make_integer_sequence<int, 4>{});
     if constexpr (row_tile_pays<T, V>()) k.row_tile = row_tile<T, V>;
     k.pack = pack<T, V>, k.lanes = V::L, k.max_rows = 4, k.zero = zero_of<T, V>(), k.packed_chunk = Packed<T, V>::kBytes;
     return k;
@@ -1018,9 +1017,10 @@ void write_out(const float* res, int64_t n, int64_t count, const T* bias, T* out
 
 // out[M, N] (rows `ldo` apart) = x[M] . w[N] + bias. Threads split the weight rows in tiles of L (the ISA's lanes); a
 // thread packs each of its tiles once (K / 32 chunks of a few hundred bytes: in L1 or L2 for any layer) and runs every
-// activation row past it, R rows a pass (8, 4, 2, 1: the most that are left); weights repacked at load (`repacked`:
-// their tiles of L rows) are run as they lie. A team quantizes the activations into `scratch`, shared, and waits for
-// all of them before the products; or, `own_scratch`, each thread quantizes all of them into its own.
+// activation row past it, as many a pass as are left up to `max_rows` (6 rows as one pass, not 4 + 2: a pass unpacks
+// the tile's values once for all its rows); weights repacked at load (`repacked`: their tiles of L rows) are run as
+// they lie. A team quantizes the activations into `scratch`, shared, and waits for all of them before the products;
+// or, `own_scratch`, each thread quantizes all of them into its own.
 template <typename T>
 void quantized_matmul(const Kernel& k, const T* x, int64_t M, int64_t K, const uint8_t* w, int64_t w_stride,
                       int64_t N, bool repacked, const T* bias, T* out, int64_t ldo, const nanovllm::Team* team,
@@ -1064,13 +1064,11 @@ void quantized_matmul(const Kernel& k, const T* x, int64_t M, int64_t K, const u
       }
       if (packs) k.pack(w + n * w_stride, w_stride, static_cast<int>(count), blocks, buf, ahead);
       for (int64_t m = 0, R; m < M; m += R) {
-        int level = 0;
-        while ((2 << level) <= std::min<int64_t>(k.max_rows, M - m)) ++level;
-        R = int64_t{1} << level;
+        R = std::min<int64_t>(k.max_rows, M - m);
         if (repacked)
-          k.repacked[level](w + n * w_stride, xs, xq + m * xs, xs, res);
+          k.repacked[R - 1](w + n * w_stride, xs, xq + m * xs, xs, res);
         else
-          k.tiles[level](buf, xs, xq + m * xs, xs, res);
+          k.tiles[R - 1](buf, xs, xq + m * xs, xs, res);
         for (int64_t r = 0; r < R; ++r) write_out(res + r * L, n, count, bias, out + (m + r) * ldo);
       }
     }
