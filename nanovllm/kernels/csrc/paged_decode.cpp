@@ -7,8 +7,10 @@
 // Common head sizes are compiled with head_dim as a constant, which the compiler unrolls (about 2x faster); there a
 // chunk's keys are scored 16 at a time for up to 3 heads (bfloat16 queries by the CPU's bfloat16 pair products where
 // it has them), K and V asked for ahead of their use, and V weighted once per token for up to 4 heads in registers:
-// 2x faster over 4,096 cached tokens than one head at a time. The cache holds the queries' dtype T, or 8-bit floats C
-// (`kv_cache_dtype="fp8"`), each value read back exactly as it is loaded, so that both give the same results.
+// 2x faster over 4,096 cached tokens than one head at a time (with bfloat16 queries, two tokens at a time by the same
+// pair products, where the CPU also permutes bytes by table: AVX512-VBMI). The cache holds the queries' dtype T, or
+// 8-bit floats C (`kv_cache_dtype="fp8"`), each value read back exactly as it is loaded, so that both give the same
+// results.
 #include <ATen/Dispatch.h>
 #include <ATen/Parallel.h>
 #include <ATen/core/Tensor.h>
@@ -21,6 +23,11 @@
 #include "check.h"
 #include "cpu_math.h"
 #include "cpu_ops.h"
+
+// Keys per work item: a row's keys are split at fixed points, every CHUNK keys from the first it sees, whatever its
+// batch or the threads, so that a long context at batch 1 keeps both cores busy and a chunk's values stay in the
+// cache while each head of the group reads them.
+constexpr int64_t CHUNK = 256;
 
 #if defined(__GNUC__) && !defined(__clang__)
 // Scores 16 keys at a time with GCC's vector types (AVX-512 registers, or two AVX2 ones): each key's products summed
@@ -108,9 +115,94 @@ using DotOperand = std::conditional_t<
 #endif
     c10::BFloat16, float>;
 
-// An 8-bit key as the dot products' operand type: to floats, then (exactly) to bfloat16 by the CPU's instruction.
+#if defined(__AVX512VBMI__) && defined(__AVX512BF16__)
+// 8-bit floats widened to bfloat16 by table (every e4m3 and e5m2 value is a bfloat16): the low and the high bytes of
+// the bfloat16s of the 128 values with the sign bit clear, two vectors each, looked up by a byte's 7 low bits
+// (`vpermi2b`), then the byte's sign set in the high byte: 32 values in 5 instructions, where widening through float16
+// and float32 took 14. The bytes come in twice each (`twice`: byte j of the source at 2j and 2j + 1, wherever the
+// caller's permutation put them), one word's worth.
+#define NANOVLLM_BF16_TABLES 1
+template <typename C>
+struct Bfloat16Table {
+  __m512i low[2], high[2];
+  Bfloat16Table() {
+    alignas(64) uint8_t bytes[2][128];
+    for (int i = 0; i < 128; ++i) {
+      const float value = to_float(C(static_cast<uint8_t>(i), C::from_bits()));
+      uint32_t bits;
+      std::memcpy(&bits, &value, sizeof bits);
+      bytes[0][i] = static_cast<uint8_t>(bits >> 16), bytes[1][i] = static_cast<uint8_t>(bits >> 24);
+    }
+    for (int half = 0; half < 2; ++half)
+      low[half] = _mm512_load_si512(bytes[0] + 64 * half), high[half] = _mm512_load_si512(bytes[1] + 64 * half);
+  }
+};
+template <typename C>
+static const Bfloat16Table<C> bfloat16_table;
+
+template <typename C>
+__attribute__((always_inline)) static inline __m512i widen(__m512i twice) {
+  const Bfloat16Table<C>& t = bfloat16_table<C>;
+  const __m512i low = _mm512_permutex2var_epi8(t.low[0], twice, t.low[1]);
+  const __m512i high = _mm512_permutex2var_epi8(t.high[0], twice, t.high[1]);
+  const __m512i words = _mm512_mask_blend_epi8(0xAAAAAAAAAAAAAAAAull, low, high);
+  return _mm512_ternarylogic_epi32(words, twice, _mm512_set1_epi16(static_cast<int16_t>(0x8000)), 0xF8);  // | sign
+}
+
+// Byte permutations: `spread(half)` puts bytes 32 * half.. 32 * half + 31 of a vector twice each (word j: byte
+// 32 * half + j); `interleave(quarter)` the pairs of two tokens' bytes (word 2k: the first token's byte
+// 16 * quarter + k, word 2k + 1: the second's), and `interleave_words(half)` the same for 16-bit values.
+struct Permutations {
+  __m512i spread[2], interleave[4], interleave_words[2];
+  Permutations() {
+    alignas(64) uint8_t s[2][64], p[4][64];
+    alignas(64) uint16_t w[2][32];
+    for (int j = 0; j < 64; ++j) {
+      for (int half = 0; half < 2; ++half) s[half][j] = static_cast<uint8_t>(32 * half + j / 2);
+      for (int quarter = 0; quarter < 4; ++quarter)
+        p[quarter][j] = static_cast<uint8_t>(16 * quarter + j / 4 + (j % 4 >= 2 ? 64 : 0));
+    }
+    for (int j = 0; j < 32; ++j)
+      for (int half = 0; half < 2; ++half) w[half][j] = static_cast<uint16_t>(16 * half + j / 2 + (j % 2) * 32);
+    for (int i = 0; i < 2; ++i) spread[i] = _mm512_load_si512(s[i]), interleave_words[i] = _mm512_load_si512(w[i]);
+    for (int i = 0; i < 4; ++i) interleave[i] = _mm512_load_si512(p[i]);
+  }
+};
+static const Permutations permutations;
+
+// The bfloat16 pairs of tokens a and b: lane k of pairs[g] holds (v_a[16g + k], v_b[16g + k]).
+template <int64_t HEAD_DIM, typename C>
+__attribute__((always_inline)) static inline void value_pairs(const C* a, const C* b, __m512i pairs[HEAD_DIM / 16]) {
+  if constexpr (sizeof(C) == 1) {
+    for (int64_t d = 0; d < HEAD_DIM; d += 64) {
+      const __m512i x = _mm512_loadu_si512(a + d), y = _mm512_loadu_si512(b + d);
+      for (int q = 0; q < 4; ++q)
+        pairs[d / 16 + q] = widen<C>(_mm512_permutex2var_epi8(x, permutations.interleave[q], y));
+    }
+  } else {
+    for (int64_t d = 0; d < HEAD_DIM; d += 32) {
+      const __m512i x = _mm512_loadu_si512(a + d), y = _mm512_loadu_si512(b + d);
+      for (int h = 0; h < 2; ++h)
+        pairs[d / 16 + h] = _mm512_permutex2var_epi16(x, permutations.interleave_words[h], y);
+    }
+  }
+}
+#endif
+
+// An 8-bit key as the dot products' operand type: to floats, then (exactly) to bfloat16 by the CPU's instruction; by
+// table where the CPU has them.
 template <int64_t HEAD_DIM, typename C, typename Operand>
 static inline void convert_key(const C* key, Operand* out) {
+#ifdef NANOVLLM_BF16_TABLES
+  if constexpr (std::is_same_v<Operand, c10::BFloat16> && HEAD_DIM % 64 == 0) {
+    for (int64_t d = 0; d < HEAD_DIM; d += 64) {
+      const __m512i bytes = _mm512_loadu_si512(key + d);
+      for (int half = 0; half < 2; ++half)
+        _mm512_store_si512(out + d + 32 * half, widen<C>(_mm512_permutexvar_epi8(permutations.spread[half], bytes)));
+    }
+    return;
+  }
+#endif
   alignas(64) float values[HEAD_DIM];
   to_floats(key, values, HEAD_DIM);
   if constexpr (std::is_same_v<Operand, float>) {
@@ -199,8 +291,54 @@ static void weighted_values(const C* v_cache, const int32_t* table, int64_t head
     std::memcpy(partial + (head + h) * (HEAD_DIM + 2), acc[h], HEAD_DIM * sizeof(float));
 }
 
-// weighted_values for all the group's heads, as many at a time as 16 registers hold (at most 4).
-template <typename C, int64_t HEAD_DIM>
+#ifdef NANOVLLM_BF16_TABLES
+// weighted_values by bfloat16 pair products, for queries whose keys were dotted in bfloat16 too: two tokens at a time,
+// lane k the pair (v_t[d], v_t+1[d]) times the pair of their weights rounded to bfloat16 (as flash attention rounds
+// its probabilities for the products; their sum stays in float32): half the products' instructions, and an 8-bit V
+// widened by table. The same pairs from an 8-bit cache and from a 16-bit one holding its values.
+template <int64_t HEADS, typename C, int64_t HEAD_DIM>
+static void weighted_value_pairs(const C* v_cache, const int32_t* table, int64_t head, int64_t from, int64_t to,
+                                 int64_t block_size, int64_t block_stride, int64_t token_stride, int64_t head_offset,
+                                 const float* weights, float* partial) {
+  constexpr int64_t GROUPS = HEAD_DIM / 16;
+  const int64_t length = to - from;
+  alignas(64) static const C zeros[HEAD_DIM] = {};
+  alignas(64) uint16_t pair_weights[HEADS][CHUNK + 16];  // bfloat16, zero past `length`
+  for (int64_t h = 0; h < HEADS; ++h)
+    for (int64_t t = 0; t < length; t += 16) {
+      const __mmask16 valid = static_cast<__mmask16>(length - t >= 16 ? 0xFFFF : (1u << (length - t)) - 1);
+      const __m512 w = _mm512_maskz_loadu_ps(valid, weights + (head + h) * length + t);
+      _mm256_storeu_si256(reinterpret_cast<__m256i*>(pair_weights[h] + t), (__m256i)_mm512_cvtneps_pbh(w));
+    }
+  __m512 acc[HEADS][GROUPS];
+  for (int64_t h = 0; h < HEADS; ++h)
+    for (int64_t g = 0; g < GROUPS; ++g) acc[h][g] = _mm512_setzero_ps();
+  int64_t block = from / block_size, offset = from % block_size;
+  const auto next = [&]() {
+    const C* v = v_cache + table[block] * block_stride + offset * token_stride + head_offset;
+    if (++offset == block_size) ++block, offset = 0;
+    return v;
+  };
+  for (int64_t t = 0; t < length; t += 2) {
+    const C* a = next();
+    const C* b = t + 1 < length ? next() : zeros;
+    __m512i pairs[GROUPS];
+    value_pairs<HEAD_DIM>(a, b, pairs);
+    for (int64_t h = 0; h < HEADS; ++h) {
+      int32_t both;
+      std::memcpy(&both, pair_weights[h] + t, sizeof both);
+      const __m512bh w = (__m512bh)_mm512_set1_epi32(both);
+      for (int64_t g = 0; g < GROUPS; ++g) acc[h][g] = _mm512_dpbf16_ps(acc[h][g], (__m512bh)pairs[g], w);
+    }
+  }
+  for (int64_t h = 0; h < HEADS; ++h)
+    for (int64_t g = 0; g < GROUPS; ++g) _mm512_storeu_ps(partial + (head + h) * (HEAD_DIM + 2) + 16 * g, acc[h][g]);
+}
+#endif
+
+// weighted_values for all the group's heads, as many at a time as 16 registers hold (at most 4); by pair products
+// where `PAIRS`.
+template <typename C, int64_t HEAD_DIM, bool PAIRS>
 static void group_values(const C* v_cache, const int32_t* table, int64_t from, int64_t to, int64_t group,
                          int64_t block_size, int64_t block_stride, int64_t token_stride, int64_t head_offset,
                          const float* weights, float* partial) {
@@ -208,6 +346,13 @@ static void group_values(const C* v_cache, const int32_t* table, int64_t from, i
   for (int64_t head = 0; head < group;) {
     const int64_t heads = std::min(MOST, group - head);
     const auto run = [&](auto n) {
+#ifdef NANOVLLM_BF16_TABLES
+      if constexpr (PAIRS) {
+        weighted_value_pairs<decltype(n)::value, C, HEAD_DIM>(v_cache, table, head, from, to, block_size,
+                                                             block_stride, token_stride, head_offset, weights, partial);
+        return;
+      }
+#endif
       weighted_values<decltype(n)::value, C, HEAD_DIM>(v_cache, table, head, from, to, block_size, block_stride,
                                                       token_stride, head_offset, weights, partial);
     };
@@ -224,11 +369,6 @@ static void group_values(const C* v_cache, const int32_t* table, int64_t from, i
   }
 }
 #endif
-
-// Keys per work item: a row's keys are split at fixed points, every CHUNK keys from the first it sees, whatever its
-// batch or the threads, so that a long context at batch 1 keeps both cores busy and a chunk's values stay in the
-// cache while each head of the group reads them.
-constexpr int64_t CHUNK = 256;
 
 // The weighted sums of an 8-bit cache's V for the group's heads (weights[h * (to - from) + t], into partial's rows):
 // every VALUE_TILE tokens converted once into `values`, which stays in L1, then each head adds its share of them,
@@ -329,8 +469,13 @@ static void decode_chunk(const T* q, const C* k_cache, const C* v_cache, const i
   }
 #ifdef NANOVLLM_TILED_SCORES
   if constexpr (HEAD_DIM % 16 == 0 && HEAD_DIM > 0) {
-    group_values<C, HEAD_DIM>(v_cache, table, from, to, group, block_size, block_stride, token_stride, g * head_dim,
-                              scores.data(), partial);
+#ifdef NANOVLLM_BF16_TABLES
+    constexpr bool pairs = bf16_dots && HEAD_DIM % 64 == 0;
+#else
+    constexpr bool pairs = false;
+#endif
+    group_values<C, HEAD_DIM, pairs>(v_cache, table, from, to, group, block_size, block_stride, token_stride,
+                                     g * head_dim, scores.data(), partial);
     return;
   }
 #endif
