@@ -44,23 +44,6 @@ static inline intv lanes_within(int64_t j, int64_t from, int64_t to) {
   return (at >= static_cast<int32_t>(from)) & (at < static_cast<int32_t>(to));
 }
 
-// `exp_clamped` (cpu_math.h) of a vector's lanes at once, for x <= 0 (scores less their maximum), rounding to the
-// nearest integer by adding and subtracting 1.5 * 2^23.
-static inline floatv exp_lanes(floatv x) {
-  const floatv low = floatv{} - 87.f, shifter = floatv{} + 0x1.8p23f;
-  x = x < low ? low : x;
-  const floatv n = (x * 1.44269504088896341f + shifter) - shifter;
-  const floatv r = n * -0.693145751953125f + (n * -1.428606765330187e-06f + x);
-  floatv p = r * 1.9875691500e-4f + 1.3981999507e-3f;
-  p = p * r + 8.3334519073e-3f;
-  p = p * r + 4.1665795894e-2f;
-  p = p * r + 1.6666665459e-1f;
-  p = p * r + 5.0000001201e-1f;
-  p = (p * r) * r + r + 1.f;
-  const intv bits = (__builtin_convertvector(n, intv) + 127) << 23;
-  return p * reinterpret_cast<const floatv&>(bits);
-}
-
 // Lane reductions in a fixed order: halves combined, then their halves, ...
 template <typename F>
 static inline float reduce_lanes(const floatv x, F combine) {
@@ -158,7 +141,7 @@ void attend_block(const T* q, const T* k, const T* v, T* out, const Layout& at, 
     floatv total = {};
     for (int64_t j = lo; j < hi; j += LANES) {
       floatv& x = *reinterpret_cast<floatv*>(p + j);
-      x = lanes_within(j, from, to) ? exp_lanes(x - most) : floatv{};
+      x = lanes_within(j, from, to) ? exp_lanes<floatv, intv>(x - most) : floatv{};
       total += x;
     }
     buf.totals[i] = reduce_lanes(total, [](float a, float b) { return a + b; });

@@ -411,6 +411,33 @@ static inline float largest(const float* p, int64_t n) {
   return *std::max_element(lanes, lanes + 16);
 }
 
+// p[t] = exp(p[t] - top) for n scores at most `top`; returns their sum.
+static inline float exponentials(float* p, int64_t n, float top) {
+#ifdef NANOVLLM_TILED_SCORES
+  f32x16 sums = {};
+  int64_t t = 0;
+  for (; t + 16 <= n; t += 16) {
+    f32x16& x = *reinterpret_cast<f32x16*>(p + t);
+    x = exp_lanes<f32x16, i32x16>(x - top);
+    sums += x;
+  }
+  if (t < n) {  // a short last tile: its other lanes neither stored nor summed
+    f32x16 x = {};
+    std::memcpy(&x, p + t, (n - t) * sizeof(float));
+    x = exp_lanes<f32x16, i32x16>(x - top);
+    for (int64_t i = 0; t + i < n; ++i) p[t + i] = x[i], sums[i] += x[i];
+  }
+  float total = 0.f;
+  for (int i = 0; i < 16; ++i) total += sums[i];
+  return total;
+#else
+  float total = 0.f;
+#pragma omp simd reduction(+ : total)
+  for (int64_t t = 0; t < n; ++t) total += p[t] = exp_clamped(p[t] - top);
+  return total;
+#endif
+}
+
 // One work item: the group's query heads of one row against the keys [from, to) of one KV head. Per head it leaves
 // the unnormalized weighted sum of V (head_dim floats), then the scores' maximum and the sum of their exponentials.
 template <typename T, typename C, int64_t HEAD_DIM>
@@ -460,9 +487,7 @@ static void decode_chunk(const T* q, const C* k_cache, const C* v_cache, const i
   for (int64_t h = 0; h < group; ++h) {
     float* p = scores.data() + h * length;
     const float top = largest(p, length);
-    float total = 0.f;
-#pragma omp simd reduction(+ : total)
-    for (int64_t t = 0; t < length; ++t) total += p[t] = exp_clamped(p[t] - top);
+    const float total = exponentials(p, length, top);
     float* out = partial + h * (head_dim + 2);
     out[head_dim] = top;
     out[head_dim + 1] = total;
