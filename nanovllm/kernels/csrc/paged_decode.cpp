@@ -118,9 +118,8 @@ using DotOperand = std::conditional_t<
 #if defined(__AVX512VBMI__) && defined(__AVX512BF16__)
 // 8-bit floats widened to bfloat16 by table (every e4m3 and e5m2 value is a bfloat16): the low and the high bytes of
 // the bfloat16s of the 128 values with the sign bit clear, two vectors each, looked up by a byte's 7 low bits
-// (`vpermi2b`), then the byte's sign set in the high byte: 32 values in 5 instructions, where widening through float16
-// and float32 took 14. The bytes come in twice each (`twice`: byte j of the source at 2j and 2j + 1, wherever the
-// caller's permutation put them), one word's worth.
+// (`vpermi2b`), the byte's sign set in the high byte, then the two interleaved: 64 values in 6 instructions, where
+// widening through float16 and float32 took 28.
 #define NANOVLLM_BF16_TABLES 1
 template <typename C>
 struct Bfloat16Table {
@@ -140,35 +139,48 @@ struct Bfloat16Table {
 template <typename C>
 static const Bfloat16Table<C> bfloat16_table;
 
-template <typename C>
-__attribute__((always_inline)) static inline __m512i widen(__m512i twice) {
-  const Bfloat16Table<C>& t = bfloat16_table<C>;
-  const __m512i low = _mm512_permutex2var_epi8(t.low[0], twice, t.low[1]);
-  const __m512i high = _mm512_permutex2var_epi8(t.high[0], twice, t.high[1]);
-  const __m512i words = _mm512_mask_blend_epi8(0xAAAAAAAAAAAAAAAAull, low, high);
-  return _mm512_ternarylogic_epi32(words, twice, _mm512_set1_epi16(static_cast<int16_t>(0x8000)), 0xF8);  // | sign
-}
-
-// Byte permutations: `spread(half)` puts bytes 32 * half.. 32 * half + 31 of a vector twice each (word j: byte
-// 32 * half + j); `interleave(quarter)` the pairs of two tokens' bytes (word 2k: the first token's byte
-// 16 * quarter + k, word 2k + 1: the second's), and `interleave_words(half)` the same for 16-bit values.
+// Permutations: `unpack_order` puts 64 bytes where the byte unpacks (which interleave each 128-bit lane's halves)
+// return them in order, `pair_order(half)` the bytes 32 * half.. of two vectors side by side (a's byte, b's byte)
+// where the unpacks return them as the pairs of dimensions 32 * half.. in order; `interleave_words(half)` pairs two
+// vectors' 16-bit values (word 2k: the first's 16 * half + k, word 2k + 1: the second's).
 struct Permutations {
-  __m512i spread[2], interleave[4], interleave_words[2];
+  __m512i unpack_order, pair_order[2], interleave_words[2];
   Permutations() {
-    alignas(64) uint8_t s[2][64], p[4][64];
-    alignas(64) uint16_t w[2][32];
-    for (int j = 0; j < 64; ++j) {
-      for (int half = 0; half < 2; ++half) s[half][j] = static_cast<uint8_t>(32 * half + j / 2);
-      for (int quarter = 0; quarter < 4; ++quarter)
-        p[quarter][j] = static_cast<uint8_t>(16 * quarter + j / 4 + (j % 4 >= 2 ? 64 : 0));
-    }
+    alignas(64) uint8_t order[64], pairs[2][64];
+    alignas(64) uint16_t words[2][32];
+    for (int k = 0; k < 4; ++k)
+      for (int j = 0; j < 8; ++j) {
+        order[16 * k + j] = static_cast<uint8_t>(8 * k + j), order[16 * k + 8 + j] = static_cast<uint8_t>(32 + 8 * k + j);
+        for (int half = 0; half < 2; ++half) {  // unpacklo's dword 4k + m: bytes 16k + 2m, +1; unpackhi's: 16k + 8 + ...
+          const int dim = 32 * half + (j < 4 ? 0 : 16) + 4 * k + j % 4, at = 16 * k + (j < 4 ? 0 : 8) + 2 * (j % 4);
+          pairs[half][at] = static_cast<uint8_t>(dim), pairs[half][at + 1] = static_cast<uint8_t>(64 + dim);
+        }
+      }
     for (int j = 0; j < 32; ++j)
-      for (int half = 0; half < 2; ++half) w[half][j] = static_cast<uint16_t>(16 * half + j / 2 + (j % 2) * 32);
-    for (int i = 0; i < 2; ++i) spread[i] = _mm512_load_si512(s[i]), interleave_words[i] = _mm512_load_si512(w[i]);
-    for (int i = 0; i < 4; ++i) interleave[i] = _mm512_load_si512(p[i]);
+      for (int half = 0; half < 2; ++half) words[half][j] = static_cast<uint16_t>(16 * half + j / 2 + (j % 2) * 32);
+    unpack_order = _mm512_load_si512(order);
+    for (int i = 0; i < 2; ++i)
+      pair_order[i] = _mm512_load_si512(pairs[i]), interleave_words[i] = _mm512_load_si512(words[i]);
   }
 };
 static const Permutations permutations;
+
+// The bfloat16s of 64 8-bit values, unpacked in their order by `_mm512_unpack{lo,hi}_epi8(low, high)`.
+template <typename C>
+__attribute__((always_inline)) static inline void look_up(__m512i x, __m512i& low, __m512i& high) {
+  const Bfloat16Table<C>& t = bfloat16_table<C>;
+  low = _mm512_permutex2var_epi8(t.low[0], x, t.low[1]);
+  high = _mm512_ternarylogic_epi32(_mm512_permutex2var_epi8(t.high[0], x, t.high[1]), x,
+                                   _mm512_set1_epi8(static_cast<char>(0x80)), 0xF8);  // | sign
+}
+
+// 64 8-bit values as bfloat16, in their order: words[0] the first 32, words[1] the others.
+template <typename C>
+__attribute__((always_inline)) static inline void widen(__m512i values, __m512i words[2]) {
+  __m512i low, high;
+  look_up<C>(_mm512_permutexvar_epi8(permutations.unpack_order, values), low, high);
+  words[0] = _mm512_unpacklo_epi8(low, high), words[1] = _mm512_unpackhi_epi8(low, high);
+}
 
 // The bfloat16 pairs of tokens a and b: lane k of pairs[g] holds (v_a[16g + k], v_b[16g + k]).
 template <int64_t HEAD_DIM, typename C>
@@ -176,14 +188,17 @@ __attribute__((always_inline)) static inline void value_pairs(const C* a, const 
   if constexpr (sizeof(C) == 1) {
     for (int64_t d = 0; d < HEAD_DIM; d += 64) {
       const __m512i x = _mm512_loadu_si512(a + d), y = _mm512_loadu_si512(b + d);
-      for (int q = 0; q < 4; ++q)
-        pairs[d / 16 + q] = widen<C>(_mm512_permutex2var_epi8(x, permutations.interleave[q], y));
+      for (int half = 0; half < 2; ++half) {
+        __m512i low, high;
+        look_up<C>(_mm512_permutex2var_epi8(x, permutations.pair_order[half], y), low, high);
+        pairs[d / 16 + 2 * half] = _mm512_unpacklo_epi8(low, high);
+        pairs[d / 16 + 2 * half + 1] = _mm512_unpackhi_epi8(low, high);
+      }
     }
   } else {
     for (int64_t d = 0; d < HEAD_DIM; d += 32) {
       const __m512i x = _mm512_loadu_si512(a + d), y = _mm512_loadu_si512(b + d);
-      for (int h = 0; h < 2; ++h)
-        pairs[d / 16 + h] = _mm512_permutex2var_epi16(x, permutations.interleave_words[h], y);
+      for (int h = 0; h < 2; ++h) pairs[d / 16 + h] = _mm512_permutex2var_epi16(x, permutations.interleave_words[h], y);
     }
   }
 }
@@ -196,9 +211,9 @@ static inline void convert_key(const C* key, Operand* out) {
 #ifdef NANOVLLM_BF16_TABLES
   if constexpr (std::is_same_v<Operand, c10::BFloat16> && HEAD_DIM % 64 == 0) {
     for (int64_t d = 0; d < HEAD_DIM; d += 64) {
-      const __m512i bytes = _mm512_loadu_si512(key + d);
-      for (int half = 0; half < 2; ++half)
-        _mm512_store_si512(out + d + 32 * half, widen<C>(_mm512_permutexvar_epi8(permutations.spread[half], bytes)));
+      __m512i words[2];
+      widen<C>(_mm512_loadu_si512(key + d), words);
+      _mm512_store_si512(out + d, words[0]), _mm512_store_si512(out + d + 32, words[1]);
     }
     return;
   }
