@@ -150,8 +150,9 @@ struct Permutations {
     alignas(64) uint16_t words[2][32];
     for (int k = 0; k < 4; ++k)
       for (int j = 0; j < 8; ++j) {
-        order[16 * k + j] = static_cast<uint8_t>(8 * k + j), order[16 * k + 8 + j] = static_cast<uint8_t>(32 + 8 * k + j);
-        for (int half = 0; half < 2; ++half) {  // unpacklo's dword 4k + m: bytes 16k + 2m, +1; unpackhi's: 16k + 8 + ...
+        order[16 * k + j] = static_cast<uint8_t>(8 * k + j);
+        order[16 * k + 8 + j] = static_cast<uint8_t>(32 + 8 * k + j);
+        for (int half = 0; half < 2; ++half) {  // unpacklo's dword 4k + m: bytes 16k + 2m, +1; unpackhi's: 16k + 8..
           const int dim = 32 * half + (j < 4 ? 0 : 16) + 4 * k + j % 4, at = 16 * k + (j < 4 ? 0 : 8) + 2 * (j % 4);
           pairs[half][at] = static_cast<uint8_t>(dim), pairs[half][at + 1] = static_cast<uint8_t>(64 + dim);
         }
