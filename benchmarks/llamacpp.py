@@ -169,7 +169,8 @@ def run(args: argparse.Namespace) -> dict:
         rate = next(r[engine] for r in rows if (r["rate"], r["batch"]) == ("decode", 1))
         shares[engine] = (weights + kv * itemsize) * rate / bandwidth
     print(f"batch-1 decode reads {weights / 1e6:.1f} MB of weights per token and {kv * 2 / 1e6:.1f} MB of K/V at 2 "
-          f"bytes ({PROMPT_TOKENS + OUTPUT_TOKENS // 2} tokens of context); the machine reads {bandwidth / 1e9:.1f} "
+          f"bytes ({PROMPT_TOKENS + OUTPUT_TOKENS // 2} tokens of context; nanovllm's cache {ours_kv} byte(s) a value)"
+          f"; the machine reads {bandwidth / 1e9:.1f} "
           f"GB/s ({threads} threads, a 1 GiB sum): nanovllm decodes at {shares['nanovllm']:.0%} of it, llama.cpp at "
           f"{shares['llamacpp']:.0%}")
     result = {"llamacpp": rows, "threads": threads, "read_bandwidth": bandwidth, "weight_bytes_per_token": weights,
