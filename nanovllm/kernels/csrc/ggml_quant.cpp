@@ -599,6 +599,16 @@ struct Avx2 {
     for (int n = 0; n < L; ++n) p[n] = dot<kSigned>(_mm256_setzero_si256(), u[n], q);
     return reduce(p);
   }
+  // lane n: the 4 bytes at base + index[n]; (v >> shift) & mask, a | (b << shift) lane-wise
+  static I gather(const uint8_t* base, I index) {
+    return _mm256_i32gather_epi32(reinterpret_cast<const int*>(base), index, 1);
+  }
+  static I bits(I v, int shift, int mask) {
+    return _mm256_and_si256(_mm256_srlv_epi32(v, _mm256_set1_epi32(shift)), _mm256_set1_epi32(mask));
+  }
+  static I or_shifted(I a, I b, int shift) {
+    return _mm256_or_si256(a, _mm256_sllv_epi32(b, _mm256_set1_epi32(shift)));
+  }
   // lane n: the half floats at bytes 0 and 2 of the 4 bytes at base + index[n] (a block's scale and offset)
   static void halves(const uint8_t* base, I index, F& low, F& high) {
     const I g = _mm256_i32gather_epi32(reinterpret_cast<const int*>(base), index, 1);
@@ -680,6 +690,13 @@ struct Avx512 {
                                  _mm512_shuffle_i32x4(p[0], p[1], _MM_SHUFFLE(3, 1, 3, 1)));  // rows 0-3, 8-11, 4-7, 12-15
     return _mm512_shuffle_i32x4(s, s, _MM_SHUFFLE(3, 1, 2, 0));
   }
+  static I gather(const uint8_t* base, I index) { return _mm512_i32gather_epi32(index, base, 1); }  // as Avx2's
+  static I bits(I v, int shift, int mask) {
+    return _mm512_and_si512(_mm512_srlv_epi32(v, _mm512_set1_epi32(shift)), _mm512_set1_epi32(mask));
+  }
+  static I or_shifted(I a, I b, int shift) {
+    return _mm512_or_si512(a, _mm512_sllv_epi32(b, _mm512_set1_epi32(shift)));
+  }
   static void halves(const uint8_t* base, I index, F& low, F& high) {  // as Avx2::halves
     const I g = _mm512_i32gather_epi32(index, base, 1);
     low = _mm512_cvtph_ps(_mm512_cvtepi32_epi16(g));
@@ -732,6 +749,32 @@ constexpr bool gathered_scales() {
   return T::kValues == 32 && !std::is_same_v<T, Q8_0>;
 }
 
+// Whether the SIMD paths decode T's scales for a tile's rows at once (`k_scales`): Q4_K and Q5_K, whose 32-value
+// chunks each take a 6-bit scale and min (`scale_min_k4`) times the block's half-float d and dmin. One row at a time
+// in scalar code, they took most of a one-row product's time.
+template <class T>
+constexpr bool k_scaled() {
+  return std::is_same_v<T, Q4_K> || std::is_same_v<T, Q5_K>;
+}
+
+// a[c] = d * scale_c and b[c] = -dmin * min_c of chunk c of the blocks at base + index[n], lane n: the floats T::simd
+// computes for each row.
+template <class V>
+ALWAYS_INLINE void k_scales(const uint8_t* base, typename V::I index, typename V::F a[8], typename V::F b[8]) {
+  using I = typename V::I;
+  typename V::F d, dmin;
+  V::halves(base, index, d, dmin);
+  const I q0 = V::gather(base + 4, index), q4 = V::gather(base + 8, index), q8 = V::gather(base + 12, index);
+#pragma GCC unroll 8
+  for (int c = 0; c < 8; ++c) {  // scale_min_k4(c): bytes c and c + 4 of the 12; then the high 2 bits of 0-7
+    const int j = 8 * (c % 4);
+    const I sc = c < 4 ? V::bits(q0, j, 63) : V::or_shifted(V::bits(q8, j, 15), V::bits(q0, j + 6, 3), 4);
+    const I m = c < 4 ? V::bits(q4, j, 63) : V::or_shifted(V::bits(q8, j + 4, 15), V::bits(q4, j + 6, 3), 4);
+    a[c] = V::mul(d, V::cvt(sc));
+    b[c] = V::mul(V::mul(dmin, V::set1f(-1.f)), V::cvt(m));
+  }
+}
+
 // Row n of the tile (`rows` <= L; lanes past `rows` repeat the last row), and its offset from the first, for the gather.
 template <class V>
 typename V::I tile_row_pointers(const uint8_t* w, int64_t w_stride, int rows, const uint8_t** row) {
@@ -760,7 +803,7 @@ void pack(const uint8_t* w, int64_t w_stride, int rows, int64_t blocks, uint8_t*
       T::simd(block, [&](int c, __m256i u, float a0, float a1, float b0, float b1) LAMBDA_INLINE {
         if constexpr (T::kSigned && zero_of<T, V>() == 128) u = _mm256_xor_si256(u, bytes(0x80));
         _mm256_store_si256(reinterpret_cast<__m256i*>(stage[c][n]), u);
-        if constexpr (!gathered) {
+        if constexpr (!gathered && !k_scaled<T>()) {
           float* f = reinterpret_cast<float*>(chunk0 + c * P::kBytes + 32 * L);
           f[n] = a0;
           if constexpr (P::H == 2) f[L + n] = a1;
@@ -777,6 +820,14 @@ void pack(const uint8_t* w, int64_t w_stride, int rows, int64_t blocks, uint8_t*
       float* f = reinterpret_cast<float*>(chunk0 + 32 * L);
       V::storef(f, a);
       if constexpr (T::kOffset) V::storef(f + L, b);
+    }
+    if constexpr (k_scaled<T>()) {
+      typename V::F a[8], b[8];
+      k_scales<V>(w + i * T::kBytes, index, a, b);
+      for (int c = 0; c < C; ++c) {
+        float* f = reinterpret_cast<float*>(chunk0 + c * P::kBytes + 32 * L);
+        V::storef(f, a[c]), V::storef(f + L, b[c]);
+      }
     }
     for (int c = 0; c < C; ++c) V::transpose(&stage[c][0][0], chunk0 + c * P::kBytes);
   }
@@ -881,14 +932,15 @@ void row_tile(const uint8_t* w, int64_t w_stride, int rows, int64_t blocks, cons
       T::simd(row[n] + i * T::kBytes, [&](int c, __m256i un, float a0, float a1, float b0, float b1) LAMBDA_INLINE {
         if constexpr (T::kSigned && zero_of<T, V>() == 128) un = _mm256_xor_si256(un, bytes(0x80));
         u[c][n] = un;
-        if constexpr (!gathered) {
+        if constexpr (!gathered && !k_scaled<T>()) {
           a[c][0][n] = a0, b[c][0][n] = b0;
           if constexpr (H == 2) a[c][1][n] = a1, b[c][1][n] = b1;
         }
       });
     }
-    F a_gathered, b_gathered;
+    F a_gathered, b_gathered, a_k[8], b_k[8];
     if constexpr (gathered) V::halves(w + i * T::kBytes, index, a_gathered, b_gathered);
+    if constexpr (k_scaled<T>()) k_scales<V>(w + i * T::kBytes, index, a_k, b_k);
 #pragma GCC unroll 8
     for (int c = 0; c < C; ++c) {
       const XBlock& blk = x[i * C + c];
@@ -897,10 +949,12 @@ void row_tile(const uint8_t* w, int64_t w_stride, int rows, int64_t blocks, cons
       for (int h = 0; h < H; ++h) {  // per 16 values: the activation's other half zeroed
         const __m256i qh = H == 1 ? q : _mm256_and_si256(q, h == 0 ? low_half : _mm256_xor_si256(low_half, bytes(-1)));
         const I isum = V::iadd(V::template row_sums<T::kSigned>(u[c], qh), V::set1(H == 2 ? blk.z16[h] : blk.z32));
-        const F scale = gathered ? a_gathered : V::loadf(reinterpret_cast<const uint8_t*>(a[c][h]));
+        const F scale = gathered ? a_gathered
+                        : k_scaled<T>() ? a_k[c] : V::loadf(reinterpret_cast<const uint8_t*>(a[c][h]));
         acc = V::fma(V::cvt(isum), V::mul(scale, V::set1f(blk.d)), acc);
         if constexpr (T::kOffset) {
-          const F offset = gathered ? b_gathered : V::loadf(reinterpret_cast<const uint8_t*>(b[c][h]));
+          const F offset = gathered ? b_gathered
+                           : k_scaled<T>() ? b_k[c] : V::loadf(reinterpret_cast<const uint8_t*>(b[c][h]));
           off = V::fma(offset, V::set1f(H == 2 ? blk.ds[h] : blk.s), off);
         }
       }
