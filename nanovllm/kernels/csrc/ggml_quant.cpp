@@ -599,7 +599,7 @@ struct Avx2 {
     for (int n = 0; n < L; ++n) p[n] = dot<kSigned>(_mm256_setzero_si256(), u[n], q);
     return reduce(p);
   }
-  // lane n: the 4 bytes at base + index[n]; (v >> shift) & mask, a | (b << shift) lane-wise
+  // lane n: the 4 bytes at base + index[n]; (v >> shift) & mask, a | (b << shift), byte `byte` of v sign-extended
   static I gather(const uint8_t* base, I index) {
     return _mm256_i32gather_epi32(reinterpret_cast<const int*>(base), index, 1);
   }
@@ -608,6 +608,9 @@ struct Avx2 {
   }
   static I or_shifted(I a, I b, int shift) {
     return _mm256_or_si256(a, _mm256_sllv_epi32(b, _mm256_set1_epi32(shift)));
+  }
+  static I signed_byte(I v, int byte) {
+    return _mm256_srai_epi32(_mm256_sllv_epi32(v, _mm256_set1_epi32(24 - 8 * byte)), 24);
   }
   // lane n: the half floats at bytes 0 and 2 of the 4 bytes at base + index[n] (a block's scale and offset)
   static void halves(const uint8_t* base, I index, F& low, F& high) {
@@ -697,6 +700,9 @@ struct Avx512 {
   static I or_shifted(I a, I b, int shift) {
     return _mm512_or_si512(a, _mm512_sllv_epi32(b, _mm512_set1_epi32(shift)));
   }
+  static I signed_byte(I v, int byte) {
+    return _mm512_srai_epi32(_mm512_sllv_epi32(v, _mm512_set1_epi32(24 - 8 * byte)), 24);
+  }
   static void halves(const uint8_t* base, I index, F& low, F& high) {  // as Avx2::halves
     const I g = _mm512_i32gather_epi32(index, base, 1);
     low = _mm512_cvtph_ps(_mm512_cvtepi32_epi16(g));
@@ -749,29 +755,38 @@ constexpr bool gathered_scales() {
   return T::kValues == 32 && !std::is_same_v<T, Q8_0>;
 }
 
-// Whether the SIMD paths decode T's scales for a tile's rows at once (`k_scales`): Q4_K and Q5_K, whose 32-value
-// chunks each take a 6-bit scale and min (`scale_min_k4`) times the block's half-float d and dmin. One row at a time
-// in scalar code, they took most of a one-row product's time.
+// Whether the SIMD paths decode T's scales for a tile's rows at once (`tile_scales`): Q4_K and Q5_K, whose 32-value
+// chunks each take a 6-bit scale and min (`scale_min_k4`) times the block's half-float d and dmin, and Q6_K, whose
+// 16-value halves each take an int8 scale times d. One row at a time in scalar code, they took most of a one-row
+// product's time.
 template <class T>
-constexpr bool k_scaled() {
-  return std::is_same_v<T, Q4_K> || std::is_same_v<T, Q5_K>;
+constexpr bool tile_scaled() {
+  return std::is_same_v<T, Q4_K> || std::is_same_v<T, Q5_K> || std::is_same_v<T, Q6_K>;
 }
 
-// a[c] = d * scale_c and b[c] = -dmin * min_c of chunk c of the blocks at base + index[n], lane n: the floats T::simd
-// computes for each row.
-template <class V>
-ALWAYS_INLINE void k_scales(const uint8_t* base, typename V::I index, typename V::F a[8], typename V::F b[8]) {
+// a[c][h] and b[c][h], the scale and offset of half h of chunk c (h = 0 for types scaled per 32 values), of the
+// blocks at base + index[n], lane n: the floats T::simd computes for each row.
+template <class T, class V>
+ALWAYS_INLINE void tile_scales(const uint8_t* base, typename V::I index, typename V::F a[8][2], typename V::F b[8][2]) {
   using I = typename V::I;
   typename V::F d, dmin;
-  V::halves(base, index, d, dmin);
-  const I q0 = V::gather(base + 4, index), q4 = V::gather(base + 8, index), q8 = V::gather(base + 12, index);
+  if constexpr (std::is_same_v<T, Q6_K>) {
+    V::halves(base + 206, index, dmin, d);  // d: the block's last 2 bytes (the 2 before are scales)
+    I scales[4];
+    for (int k = 0; k < 4; ++k) scales[k] = V::gather(base + 192 + 4 * k, index);
+#pragma GCC unroll 16
+    for (int g = 0; g < 16; ++g) a[g / 2][g % 2] = V::mul(d, V::cvt(V::signed_byte(scales[g / 4], g % 4)));
+  } else {
+    V::halves(base, index, d, dmin);
+    const I q0 = V::gather(base + 4, index), q4 = V::gather(base + 8, index), q8 = V::gather(base + 12, index);
 #pragma GCC unroll 8
-  for (int c = 0; c < 8; ++c) {  // scale_min_k4(c): bytes c and c + 4 of the 12; then the high 2 bits of 0-7
-    const int j = 8 * (c % 4);
-    const I sc = c < 4 ? V::bits(q0, j, 63) : V::or_shifted(V::bits(q8, j, 15), V::bits(q0, j + 6, 3), 4);
-    const I m = c < 4 ? V::bits(q4, j, 63) : V::or_shifted(V::bits(q8, j + 4, 15), V::bits(q4, j + 6, 3), 4);
-    a[c] = V::mul(d, V::cvt(sc));
-    b[c] = V::mul(V::mul(dmin, V::set1f(-1.f)), V::cvt(m));
+    for (int c = 0; c < 8; ++c) {  // scale_min_k4(c): bytes c and c + 4 of the 12; then the high 2 bits of 0-7
+      const int j = 8 * (c % 4);
+      const I sc = c < 4 ? V::bits(q0, j, 63) : V::or_shifted(V::bits(q8, j, 15), V::bits(q0, j + 6, 3), 4);
+      const I m = c < 4 ? V::bits(q4, j, 63) : V::or_shifted(V::bits(q8, j + 4, 15), V::bits(q4, j + 6, 3), 4);
+      a[c][0] = V::mul(d, V::cvt(sc));
+      b[c][0] = V::mul(V::mul(dmin, V::set1f(-1.f)), V::cvt(m));
+    }
   }
 }
 
@@ -803,7 +818,7 @@ void pack(const uint8_t* w, int64_t w_stride, int rows, int64_t blocks, uint8_t*
       T::simd(block, [&](int c, __m256i u, float a0, float a1, float b0, float b1) LAMBDA_INLINE {
         if constexpr (T::kSigned && zero_of<T, V>() == 128) u = _mm256_xor_si256(u, bytes(0x80));
         _mm256_store_si256(reinterpret_cast<__m256i*>(stage[c][n]), u);
-        if constexpr (!gathered && !k_scaled<T>()) {
+        if constexpr (!gathered && !tile_scaled<T>()) {
           float* f = reinterpret_cast<float*>(chunk0 + c * P::kBytes + 32 * L);
           f[n] = a0;
           if constexpr (P::H == 2) f[L + n] = a1;
@@ -821,12 +836,15 @@ void pack(const uint8_t* w, int64_t w_stride, int rows, int64_t blocks, uint8_t*
       V::storef(f, a);
       if constexpr (T::kOffset) V::storef(f + L, b);
     }
-    if constexpr (k_scaled<T>()) {
-      typename V::F a[8], b[8];
-      k_scales<V>(w + i * T::kBytes, index, a, b);
+    if constexpr (tile_scaled<T>()) {  // laid out as the lambda above lays them
+      typename V::F a[8][2], b[8][2];
+      tile_scales<T, V>(w + i * T::kBytes, index, a, b);
       for (int c = 0; c < C; ++c) {
         float* f = reinterpret_cast<float*>(chunk0 + c * P::kBytes + 32 * L);
-        V::storef(f, a[c]), V::storef(f + L, b[c]);
+        for (int h = 0; h < P::H; ++h) {
+          V::storef(f + h * L, a[c][h]);
+          if constexpr (T::kOffset) V::storef(f + (P::H + h) * L, b[c][h]);
+        }
       }
     }
     for (int c = 0; c < C; ++c) V::transpose(&stage[c][0][0], chunk0 + c * P::kBytes);
@@ -932,15 +950,15 @@ void row_tile(const uint8_t* w, int64_t w_stride, int rows, int64_t blocks, cons
       T::simd(row[n] + i * T::kBytes, [&](int c, __m256i un, float a0, float a1, float b0, float b1) LAMBDA_INLINE {
         if constexpr (T::kSigned && zero_of<T, V>() == 128) un = _mm256_xor_si256(un, bytes(0x80));
         u[c][n] = un;
-        if constexpr (!gathered && !k_scaled<T>()) {
+        if constexpr (!gathered && !tile_scaled<T>()) {
           a[c][0][n] = a0, b[c][0][n] = b0;
           if constexpr (H == 2) a[c][1][n] = a1, b[c][1][n] = b1;
         }
       });
     }
-    F a_gathered, b_gathered, a_k[8], b_k[8];
+    F a_gathered, b_gathered, a_tile[8][2], b_tile[8][2];
     if constexpr (gathered) V::halves(w + i * T::kBytes, index, a_gathered, b_gathered);
-    if constexpr (k_scaled<T>()) k_scales<V>(w + i * T::kBytes, index, a_k, b_k);
+    if constexpr (tile_scaled<T>()) tile_scales<T, V>(w + i * T::kBytes, index, a_tile, b_tile);
 #pragma GCC unroll 8
     for (int c = 0; c < C; ++c) {
       const XBlock& blk = x[i * C + c];
@@ -950,11 +968,11 @@ void row_tile(const uint8_t* w, int64_t w_stride, int rows, int64_t blocks, cons
         const __m256i qh = H == 1 ? q : _mm256_and_si256(q, h == 0 ? low_half : _mm256_xor_si256(low_half, bytes(-1)));
         const I isum = V::iadd(V::template row_sums<T::kSigned>(u[c], qh), V::set1(H == 2 ? blk.z16[h] : blk.z32));
         const F scale = gathered ? a_gathered
-                        : k_scaled<T>() ? a_k[c] : V::loadf(reinterpret_cast<const uint8_t*>(a[c][h]));
+                        : tile_scaled<T>() ? a_tile[c][h] : V::loadf(reinterpret_cast<const uint8_t*>(a[c][h]));
         acc = V::fma(V::cvt(isum), V::mul(scale, V::set1f(blk.d)), acc);
         if constexpr (T::kOffset) {
           const F offset = gathered ? b_gathered
-                           : k_scaled<T>() ? b_k[c] : V::loadf(reinterpret_cast<const uint8_t*>(b[c][h]));
+                           : tile_scaled<T>() ? b_tile[c][h] : V::loadf(reinterpret_cast<const uint8_t*>(b[c][h]));
           off = V::fma(offset, V::set1f(H == 2 ? blk.ds[h] : blk.s), off);
         }
       }
@@ -964,16 +982,12 @@ void row_tile(const uint8_t* w, int64_t w_stride, int rows, int64_t blocks, cons
 }
 #endif
 
-// Whether one activation row takes `row_tile` rather than a packed tile: measured per path (single thread, 1536 ->
-// 8192, Gval/s). It pays for every type of one chunk a block; for the K-quants, on AVX-512 for all but Q6_K (Q4_K 36
-// against 25 packed, Q6_K 20 against 24), on AVX2 only for Q2_K and Q3_K (Q4_K 21 against 22, Q6_K 19 against 24).
-template <class T, class V>
+// Whether one activation row takes `row_tile` rather than a packed tile: for every type but Q6_K, on both paths
+// (measured since the K-quants' scales are decoded a tile at a time, 2 threads, 1024 -> 6144, µs: on AVX2 Q4_K 93
+// against 123 packed, Q5_K 122 against 143; on AVX-512 Q6_K 159 against 113 packed).
+template <class T>
 constexpr bool row_tile_pays() {
-  if constexpr (T::kValues == 32) return true;
-#ifdef NV_AVX512
-  if constexpr (std::is_same_v<V, Avx512>) return !std::is_same_v<T, Q6_K>;
-#endif
-  return std::is_same_v<T, Q2_K> || std::is_same_v<T, Q3_K>;
+  return !std::is_same_v<T, Q6_K>;
 }
 
 constexpr int MAX_ROWS = 8;  // activation rows one pass over a packed tile serves (registers: 3 vectors a row)
@@ -1014,7 +1028,7 @@ Kernel kernel_for() {
   if constexpr (ISA == AVX512) {
     using V = Avx512;
     set_tiles<T, V>(k, std::make_integer_sequence<int, 8>{});
-    if constexpr (row_tile_pays<T, V>()) k.row_tile = row_tile<T, V>;
+    if constexpr (row_tile_pays<T>()) k.row_tile = row_tile<T, V>;
     k.pack = pack<T, V>, k.lanes = V::L, k.max_rows = 8, k.zero = zero_of<T, V>(), k.packed_chunk = Packed<T, V>::kBytes;
     return k;
   }
@@ -1023,7 +1037,7 @@ Kernel kernel_for() {
   if constexpr (ISA == AVX2) {
     using V = Avx2;
     set_tiles<T, V>(k, std::make_integer_sequence<int, 4>{});
-    if constexpr (row_tile_pays<T, V>()) k.row_tile = row_tile<T, V>;
+    if constexpr (row_tile_pays<T>()) k.row_tile = row_tile<T, V>;
     k.pack = pack<T, V>, k.lanes = V::L, k.max_rows = 4, k.zero = zero_of<T, V>(), k.packed_chunk = Packed<T, V>::kBytes;
     return k;
   }
