@@ -778,6 +778,7 @@ ALWAYS_INLINE void tile_scales(const uint8_t* base, typename V::I index, typenam
     for (int g = 0; g < 16; ++g) a[g / 2][g % 2] = V::mul(d, V::cvt(V::signed_byte(scales[g / 4], g % 4)));
   } else {
     V::halves(base, index, d, dmin);
+    const typename V::F minus_dmin = V::mul(dmin, V::set1f(-1.f));
     const I q0 = V::gather(base + 4, index), q4 = V::gather(base + 8, index), q8 = V::gather(base + 12, index);
 #pragma GCC unroll 8
     for (int c = 0; c < 8; ++c) {  // scale_min_k4(c): bytes c and c + 4 of the 12; then the high 2 bits of 0-7
@@ -785,7 +786,7 @@ ALWAYS_INLINE void tile_scales(const uint8_t* base, typename V::I index, typenam
       const I sc = c < 4 ? V::bits(q0, j, 63) : V::or_shifted(V::bits(q8, j, 15), V::bits(q0, j + 6, 3), 4);
       const I m = c < 4 ? V::bits(q4, j, 63) : V::or_shifted(V::bits(q8, j + 4, 15), V::bits(q4, j + 6, 3), 4);
       a[c][0] = V::mul(d, V::cvt(sc));
-      b[c][0] = V::mul(V::mul(dmin, V::set1f(-1.f)), V::cvt(m));
+      b[c][0] = V::mul(minus_dmin, V::cvt(m));
     }
   }
 }
