@@ -10,10 +10,10 @@ reports: AVX-512 (VNNI) where present, else AVX2, else portable C++; `NANOVLLM_C
 read at the first call, forces a lower one, e.g. to test the AVX2 path on an AVX-512 machine. Elsewhere, or without
 the compiled kernels, the reference runs: gguf-py's numpy dequantizer, then a float matmul.
 
-Weights of the types whose blocks are one scale (and offset) and 16 or 32 bytes of values (Q4_0, Q4_1, Q8_0) can be
-repacked once, at load, as llama.cpp's CPU backend repacks them: `repack` reorders the bytes of each tile of
-`repack_lanes(qtype)` rows (16 on AVX-512, 8 on AVX2) into the order the kernel streams them, so that no call unpacks
-or transposes them again (`RepackedLayout` in the kernels); `unpack` restores the file's order.
+Weights of Q4_0, Q4_1, Q8_0, Q4_K and Q6_K can be repacked once, at load, as llama.cpp's CPU backend repacks them:
+`repack` reorders the bytes of each tile of `repack_lanes(qtype)` rows (16 on AVX-512, 8 on AVX2) into the order the
+kernel streams them, so that no call unpacks or transposes them again (`RepackedLayout` and its K-quant kin in the
+kernels); `unpack` restores the file's order.
 """
 import functools
 import os
@@ -44,7 +44,7 @@ TYPE_NAMES = {0: "F32", 1: "F16", 2: "Q4_0", 3: "Q4_1", 6: "Q5_0", 7: "Q5_1", 8:
               12: "Q4_K", 13: "Q5_K", 14: "Q6_K", 30: "BF16"}
 TYPE_IDS = {name: qtype for qtype, name in TYPE_NAMES.items()}
 FLOAT_TYPES = {0: torch.float32, 1: torch.float16, 30: torch.bfloat16}  # GGML type id: torch dtype
-Q4_0, Q4_1, Q8_0 = TYPE_IDS["Q4_0"], TYPE_IDS["Q4_1"], TYPE_IDS["Q8_0"]
+Q4_0, Q4_1, Q8_0, Q4_K, Q6_K = (TYPE_IDS[name] for name in ("Q4_0", "Q4_1", "Q8_0", "Q4_K", "Q6_K"))
 
 ISA_ENV = "NANOVLLM_CPU_ISA"
 ISAS = {"portable": 0, "avx2": 1, "avx512": 2}  # the compiled kernels' path ids
@@ -105,31 +105,36 @@ def repack_lanes(qtype: int) -> int:
     return kernels.ggml_repack_lanes(qtype, kernel_isa()) if kernels is not None else 0
 
 
-# GGML type id: (bytes of a block's scales and offsets, before its values) for the types `repack` takes
-REPACKED_HEADS = {Q4_0: 2, Q4_1: 4, Q8_0: 2}
+# GGML type id: (first byte, bytes) of the part of a block that `repack` lays out in 4-byte units (its values; a
+# K-quant's whole block but a last half float), for the types it takes; the rest follows in 2-byte units
+REPACKED_UNITS = {Q4_0: (2, 16), Q4_1: (4, 16), Q8_0: (2, 32), Q4_K: (0, 144), Q6_K: (0, 208)}
 
 
 def repack(data: torch.Tensor, qtype: int, lanes: int) -> torch.Tensor:
     """Blocks `[rows, row_bytes]` (rows a multiple of `lanes`) reordered as tiles of `lanes` rows, in place of those
-    rows: per block, the values of every row in 4-byte units (unit 0 of each row, then unit 1, ...), then each row's
-    half-float scale, then (Q4_1) each row's offset. The same bytes and shape."""
-    head, size = REPACKED_HEADS[qtype], BLOCK[qtype][1]
+    rows: per block, its `REPACKED_UNITS` bytes of every row in 4-byte units (unit 0 of each row, then unit 1, ...),
+    then the rest of the block (each row's half-float scale, then offset) in 2-byte units alike. The same bytes and
+    shape."""
+    start, length = REPACKED_UNITS[qtype]
+    size = BLOCK[qtype][1]
     rows, row_bytes = data.shape
     blocks = data.view(rows // lanes, lanes, row_bytes // size, size).transpose(1, 2)  # tile, block, lane, byte
-    values = blocks[..., head:].unflatten(-1, (-1, 4)).transpose(2, 3)  # tile, block, unit, lane, 4 bytes
-    scales = blocks[..., :head].unflatten(-1, (-1, 2)).transpose(2, 3)  # tile, block, scale, lane, 2 bytes
-    return torch.cat([values.flatten(2), scales.flatten(2)], dim=2).reshape(rows, row_bytes)
+    units = blocks[..., start:start + length].unflatten(-1, (length // 4, 4)).transpose(2, 3)  # tile, block, unit, lane
+    rest = torch.cat([blocks[..., :start], blocks[..., start + length:]], dim=-1)
+    rest = rest.unflatten(-1, ((size - length) // 2, 2)).transpose(2, 3)
+    return torch.cat([units.flatten(2), rest.flatten(2)], dim=2).reshape(rows, row_bytes)
 
 
 def unpack(data: torch.Tensor, qtype: int, lanes: int) -> torch.Tensor:
     """`repack`'s tiles back in the file's order."""
-    head, size = REPACKED_HEADS[qtype], BLOCK[qtype][1]
+    start, length = REPACKED_UNITS[qtype]
+    size = BLOCK[qtype][1]
     rows, row_bytes = data.shape
     tiles = data.reshape(rows // lanes, row_bytes // size, lanes * size)  # tile, block, bytes of the repacked block
-    # tile, block, lane, then unit (or scale) and its bytes
-    values = tiles[..., :(size - head) * lanes].unflatten(-1, (-1, lanes, 4)).transpose(2, 3)
-    scales = tiles[..., (size - head) * lanes:].unflatten(-1, (-1, lanes, 2)).transpose(2, 3)
-    blocks = torch.cat([scales.flatten(3), values.flatten(3)], dim=3)  # tile, block, lane, byte
+    # tile, block, lane, then its bytes of units (or of the rest)
+    units = tiles[..., :length * lanes].unflatten(-1, (length // 4, lanes, 4)).transpose(2, 3).flatten(3)
+    rest = tiles[..., length * lanes:].unflatten(-1, ((size - length) // 2, lanes, 2)).transpose(2, 3).flatten(3)
+    blocks = torch.cat([rest[..., :start], units, rest[..., start:]], dim=3)  # tile, block, lane, byte
     return blocks.transpose(1, 2).reshape(rows, row_bytes)
 
 
