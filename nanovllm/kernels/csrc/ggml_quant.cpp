@@ -967,7 +967,8 @@ using RepackedLayoutOf = std::conditional_t<std::is_same_v<T, Q4_K>, RepackedQ4K
 
 // How far ahead of its reading `tile_rows` prefetches repacked weights, which it streams from memory: the hardware's
 // prefetchers alone, which stop at each 4 KiB page, left a K-quant's products at 55-60% of the read bandwidth at one
-// row and at half the speed of packing the tile at 8 (56 MB of weights, 2 threads; 90% and 2x faster with it).
+// row and at half the speed of packing the tile at 8 (56 MB of weights, 2 threads; 90% and 2x faster with it). Not
+// for one row of the one-chunk types, which the hardware keeps fed: there it cost SmolLM2's one-row step 7%.
 constexpr int64_t REPACKED_AHEAD = 4096;
 
 // R activation rows (`stride` blocks apart) against a tile of L weight rows laid out as `Layout`: out[r * L + lane].
@@ -977,12 +978,13 @@ void tile_rows(const uint8_t* tile, int64_t chunks, const XBlock* x, int64_t str
   using I = typename V::I;
   constexpr int H = Packed<T, V>::H, G = 8 / H, L = V::L;
   constexpr int S = R <= 2 ? 2 : 1;  // integer chains per row (latency at few rows; the sums are exact either way)
+  constexpr bool prefetches = !std::is_same_v<Layout, PackedLayout<T, V>> && (R > 1 || Layout::kChunks > 1);
   F acc[R], off[R];
 #pragma GCC unroll 8
   for (int r = 0; r < R; ++r) acc[r] = off[r] = V::zero();
   for (int64_t i = 0; i < chunks / Layout::kChunks; ++i) {
     const uint8_t* p = tile + i * Layout::kBytes;
-    if constexpr (!std::is_same_v<Layout, PackedLayout<T, V>>)  // weights from memory
+    if constexpr (prefetches)
       for (int64_t b = 0; b < Layout::kBytes; b += 64) __builtin_prefetch(p + REPACKED_AHEAD + b);
     const Layout block{p};
 #pragma GCC unroll 8
