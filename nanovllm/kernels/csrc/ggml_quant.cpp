@@ -996,7 +996,7 @@ void tile_rows(const uint8_t* tile, int64_t chunks, const XBlock* x, int64_t str
 #pragma GCC unroll 8
         for (int r = 0; r < R; ++r) {
           const XBlock& blk = x[r * stride + c];
-          isum[0][r] = V::set1(H == 2 ? blk.z16[h] : blk.z32);
+          isum[0][r] = zero_of<T, V>() ? V::set1(H == 2 ? blk.z16[h] : blk.z32) : V::izero();
           if constexpr (S == 2) isum[1][r] = V::izero();
         }
 #pragma GCC unroll 8
