@@ -9,8 +9,8 @@
 // this CPU runs it. The SIMD paths unpack a tile of 16 (AVX-512) or 8 (AVX2) weight rows once per call into a packed
 // buffer with the rows side by side in the vector lanes (`pack`), and run up to 8 activation rows at a time past it
 // (`tile_rows`): one instruction multiplies 4 values of every row of the tile, no horizontal sums. A single
-// activation row skips the packing where it costs more than it saves (`row_tile`). Q4_0, Q4_1, Q8_0, Q4_K and Q6_K
-// weights come repacked at load in tiles of the same rows, their bytes reordered as the vectors need them
+// activation row skips the packing where it costs more than it saves (`row_tile`). Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q4_K
+// and Q6_K weights come repacked at load in tiles of the same rows, their bytes reordered as the vectors need them
 // (`RepackedLayout` and its K-quant kin): no packing per call at all, one row up to 3x faster than `row_tile` (as
 // llama.cpp's CPU backend), streamed at the read bandwidth. Threads split the tiles
 // (`at::parallel_for`). Every size of prompt goes through these integer products: dequantizing to bf16 for oneDNN
@@ -460,6 +460,8 @@ template <class T>
 constexpr Repacked repacked() {
   if constexpr (std::is_same_v<T, Q4_0>) return {T::kBytes, 2, 16};
   if constexpr (std::is_same_v<T, Q4_1>) return {T::kBytes, 4, 16};
+  if constexpr (std::is_same_v<T, Q5_0>) return {T::kBytes, 2, 20};
+  if constexpr (std::is_same_v<T, Q5_1>) return {T::kBytes, 4, 20};
   if constexpr (std::is_same_v<T, Q8_0>) return {T::kBytes, 2, 32};
   if constexpr (std::is_same_v<T, Q4_K>) return {T::kBytes, 0, 144};
   if constexpr (std::is_same_v<T, Q6_K>) return {T::kBytes, 0, 208};
@@ -470,6 +472,8 @@ Repacked repacked(int64_t qtype) {
   switch (qtype) {
     case 2: return repacked<Q4_0>();
     case 3: return repacked<Q4_1>();
+    case 6: return repacked<Q5_0>();
+    case 7: return repacked<Q5_1>();
     case 8: return repacked<Q8_0>();
     case 12: return repacked<Q4_K>();
     case 14: return repacked<Q6_K>();
@@ -607,6 +611,14 @@ struct Avx2 {
     return _mm256_and_si256(s, bytes(mask));
   }
   static I bytes_or(I a, I b) { return _mm256_or_si256(a, b); }
+  // byte k of lane n = 16 where bit 4g + k of lane n of qh is set, else 0 (the 5th bits of values 4g.. 4g + 3 of a
+  // Q5_0/Q5_1 block whose 32 are in qh): byte g / 2 of the lane to each of its bytes, each byte's bit picked
+  static I fifth_bits(I qh, int g) {
+    const I lanes = _mm256_setr_epi32(0, 0x04040404, 0x08080808, 0x0C0C0C0C, 0, 0x04040404, 0x08080808, 0x0C0C0C0C);
+    const I spread = _mm256_shuffle_epi8(qh, _mm256_add_epi8(lanes, bytes(g / 2)));
+    const I bit = _mm256_and_si256(spread, _mm256_set1_epi32(0x08040201 << (4 * (g % 2))));
+    return _mm256_slli_epi16(_mm256_min_epu8(bit, bytes(1)), 4);
+  }
   static I flip(I v) { return _mm256_xor_si256(v, bytes(0x80)); }
   // lane n = the integer dot product of u[n] (32 bytes of weight row n) and the activation chunk q, for L rows
   template <bool kSigned>
@@ -695,6 +707,12 @@ struct Avx512 {
     return _mm512_and_si512(s, _mm512_set1_epi8(static_cast<char>(mask)));
   }
   static I bytes_or(I a, I b) { return _mm512_or_si512(a, b); }
+  static I fifth_bits(I qh, int g) {  // as Avx2's
+    const I lanes = _mm512_set4_epi32(0x0C0C0C0C, 0x08080808, 0x04040404, 0);
+    const I spread = _mm512_shuffle_epi8(qh, _mm512_add_epi8(lanes, _mm512_set1_epi8(static_cast<char>(g / 2))));
+    const I bit = _mm512_and_si512(spread, _mm512_set1_epi32(0x08040201 << (4 * (g % 2))));
+    return _mm512_slli_epi16(_mm512_min_epu8(bit, _mm512_set1_epi8(1)), 4);
+  }
   static I flip(I v) { return _mm512_xor_si512(v, _mm512_set1_epi8(static_cast<char>(0x80))); }
   // As Avx2::row_sums, rows n and n + 8 side by side in one register from the products on.
   template <bool kSigned>  // signed weights come packed as u = v + 128 here too
@@ -892,19 +910,24 @@ struct PackedLayout {
   ALWAYS_INLINE typename V::F offsets(int, int h) const { return V::loadf(p + 32 * L + 4 * L * (H + h)); }
 };
 
-// Repacked at load (`repacked`), Q4_0, Q4_1 and Q8_0: a tile of L weight rows stores each block as its quantized bytes
-// in 4-byte units, unit j of every row side by side (a vector), then the L rows' half scales, then their half offsets:
-// the file's bytes, reordered (`nanovllm.kernels.ggml.repack`). Unit j of a 4-bit block holds values 4j.. 4j + 3 in
-// its low nibbles and 16 + 4j.. in its high ones. Nothing is unpacked per call, and one row reads what many do.
+// Repacked at load (`repacked`), the types of one chunk a block (Q4_0, Q4_1, Q5_0, Q5_1, Q8_0): a tile of L weight
+// rows stores each block as its quantized bytes in 4-byte units, unit j of every row side by side (a vector), then the
+// L rows' half scales, then their half offsets: the file's bytes, reordered (`nanovllm.kernels.ggml.repack`). Unit j
+// of a 4-bit block's 4 holds values 4j.. 4j + 3 in its low nibbles and 16 + 4j.. in its high ones; a 5-bit block puts
+// its 32 5th bits first. Nothing is unpacked per call, and one row reads what many do.
 template <class T, class V>
 struct RepackedLayout {
   static constexpr int L = V::L, kChunks = 1;
   static constexpr int64_t kBytes = L * T::kBytes, kQuants = repacked<T>().units;
   const uint8_t* p;
   ALWAYS_INLINE typename V::I values(int, int, int g) const {
-    if constexpr (kQuants == 16) return V::shifted_bytes(V::load(p + 4 * L * (g % 4)), g < 4 ? 0 : 4, 15);
-    const typename V::I units = V::load(p + 4 * L * g);
-    return zero_of<T, V>() == 128 ? V::flip(units) : units;
+    constexpr int high = kQuants == 20;  // the 5th bits' unit before the nibbles
+    if constexpr (kQuants == 32) {
+      const typename V::I units = V::load(p + 4 * L * g);
+      return zero_of<T, V>() == 128 ? V::flip(units) : units;
+    }
+    const typename V::I nibbles = V::shifted_bytes(V::load(p + 4 * L * (high + g % 4)), g < 4 ? 0 : 4, 15);
+    return high ? V::bytes_or(nibbles, V::fifth_bits(V::load(p), g)) : nibbles;
   }
   ALWAYS_INLINE typename V::F scales(int, int) const { return V::load_halves(p + kQuants * L); }
   ALWAYS_INLINE typename V::F offsets(int, int) const { return V::load_halves(p + (kQuants + 2) * L); }
