@@ -10,7 +10,7 @@ reports: AVX-512 (VNNI) where present, else AVX2, else portable C++; `NANOVLLM_C
 read at the first call, forces a lower one, e.g. to test the AVX2 path on an AVX-512 machine. Elsewhere, or without
 the compiled kernels, the reference runs: gguf-py's numpy dequantizer, then a float matmul.
 
-Weights of Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q4_K and Q6_K can be repacked once, at load, as llama.cpp's CPU backend
+Weights of every quantized type but Q2_K and Q3_K can be repacked once, at load, as llama.cpp's CPU backend
 repacks them: `repack` reorders the bytes of each tile of `repack_lanes(qtype)` rows (16 on AVX-512, 8 on AVX2) into
 the order the kernel streams them, so that no call unpacks or transposes them again (`RepackedLayout` and its K-quant
 kin in the kernels); `unpack` restores the file's order.
@@ -44,8 +44,7 @@ TYPE_NAMES = {0: "F32", 1: "F16", 2: "Q4_0", 3: "Q4_1", 6: "Q5_0", 7: "Q5_1", 8:
               12: "Q4_K", 13: "Q5_K", 14: "Q6_K", 30: "BF16"}
 TYPE_IDS = {name: qtype for qtype, name in TYPE_NAMES.items()}
 FLOAT_TYPES = {0: torch.float32, 1: torch.float16, 30: torch.bfloat16}  # GGML type id: torch dtype
-Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q4_K, Q6_K = (TYPE_IDS[name] for name in ("Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0", "Q4_K",
-                                                                       "Q6_K"))
+Q4_0, Q4_1, Q8_0 = TYPE_IDS["Q4_0"], TYPE_IDS["Q4_1"], TYPE_IDS["Q8_0"]
 
 ISA_ENV = "NANOVLLM_CPU_ISA"
 ISAS = {"portable": 0, "avx2": 1, "avx512": 2}  # the compiled kernels' path ids
@@ -108,8 +107,9 @@ def repack_lanes(qtype: int) -> int:
 
 # GGML type id: (first byte, bytes) of the part of a block that `repack` lays out in 4-byte units (its values; a
 # K-quant's whole block but a last half float), for the types it takes; the rest follows in 2-byte units
-REPACKED_UNITS = {Q4_0: (2, 16), Q4_1: (4, 16), Q5_0: (2, 20), Q5_1: (4, 20), Q8_0: (2, 32), Q4_K: (0, 144),
-                  Q6_K: (0, 208)}
+REPACKED_UNITS = {TYPE_IDS[name]: units for name, units in [
+    ("Q4_0", (2, 16)), ("Q4_1", (4, 16)), ("Q5_0", (2, 20)), ("Q5_1", (4, 20)), ("Q8_0", (2, 32)), ("Q4_K", (0, 144)),
+    ("Q5_K", (0, 176)), ("Q6_K", (0, 208))]}
 
 
 def repack(data: torch.Tensor, qtype: int, lanes: int) -> torch.Tensor:

@@ -9,8 +9,8 @@
 // this CPU runs it. The SIMD paths unpack a tile of 16 (AVX-512) or 8 (AVX2) weight rows once per call into a packed
 // buffer with the rows side by side in the vector lanes (`pack`), and run up to 8 activation rows at a time past it
 // (`tile_rows`): one instruction multiplies 4 values of every row of the tile, no horizontal sums. A single
-// activation row skips the packing where it costs more than it saves (`row_tile`). Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q4_K
-// and Q6_K weights come repacked at load in tiles of the same rows, their bytes reordered as the vectors need them
+// activation row skips the packing where it costs more than it saves (`row_tile`). Weights of every type but Q2_K and
+// Q3_K come repacked at load in tiles of the same rows, their bytes reordered as the vectors need them
 // (`RepackedLayout` and its K-quant kin): no packing per call at all, one row up to 3x faster than `row_tile` (as
 // llama.cpp's CPU backend), streamed at the read bandwidth. Threads split the tiles
 // (`at::parallel_for`). Every size of prompt goes through these integer products: dequantizing to bf16 for oneDNN
@@ -464,6 +464,7 @@ constexpr Repacked repacked() {
   if constexpr (std::is_same_v<T, Q5_1>) return {T::kBytes, 4, 20};
   if constexpr (std::is_same_v<T, Q8_0>) return {T::kBytes, 2, 32};
   if constexpr (std::is_same_v<T, Q4_K>) return {T::kBytes, 0, 144};
+  if constexpr (std::is_same_v<T, Q5_K>) return {T::kBytes, 0, 176};
   if constexpr (std::is_same_v<T, Q6_K>) return {T::kBytes, 0, 208};
   return {};
 }
@@ -476,6 +477,7 @@ Repacked repacked(int64_t qtype) {
     case 7: return repacked<Q5_1>();
     case 8: return repacked<Q8_0>();
     case 12: return repacked<Q4_K>();
+    case 13: return repacked<Q5_K>();
     case 14: return repacked<Q6_K>();
     default: return {};
   }
@@ -933,26 +935,29 @@ struct RepackedLayout {
   ALWAYS_INLINE typename V::F offsets(int, int) const { return V::load_halves(p + (kQuants + 2) * L); }
 };
 
-// Q4_K repacked: a block's 36 4-byte units side by side for the L rows: d and dmin, the 12 bytes of scales and mins,
-// then the 128 of values, where unit 4 + 8p + g holds values 4g.. 4g + 3 of chunk 2p in its low nibbles and of chunk
+// Q4_K and Q5_K repacked: a block's 36 (44) 4-byte units side by side for the L rows: d and dmin, the 12 bytes of
+// scales and mins, (Q5_K: the 32 of 5th bits, unit 4 + g holding bit c of values 4g.. 4g + 3 of each chunk c,) then
+// the 128 of nibbles, where unit 4 (12) + 8p + g holds values 4g.. 4g + 3 of chunk 2p in its low nibbles and of chunk
 // 2p + 1 in its high ones. The 6-bit scales are decoded as the block is read: 3 vectors a block for every row.
-template <class V>
-struct RepackedQ4K {
+template <class T, class V>
+struct RepackedK {
   using I = typename V::I;
   using F = typename V::F;
-  static constexpr int L = V::L, kChunks = 8;
-  static constexpr int64_t kBytes = L * Q4_K::kBytes;
+  static constexpr int L = V::L, kChunks = 8, kNibbles = std::is_same_v<T, Q5_K> ? 12 : 4;
+  static constexpr int64_t kBytes = L * T::kBytes;
   const uint8_t* p;
   F d, minus_dmin;
   I q0, q4, q8;
-  ALWAYS_INLINE explicit RepackedQ4K(const uint8_t* block)
+  ALWAYS_INLINE explicit RepackedK(const uint8_t* block)
       : p(block), q0(V::load(block + 4 * L)), q4(V::load(block + 8 * L)), q8(V::load(block + 12 * L)) {
     F dmin;
     V::split_halves(V::load(block), d, dmin);
     minus_dmin = V::mul(dmin, V::set1f(-1.f));
   }
   ALWAYS_INLINE I values(int c, int, int g) const {
-    return V::shifted_bytes(V::load(p + 4 * L * (4 + 8 * (c / 2) + g)), c % 2 ? 4 : 0, 15);
+    const I nibbles = V::shifted_bytes(V::load(p + 4 * L * (kNibbles + 8 * (c / 2) + g)), c % 2 ? 4 : 0, 15);
+    if constexpr (kNibbles == 4) return nibbles;
+    return V::bytes_or(nibbles, V::shifted_bytes(V::load(p + 4 * L * (4 + g)), c - 4, 16));
   }
   ALWAYS_INLINE F scales(int c, int) const { return V::mul(d, V::cvt(k4_scale<V>(q0, q8, c))); }
   ALWAYS_INLINE F offsets(int c, int) const { return V::mul(minus_dmin, V::cvt(k4_scale<V>(q4, q8, c, 4))); }
@@ -984,7 +989,7 @@ struct RepackedQ6K {
 
 // The layout T's weights are repacked in at load.
 template <class T, class V>
-using RepackedLayoutOf = std::conditional_t<std::is_same_v<T, Q4_K>, RepackedQ4K<V>,
+using RepackedLayoutOf = std::conditional_t<std::is_same_v<T, Q4_K> || std::is_same_v<T, Q5_K>, RepackedK<T, V>,
                                             std::conditional_t<std::is_same_v<T, Q6_K>, RepackedQ6K<V>,
                                                                RepackedLayout<T, V>>>;
 
