@@ -10,10 +10,10 @@ reports: AVX-512 (VNNI) where present, else AVX2, else portable C++; `NANOVLLM_C
 read at the first call, forces a lower one, e.g. to test the AVX2 path on an AVX-512 machine. Elsewhere, or without
 the compiled kernels, the reference runs: gguf-py's numpy dequantizer, then a float matmul.
 
-Weights of every quantized type but Q2_K and Q3_K can be repacked once, at load, as llama.cpp's CPU backend
-repacks them: `repack` reorders the bytes of each tile of `repack_lanes(qtype)` rows (16 on AVX-512, 8 on AVX2) into
-the order the kernel streams them, so that no call unpacks or transposes them again (`RepackedLayout` and its K-quant
-kin in the kernels); `unpack` restores the file's order.
+Weights of every quantized type can be repacked once, at load, as llama.cpp's CPU backend repacks them: `repack`
+reorders the bytes of each tile of `repack_lanes(qtype)` rows (16 on AVX-512, 8 on AVX2) into the order the kernel
+streams them, so that no call unpacks or transposes them again (`RepackedLayout` and its K-quant kin in the kernels);
+`unpack` restores the file's order.
 """
 import functools
 import os
@@ -109,7 +109,7 @@ def repack_lanes(qtype: int) -> int:
 # K-quant's whole block but a last half float), for the types it takes; the rest follows in 2-byte units
 REPACKED_UNITS = {TYPE_IDS[name]: units for name, units in [
     ("Q4_0", (2, 16)), ("Q4_1", (4, 16)), ("Q5_0", (2, 20)), ("Q5_1", (4, 20)), ("Q8_0", (2, 32)), ("Q4_K", (0, 144)),
-    ("Q5_K", (0, 176)), ("Q6_K", (0, 208))]}
+    ("Q2_K", (0, 84)), ("Q3_K", (0, 108)), ("Q5_K", (0, 176)), ("Q6_K", (0, 208))]}
 
 
 def repack(data: torch.Tensor, qtype: int, lanes: int) -> torch.Tensor:

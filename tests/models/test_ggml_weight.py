@@ -75,7 +75,7 @@ def test_quantized_embedding_tied_to_its_lm_head():
 def test_a_repacked_weight_keeps_its_products_rows_and_lookups():
     """`repack` puts Q8_0 and Q4_1 segments in the kernels' tiles: the same products, embedding rows and dequantized
     matrix; rows written over it (across tile edges) land where a plain weight puts them. A segment whose rows do not
-    fill whole tiles, or of a type without tiles (Q3_K), leaves the weight as the file has it."""
+    fill whole tiles, or of a type without tiles (F16), leaves the weight as the file has it."""
     lanes = repack_lanes(Q8_0)
     if not lanes:
         pytest.skip("the kernels' path runs GGML weights as the file has them")
@@ -94,7 +94,7 @@ def test_a_repacked_weight_keeps_its_products_rows_and_lookups():
     assert torch.equal(tiles.linear(x), plain.linear(x)) and torch.equal(tiles.dequantize(torch.float32),
                                                                          plain.dequantize(torch.float32))
     for odd in ([(0, quantize(random_weight(lanes + 1, 64, 7), Q8_0))],
-                [(0, GGMLTensor(torch.zeros(lanes, 110, dtype=torch.uint8), 11, 256))]):
+                [(0, GGMLTensor(torch.zeros(lanes, 512, dtype=torch.uint8), 1, 256))]):
         weight = GGMLWeight.assemble(odd, odd[0][1].size(0), torch.float32)
         weight.repack()
         assert weight.lanes == 0

@@ -9,11 +9,10 @@
 // this CPU runs it. The SIMD paths unpack a tile of 16 (AVX-512) or 8 (AVX2) weight rows once per call into a packed
 // buffer with the rows side by side in the vector lanes (`pack`), and run up to 8 activation rows at a time past it
 // (`tile_rows`): one instruction multiplies 4 values of every row of the tile, no horizontal sums. A single
-// activation row skips the packing where it costs more than it saves (`row_tile`). Weights of every type but Q2_K and
-// Q3_K come repacked at load in tiles of the same rows, their bytes reordered as the vectors need them
-// (`RepackedLayout` and its K-quant kin): no packing per call at all, one row up to 3x faster than `row_tile` (as
-// llama.cpp's CPU backend), streamed at the read bandwidth. Threads split the tiles
-// (`at::parallel_for`). Every size of prompt goes through these integer products: dequantizing to bf16 for oneDNN
+// activation row skips the packing where it costs more than it saves (`row_tile`). Weights whose rows fill whole tiles
+// come repacked at load in tiles of the same rows, their bytes reordered as the vectors need them (`RepackedLayout`
+// and its K-quant kin): no packing per call at all, one row up to 3x faster than `row_tile` (as llama.cpp's CPU
+// backend), streamed at the read bandwidth. Threads split the tiles (`at::parallel_for`). Every size of prompt goes through these integer products: dequantizing to bf16 for oneDNN
 // was ~3x faster per matmul at 32+ rows before the packed tiles, but a path chosen by the number of rows would make a
 // row's result depend on its batch mates.
 //
@@ -463,6 +462,8 @@ constexpr Repacked repacked() {
   if constexpr (std::is_same_v<T, Q5_0>) return {T::kBytes, 2, 20};
   if constexpr (std::is_same_v<T, Q5_1>) return {T::kBytes, 4, 20};
   if constexpr (std::is_same_v<T, Q8_0>) return {T::kBytes, 2, 32};
+  if constexpr (std::is_same_v<T, Q2_K>) return {T::kBytes, 0, 84};
+  if constexpr (std::is_same_v<T, Q3_K>) return {T::kBytes, 0, 108};
   if constexpr (std::is_same_v<T, Q4_K>) return {T::kBytes, 0, 144};
   if constexpr (std::is_same_v<T, Q5_K>) return {T::kBytes, 0, 176};
   if constexpr (std::is_same_v<T, Q6_K>) return {T::kBytes, 0, 208};
@@ -476,6 +477,8 @@ Repacked repacked(int64_t qtype) {
     case 6: return repacked<Q5_0>();
     case 7: return repacked<Q5_1>();
     case 8: return repacked<Q8_0>();
+    case 10: return repacked<Q2_K>();
+    case 11: return repacked<Q3_K>();
     case 12: return repacked<Q4_K>();
     case 13: return repacked<Q5_K>();
     case 14: return repacked<Q6_K>();
@@ -987,11 +990,66 @@ struct RepackedQ6K {
   ALWAYS_INLINE F offsets(int, int) const { return V::zero(); }
 };
 
+// Q2_K repacked: its 21 4-byte units side by side for the L rows: 4 of scales and mins (a byte for each 16 values: the
+// scale in its low nibble), 16 of 2-bit values (unit 4 + 8n + j holds values 4j.. 4j + 3 of chunks 4n.. 4n + 3, 2 bits
+// each, low first), then d and dmin.
+template <class V>
+struct RepackedQ2K {
+  using I = typename V::I;
+  using F = typename V::F;
+  static constexpr int L = V::L, kChunks = 8;
+  static constexpr int64_t kBytes = L * Q2_K::kBytes;
+  const uint8_t* p;
+  F d, minus_dmin;
+  ALWAYS_INLINE explicit RepackedQ2K(const uint8_t* block) : p(block) {
+    F dmin;
+    V::split_halves(V::load(block + 80 * L), d, dmin);
+    minus_dmin = V::mul(dmin, V::set1f(-1.f));
+  }
+  ALWAYS_INLINE I values(int c, int h, int g) const {
+    return V::shifted_bytes(V::load(p + 4 * L * (4 + 8 * (c / 4) + 4 * h + g)), 2 * (c % 4), 3);
+  }
+  ALWAYS_INLINE I scale_byte(int c, int h, int nibble) const {
+    const int group = 2 * c + h;
+    return V::bits(V::load(p + 4 * L * (group / 4)), 8 * (group % 4) + nibble, 15);
+  }
+  ALWAYS_INLINE F scales(int c, int h) const { return V::mul(d, V::cvt(scale_byte(c, h, 0))); }
+  ALWAYS_INLINE F offsets(int c, int h) const { return V::mul(minus_dmin, V::cvt(scale_byte(c, h, 4))); }
+};
+
+// Q3_K repacked: its first 27 4-byte units side by side for the L rows (8 of high bits: unit j holds bit c of values
+// 4j.. 4j + 3 of each chunk c; 16 of low 2 bits as Q2_K's; 3 of 6-bit scales, `scales_q3k`), then the L rows' half d.
+template <class V>
+struct RepackedQ3K {
+  using I = typename V::I;
+  using F = typename V::F;
+  static constexpr int L = V::L, kChunks = 8;
+  static constexpr int64_t kBytes = L * Q3_K::kBytes;
+  const uint8_t* p;
+  F d;
+  ALWAYS_INLINE explicit RepackedQ3K(const uint8_t* block) : p(block), d(V::load_halves(block + 108 * L)) {}
+  ALWAYS_INLINE I values(int c, int h, int g) const {
+    const int unit = 4 * h + g;
+    const I low = V::shifted_bytes(V::load(p + 4 * L * (8 + 8 * (c / 4) + unit)), 2 * (c % 4), 3);
+    return V::bytes_or(low, V::shifted_bytes(V::load(p + 4 * L * unit), c - 2, 4));
+  }
+  ALWAYS_INLINE F scales(int c, int h) const {  // scales_q3k(2c + h)
+    const int group = 2 * c + h, byte = group % 8;
+    const I low = V::bits(V::load(p + 4 * L * (24 + byte / 4)), 8 * (byte % 4) + (group < 8 ? 0 : 4), 15);
+    const I high = V::bits(V::load(p + 4 * L * 26), 8 * (group % 4) + 2 * (group / 4), 3);
+    return V::mul(d, V::cvt(V::iadd(V::or_shifted(low, high, 4), V::set1(-32))));
+  }
+  ALWAYS_INLINE F offsets(int, int) const { return V::zero(); }
+};
+
 // The layout T's weights are repacked in at load.
 template <class T, class V>
-using RepackedLayoutOf = std::conditional_t<std::is_same_v<T, Q4_K> || std::is_same_v<T, Q5_K>, RepackedK<T, V>,
-                                            std::conditional_t<std::is_same_v<T, Q6_K>, RepackedQ6K<V>,
-                                                               RepackedLayout<T, V>>>;
+using RepackedLayoutOf = std::conditional_t<
+    std::is_same_v<T, Q4_K> || std::is_same_v<T, Q5_K>, RepackedK<T, V>,
+    std::conditional_t<std::is_same_v<T, Q6_K>, RepackedQ6K<V>,
+                       std::conditional_t<std::is_same_v<T, Q3_K>, RepackedQ3K<V>,
+                                          std::conditional_t<std::is_same_v<T, Q2_K>, RepackedQ2K<V>,
+                                                             RepackedLayout<T, V>>>>>;
 
 // How far ahead of its reading `tile_rows` prefetches repacked weights, which it streams from memory: the hardware's
 // prefetchers alone, which stop at each 4 KiB page, left a K-quant's products at 55-60% of the read bandwidth at one
