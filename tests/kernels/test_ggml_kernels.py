@@ -217,6 +217,24 @@ def test_weights_repacked_at_load_compute_the_same_bits(qtype, name):
         kernels().ggml_linear(torch.randn(1, k), tiles[:lanes + 1], qtype, k, None, isa, lanes)
 
 
+@pytest.mark.parametrize("name", ["portable", "avx2", "avx512"])
+def test_a_nan_activation_gives_its_row_nan_and_no_other(name):
+    """A NaN in an activation row makes that row's every output NaN, as a float product would, and leaves the rows
+    beside it as they are alone; repacked or as the file has them."""
+    isa = path(name)
+    x = torch.randn(5, 768, generator=torch.Generator().manual_seed(2))
+    x[1, 77] = float("nan")
+    for qtype in (3, 8, 12, 14):
+        weight = random_ggml_weight(qtype, 32, 768, seed=qtype)
+        lanes = kernels().ggml_repack_lanes(qtype, isa)
+        for w, tiles in [(weight, 0)] + ([(repack(weight, qtype, lanes), lanes)] if lanes else []):
+            for dtype in (torch.float32, torch.bfloat16):
+                out = kernels().ggml_linear(x.to(dtype), w, qtype, 768, None, isa, tiles)
+                assert out[1].isnan().all(), (TYPE_NAMES[qtype], tiles, dtype)
+                rest = kernels().ggml_linear(x[[0, 2, 3, 4]].to(dtype), w, qtype, 768, None, isa, tiles)
+                assert torch.equal(out[[0, 2, 3, 4]], rest) and not rest.isnan().any()
+
+
 @pytest.fixture
 def environment(monkeypatch):
     """Set NANOVLLM_CPU_ISA (None: unset) and have `kernel_isa` read it again."""

@@ -6,7 +6,7 @@ from checkpoints import make_checkpoint, make_gguf
 
 from nanovllm import LLM, SamplingParams
 from nanovllm.execution.cpu_decode import cpu_decoder
-from nanovllm.kernels.ggml import repack_lanes
+from nanovllm.kernels.ggml import repack_lanes, unpack
 from nanovllm.layers.ggml_weight import GGMLTensor, GGMLWeight
 
 pytest.importorskip("gguf")
@@ -137,8 +137,8 @@ def test_biases_and_split_projections_too(qwen2_dir):
         assert runner.cpu_decoder is not None and qkv.bias is not None
         run_both_paths(llm)
         [whole] = qkv.weight.segments
-        halves = [GGMLTensor(whole.data[rows], whole.qtype, whole.in_features) for rows in (slice(0, 40),
-                                                                                             slice(40, None))]
+        rows = unpack(whole.data, whole.qtype, qkv.weight.lanes) if qkv.weight.lanes else whole.data  # file order
+        halves = [GGMLTensor(rows[part], whole.qtype, whole.in_features) for part in (slice(0, 40), slice(40, None))]
         qkv.weight = GGMLWeight(halves, qkv.weight.dtype)
         runner.cpu_decoder = cpu_decoder(runner.model)
         assert len(qkv.weight.qtypes) == 2 and runner.cpu_decoder is not None
