@@ -12,9 +12,9 @@
 // activation row skips the packing where it costs more than it saves (`row_tile`). Weights whose rows fill whole tiles
 // come repacked at load in tiles of the same rows, their bytes reordered as the vectors need them (`RepackedLayout`
 // and its K-quant kin): no packing per call at all, one row up to 3x faster than `row_tile` (as llama.cpp's CPU
-// backend), streamed at the read bandwidth. Threads split the tiles (`at::parallel_for`). Every size of prompt goes through these integer products: dequantizing to bf16 for oneDNN
-// was ~3x faster per matmul at 32+ rows before the packed tiles, but a path chosen by the number of rows would make a
-// row's result depend on its batch mates.
+// backend), streamed at the read bandwidth. Threads split the tiles (`at::parallel_for`). Every size of prompt goes
+// through these integer products: dequantizing to bf16 for oneDNN was ~3x faster per matmul at 32+ rows before the
+// packed tiles, but a path chosen by the number of rows would make a row's result depend on its batch mates.
 //
 // F32, F16 and BF16 weights take float32 dot products through row tiles of their own (`tiled_matmul`, not oneDNN's:
 // one reduction order whatever the number of rows).
@@ -469,22 +469,6 @@ constexpr Repacked repacked() {
   if constexpr (std::is_same_v<T, Q5_K>) return {T::kBytes, 0, 176};
   if constexpr (std::is_same_v<T, Q6_K>) return {T::kBytes, 0, 208};
   return {};
-}
-
-Repacked repacked(int64_t qtype) {
-  switch (qtype) {
-    case 2: return repacked<Q4_0>();
-    case 3: return repacked<Q4_1>();
-    case 6: return repacked<Q5_0>();
-    case 7: return repacked<Q5_1>();
-    case 8: return repacked<Q8_0>();
-    case 10: return repacked<Q2_K>();
-    case 11: return repacked<Q3_K>();
-    case 12: return repacked<Q4_K>();
-    case 13: return repacked<Q5_K>();
-    case 14: return repacked<Q6_K>();
-    default: return {};
-  }
 }
 
 // ---- activations ----
@@ -1225,6 +1209,7 @@ struct Kernel {
   RowFn row = nullptr;   // portable
   int lanes = 1, max_rows = 1, zero = 0;
   int64_t values = 0, bytes = 0, packed_chunk = 0;
+  Repacked layout;  // how `repack` lays out the type's blocks (whatever the path runs)
 };
 
 #ifdef NV_AVX2
@@ -1241,6 +1226,7 @@ Kernel kernel_for() {
   Kernel k;
   k.values = T::kValues;
   k.bytes = T::kBytes;
+  k.layout = repacked<T>();
 #ifdef NV_AVX512
   if constexpr (ISA == AVX512) {
     using V = Avx512;
@@ -1599,7 +1585,9 @@ void convert_row(const uint8_t* row, int64_t K, T* out) {
 // Row `id` of a weight of GGML type `qtype` repacked in tiles of `lanes` rows (`RepackedLayout`), in the file's order,
 // into `row`.
 void file_row(const uint8_t* w, int64_t w_stride, int64_t id, int64_t qtype, int64_t lanes, uint8_t* row) {
-  const Repacked r = repacked(qtype);
+  Kernel k;
+  kernel_of(qtype, PORTABLE, k);  // the caller checked the type is repacked
+  const Repacked r = k.layout;
   const int64_t lane = id % lanes;
   const uint8_t* tile = w + (id - lane) * w_stride;
   for (int64_t b = 0; b < w_stride / r.bytes; ++b) {
@@ -1652,7 +1640,8 @@ at::Tensor ggml_embedding(at::Tensor weight, at::Tensor ids, int64_t qtype, int6
                   weight.stride(1) == 1, "ggml_embedding: the weight must be a uint8 [rows, row_bytes] CPU tensor");
   auto flat = ids.to(at::kLong).contiguous().view({-1});
   const int64_t n = flat.numel(), rows = weight.size(0);
-  TORCH_CHECK(lanes == 0 || (repacked(qtype).units > 0 && rows % lanes == 0),
+  Kernel k;
+  TORCH_CHECK(lanes == 0 || (kernel_of(qtype, PORTABLE, k) && k.layout.units > 0 && rows % lanes == 0),
               nanovllm::message("ggml_embedding: GGML type ", qtype, " (", rows, " rows) is not repacked in tiles of ",
                                 lanes, " rows"));
   const int64_t* id = flat.const_data_ptr<int64_t>();
