@@ -7,6 +7,7 @@ from types import SimpleNamespace
 
 import pytest
 import torch
+from grammar_backends import GRAMMAR_BACKENDS, needs_xgrammar
 from transformers import AutoTokenizer
 
 from nanovllm import LLM, SamplingParams, StructuredOutputsParams
@@ -16,7 +17,6 @@ from nanovllm.structured_output.bitmask import allowed_tokens
 from nanovllm.structured_output.manager import StructuredOutputs
 from nanovllm.structured_output.spec import closed_schema, open_schema
 
-BACKENDS = ["guidance", "xgrammar"]
 EOS = 0
 PERSON = {"type": "object", "properties": {"name": {"type": "string"}, "age": {"type": "integer"},
                                            "city": {"type": "string"}}, "required": ["name", "age"]}
@@ -29,7 +29,7 @@ def tokenizer(tied_model):
     return AutoTokenizer.from_pretrained(tied_model)
 
 
-@pytest.fixture(scope="module", params=BACKENDS)
+@pytest.fixture(scope="module", params=GRAMMAR_BACKENDS)
 def manager(request, tokenizer):
     return StructuredOutputs(request.param, tokenizer, 384, {EOS}, max_rows=1)
 
@@ -151,6 +151,7 @@ def test_closing_and_opening_copy_the_schema_and_leave_negations_alone():
     assert closed_schema(True) is True
 
 
+@needs_xgrammar
 def test_structural_tags_follow_the_setting_on_both_backends(tokenizer):
     tag = json.dumps({"structures": [{"begin": "<fn=f>", "schema": {"type": "object", "properties": {
         "a": {"type": "integer"}}}, "end": "</fn>"}], "triggers": ["<fn="]})
@@ -165,7 +166,7 @@ def test_structural_tags_follow_the_setting_on_both_backends(tokenizer):
     assert '"additionalProperties"' not in guidance.grammar_text(check_constraint(opened, "guidance"))
 
 
-@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("backend", GRAMMAR_BACKENDS)
 def test_a_small_model_writes_only_the_keys_the_schema_names(tied_model, tokenizer, backend):
     schema = {"type": "object", "properties": {"name": {"type": "string", "maxLength": 6},
                                                "age": {"type": "integer", "minimum": 0, "maximum": 99},

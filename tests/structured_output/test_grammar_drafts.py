@@ -8,6 +8,7 @@ from types import SimpleNamespace
 import pytest
 import regex
 import torch
+from grammar_backends import GRAMMAR_BACKENDS
 from test_mask import prompts_of
 from transformers import AutoTokenizer
 
@@ -18,7 +19,6 @@ from nanovllm.spec_decode.grammar_drafts import GrammarDrafts
 from nanovllm.structured_output.backends import check_constraint
 from nanovllm.structured_output.manager import StructuredOutputs
 
-BACKENDS = ["guidance", "xgrammar"]
 EOS = 0
 FORCING = r"(red fox|brown dog) jumps over the (lazy|quick) cat\."
 SCHEMA = {"type": "object", "properties": {
@@ -51,7 +51,7 @@ def mask_rows(manager: StructuredOutputs, rows: list) -> tuple[list[int], torch.
     return mask.rows, mask.words().clone()
 
 
-@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("backend", GRAMMAR_BACKENDS)
 def test_drafts_the_grammar_rejects_are_cut_and_leave_its_state_alone(tokenizer, backend):
     manager = StructuredOutputs(backend, tokenizer, 384, {EOS}, max_rows=4)
     seq = constrained_seq(manager, tokenizer, r"[a-z]+ [0-9]+!")
@@ -71,7 +71,7 @@ def test_drafts_the_grammar_rejects_are_cut_and_leave_its_state_alone(tokenizer,
     assert seq.spec_token_ids == []  # no proposer this step: an earlier step's drafts are dropped
 
 
-@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("backend", GRAMMAR_BACKENDS)
 def test_each_draft_rows_mask_is_the_grammar_after_the_drafts_before_it(tokenizer, backend):
     manager = StructuredOutputs(backend, tokenizer, 384, {EOS}, max_rows=1)
     pattern = r"([a-z]{1,6} ){2,5}(cat|dog)\."
@@ -91,7 +91,7 @@ def test_each_draft_rows_mask_is_the_grammar_after_the_drafts_before_it(tokenize
     assert torch.equal(mask_rows(manager, [(first, [])])[1][0], expected[0])  # filling left the grammar alone
 
 
-@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("backend", GRAMMAR_BACKENDS)
 def test_forced_tokens_are_proposed_and_a_proposal_that_continues_them_is_kept(tokenizer, backend):
     manager = StructuredOutputs(backend, tokenizer, 384, {EOS}, max_rows=1)
     jump = GrammarDrafts(jump_forward=True, max_model_len=256)
@@ -159,7 +159,7 @@ def assert_valid(completions: list, params: list) -> None:
         assert set(value) == set(SCHEMA["required"]) and value["animal"] in ("brown fox", "lazy dog"), text
 
 
-@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("backend", GRAMMAR_BACKENDS)
 def test_output_is_the_same_with_and_without_jump_forward_and_speculation(tied_model, tokenizer, backend):
     prompts, params = mixed_batch(tokenizer)
     off = {"backend": backend, "jump_forward": False}

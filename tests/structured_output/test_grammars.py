@@ -7,6 +7,7 @@ from types import SimpleNamespace
 import pytest
 import regex
 import torch
+from grammar_backends import GRAMMAR_BACKENDS
 from transformers import AutoTokenizer
 
 from nanovllm import LLM, SamplingParams, StructuredOutputsParams
@@ -15,7 +16,6 @@ from nanovllm.structured_output.bitmask import allowed_tokens
 from nanovllm.structured_output.manager import StructuredOutputs
 from nanovllm.structured_output.spec import grammar_syntax
 
-BACKENDS = ["guidance", "xgrammar"]
 EOS = 0
 ARITHMETIC = '''
 ?start: sum
@@ -50,7 +50,7 @@ def tokenizer(tied_model):
     return AutoTokenizer.from_pretrained(tied_model)
 
 
-@pytest.fixture(scope="module", params=BACKENDS)
+@pytest.fixture(scope="module", params=GRAMMAR_BACKENDS)
 def manager(request, tokenizer):
     return StructuredOutputs(request.param, tokenizer, 384, {EOS}, max_rows=1)
 
@@ -85,7 +85,7 @@ def test_ebnf_and_gbnf_grammars_still_read_as_such(manager, tokenizer, name):
     assert not any(accepts(manager, tokenizer, grammar, text) for text in bad)
 
 
-@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("backend", GRAMMAR_BACKENDS)
 @pytest.mark.parametrize("grammar, message", [
     ("start: foo", r"read as Lark \(no rule is defined with '::='\): .*foo"),
     ('?start: "a" (', r"read as Lark"),
@@ -99,7 +99,7 @@ def test_an_invalid_grammar_names_the_field_and_how_it_was_read(backend, grammar
         check_constraint(StructuredOutputsParams(grammar=grammar), backend)
 
 
-@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("backend", GRAMMAR_BACKENDS)
 def test_a_lark_grammar_constrains_generation(tied_model, tokenizer, backend):
     prompts = [tokenizer.encode(text) for text in ["List all primes", "The quick brown fox", "Hello, my name is"]]
     params = [SamplingParams(temperature=t, seed=i, max_tokens=24,

@@ -8,6 +8,7 @@ import pytest
 import regex
 import torch
 from checkpoints import make_checkpoint
+from grammar_backends import GRAMMAR_BACKENDS
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from nanovllm import LLM, SamplingParams, StructuredOutputsParams
@@ -17,7 +18,6 @@ from nanovllm.structured_output.backends import check_constraint
 from nanovllm.structured_output.bitmask import TokenBitmask, apply_token_bitmask
 from nanovllm.structured_output.manager import StructuredOutputs
 
-BACKENDS = ["guidance", "xgrammar"]
 ATOMS = [r"[a-z]", r"[0-9]", r"[A-Z][a-z]+", "fox", "the", r"[0-9]+", " ", ", ", "(cat|dog|sun)", r"[aeiou]{2}"]
 EOS = 0
 
@@ -48,7 +48,7 @@ def tokenizer(tied_model):
     return AutoTokenizer.from_pretrained(tied_model)
 
 
-@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("backend", GRAMMAR_BACKENDS)
 def test_mask_never_allows_a_token_the_regex_forbids(tokenizer, backend):
     rng = random.Random(0)
     texts = token_texts(tokenizer)
@@ -132,7 +132,7 @@ def llm(tied_model):
         yield engine
 
 
-@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("backend", GRAMMAR_BACKENDS)
 def test_constrained_greedy_is_the_argmax_over_what_the_mask_allows(tied_model, tokenizer, backend):
     pattern = r"([a-z]{1,6} ){3,8}(cat|dog)\."
     params = SamplingParams(temperature=0, max_tokens=60,

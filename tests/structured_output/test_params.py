@@ -1,5 +1,6 @@
 """vLLM's structured-outputs API: the params, their checks and the engine setting, without a model."""
 import pytest
+from grammar_backends import GRAMMAR_BACKENDS, needs_xgrammar
 
 import nanovllm
 from nanovllm import SamplingParams, StructuredOutputsParams
@@ -49,7 +50,7 @@ def test_sampling_params_takes_only_structured_outputs_params():
         SamplingParams(structured_outputs={"json": {}})
 
 
-@pytest.mark.parametrize("backend", ["guidance", "xgrammar"])
+@pytest.mark.parametrize("backend", GRAMMAR_BACKENDS)
 @pytest.mark.parametrize("kwargs, message", [
     ({"json": '{"type": "object",'}, "structured_outputs.json is not valid JSON"),
     ({"json": {"type": "frobnicate"}}, "(?s)structured_outputs.json is not a valid JSON schema: .*frobnicate"),
@@ -61,7 +62,7 @@ def test_invalid_constraints_name_the_field_and_the_backends_message(backend, kw
         check_constraint(StructuredOutputsParams(**kwargs), backend)
 
 
-@pytest.mark.parametrize("backend", ["guidance", "xgrammar"])
+@pytest.mark.parametrize("backend", GRAMMAR_BACKENDS)
 def test_valid_constraints_pass(backend):
     for kwargs in [{"json": {"type": "object", "properties": {"a": {"type": "integer"}}}}, {"json_object": True},
                    {"regex": "[a-z]+"}, {"choice": ["yes", 'a "quoted" no']}, {"grammar": 'root ::= "a" | "b"'}]:
@@ -78,6 +79,10 @@ def test_valid_constraints_pass(backend):
 def test_backend_setting_is_checked(options, message):
     with pytest.raises(ValueError, match=message):
         Config("unused", structured_outputs_config=options)
-    assert Config("unused", structured_outputs_config={"backend": "xgrammar"}).structured_outputs_backend == "xgrammar"
     assert Config("unused").jump_forward and not Config("unused", structured_outputs_config={
         "jump_forward": False}).jump_forward
+
+
+@needs_xgrammar
+def test_a_named_backend_is_taken():
+    assert Config("unused", structured_outputs_config={"backend": "xgrammar"}).structured_outputs_backend == "xgrammar"

@@ -163,6 +163,7 @@ def test_beam_search_structured_output(
 ) -> None:
     """Ensure beam search with structured output produces valid JSON."""
     jsonschema = pytest.importorskip("jsonschema")
+    pytest.importorskip("xgrammar")
     json_schema = {
         "type": "object",
         "properties": {
