@@ -10,6 +10,7 @@ from pathlib import Path
 import pytest
 import torch
 from checkpoints import hf_greedy
+from interpreted import interpreter_unusable
 
 import nanovllm.kernels.attention as backends
 from nanovllm.kernels import fused as compile_mod
@@ -286,6 +287,8 @@ def test_triton_backend_runs_the_engine_on_cpu_under_the_interpreter(tied_model)
     if importlib.util.find_spec("nanovllm.kernels.attention.triton_backend") is None:
         pytest.skip("the Triton attention backend is not in this checkout")
     pytest.importorskip("triton")
+    if reason := interpreter_unusable():
+        pytest.skip(reason)
     shared = list(range(1, 21))
     prompts = [shared + [30], shared + [31, 32], [40] * 5]
     expected = hf_greedy(tied_model, prompts, 6)
