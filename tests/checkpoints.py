@@ -189,7 +189,8 @@ GGUF_Q8_0_TENSORS = ("ffn_gate", "ffn_up", "ffn_down")
 
 def add_bpe_vocab(writer, model_dir: str, eos_token_id: int) -> int:
     """The byte-level BPE tokenizer of `model_dir` (`make_tokenizer`) into a `gguf.GGUFWriter`, as llama.cpp's
-    converter writes a GPT-2 style vocabulary; the number of tokens."""
+    converter writes a GPT-2 style vocabulary; the number of tokens. Its BOS is its EOS, as in Qwen's files: without
+    one, transformers 5.17's GGUF reader fails on the EOS (it reads the BOS id for it)."""
     import gguf
 
     with open(os.path.join(model_dir, "tokenizer.json")) as f:
@@ -199,6 +200,7 @@ def add_bpe_vocab(writer, model_dir: str, eos_token_id: int) -> int:
     writer.add_token_list(tokens)
     writer.add_token_types([gguf.TokenType.CONTROL if t == "<|endoftext|>" else gguf.TokenType.NORMAL for t in tokens])
     writer.add_token_merges([m if isinstance(m, str) else " ".join(m) for m in bpe["merges"]])
+    writer.add_bos_token_id(eos_token_id)
     writer.add_eos_token_id(eos_token_id)
     return len(tokens)
 

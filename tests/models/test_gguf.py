@@ -265,6 +265,16 @@ def test_bad_gguf_inputs(gguf_file, llama_dir, tmp_path, monkeypatch, capsys):
         truncated.write_bytes(open(gguf_file, "rb").read()[:-cut])
         with pytest.raises(ValueError, match="truncated.gguf (is truncated|is not a readable GGUF file)"):
             LLM(str(truncated))
+    import transformers
+
+    def refuse(*args, **kwargs):
+        raise ValueError("GGUF model with architecture llama is not supported yet.")  # as transformers 5.17 refuses
+
+    with monkeypatch.context() as patch:
+        patch.setattr(transformers.AutoTokenizer, "from_pretrained", refuse)
+        with pytest.raises(ValueError, match=r"transformers \S+ could not build the tokenizer of .*tiny-llama.gguf "
+                                             r"\(ValueError: GGUF model .*pip install -U 'transformers>=5.18'"):
+            LLM(gguf_file)
     assert not os.path.isdir(cache_dir() / "gguf-metadata") or os.listdir(cache_dir() / "gguf-metadata") == []
     with open(tmp_path / "tensors.json", "w") as f:
         json.dump(read_table(str(cached_metadata(gguf_file))), f)

@@ -232,12 +232,18 @@ def _write_metadata_into(path: str, target: Path, progress: Progress | None) -> 
         shutil.rmtree(tmp, ignore_errors=True)
 
 
+TOKENIZERS_READ_FROM = "5.18"
+"""The first transformers release whose GGUF reader builds the tokenizers of every family nanovllm runs from GGUF files
+(5.17 refuses Granite, OLMo 2, GPT-NeoX and Gemma files, and fails on a file without a BOS token)."""
+
+
 def tokenizer_of(path: str):
     """The file's tokenizer, by transformers' GGUF tokenizer reader: the class transformers picks for the
     architecture, or the plain fast tokenizer for architectures transformers does not run from GGUF files; a BERT
     file's WordPiece vocabulary, which transformers does not read, by `wordpiece_tokenizer`."""
     from gguf import GGUFReader
     from transformers import AutoTokenizer, PreTrainedTokenizerFast
+    from transformers import __version__ as transformers_version
     from transformers.modeling_gguf_pytorch_utils import GGUF_SUPPORTED_ARCHITECTURES
 
     source = dict(pretrained_model_name_or_path=os.path.dirname(os.path.abspath(path)),
@@ -248,7 +254,13 @@ def tokenizer_of(path: str):
     architecture = fields["general.architecture"].contents()
     known = architecture in GGUF_SUPPORTED_ARCHITECTURES or architecture.replace("moe", "_moe") in \
         GGUF_SUPPORTED_ARCHITECTURES
-    return (AutoTokenizer if known else PreTrainedTokenizerFast).from_pretrained(**source)
+    try:
+        return (AutoTokenizer if known else PreTrainedTokenizerFast).from_pretrained(**source)
+    except (AttributeError, KeyError, TypeError, ValueError) as e:
+        raise ValueError(
+            f"transformers {transformers_version} could not build the tokenizer of {path} ({type(e).__name__}: {e}); "
+            f"transformers {TOKENIZERS_READ_FROM} or newer reads those of every architecture nanovllm runs from GGUF "
+            f"files: pip install -U 'transformers>={TOKENIZERS_READ_FROM}'") from e
 
 
 PHANTOM_SPACE = "\u2581"
