@@ -157,13 +157,18 @@ def make_family_checkpoint(path: str, family: str, *, tie_word_embeddings: bool 
     return path
 
 
+def hf_reference(path: str) -> torch.nn.Module:
+    """transformers' model of the directory `path` in float32 with eager attention: transformers 5.17 runs Gemma 2
+    through SDPA, which drops its soft-capped scores."""
+    return AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32, attn_implementation="eager").eval()
+
+
 @torch.inference_mode()
 def hf_greedy(path: str | torch.nn.Module, prompts: list[list[int]], max_tokens: int,
               device: str = "cpu") -> list[list[int]]:
     """transformers' greedy continuation of each prompt, one prompt at a time, float32, with its KV cache (`path`: a
-    model directory, or a transformers model already loaded)."""
-    model = path if isinstance(path, torch.nn.Module) else \
-        AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).to(device).eval()
+    model directory, see `hf_reference`, or a transformers model already loaded)."""
+    model = path if isinstance(path, torch.nn.Module) else hf_reference(path).to(device)
     outputs = []
     for prompt in prompts:
         ids = torch.tensor([prompt], device=device)
@@ -276,8 +281,9 @@ def teacher_forced(llm, token_ids: list[int]) -> tuple[float, list[int]]:
 
 
 @torch.inference_mode()
-def hf_teacher_forced(model, token_ids: list[int]) -> tuple[float, list[int]]:
-    """`teacher_forced` for a transformers model (float32)."""
+def hf_teacher_forced(model: str | torch.nn.Module, token_ids: list[int]) -> tuple[float, list[int]]:
+    """`teacher_forced` for a transformers model (float32), or the directory of one (`hf_reference`)."""
+    model = hf_reference(model) if isinstance(model, str) else model
     logits = model(input_ids=torch.tensor([token_ids])).logits[0, :-1].float()
     nll = torch.nn.functional.cross_entropy(logits, torch.tensor(token_ids[1:]))
     return math.exp(float(nll)), logits.argmax(-1).tolist()

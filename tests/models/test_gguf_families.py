@@ -124,7 +124,7 @@ def test_q8_0_gguf_runs_in_its_blocks_and_agrees_with_its_dequantized_model(chec
     """Every matrix but norms and routers in Q8_0, experts included: nanovllm keeps them as GGML blocks; over a text,
     its perplexity is within 2% of transformers' on the dequantized weights and its most likely next token the same
     at >= 95% of positions."""
-    from transformers import AutoModelForCausalLM, AutoTokenizer
+    from transformers import AutoTokenizer
 
     path = checkpoint(name)
     gguf_path = write_gguf(str(tmp_path / f"{name}-q8_0.gguf"), path, qtype="Q8_0")
@@ -137,8 +137,8 @@ def test_q8_0_gguf_runs_in_its_blocks_and_agrees_with_its_dequantized_model(chec
                    for m in model.modules() if isinstance(m, FusedMoE))
         ppl, top1 = teacher_forced(llm, ids)
     reference = _dequantized_reference(path, "Q8_0", str(tmp_path / "dequantized"))
-    ref_ppl, ref_top1 = hf_teacher_forced(AutoModelForCausalLM.from_pretrained(reference).eval(), ids)
-    original_ppl, _ = hf_teacher_forced(AutoModelForCausalLM.from_pretrained(path).eval(), ids)
+    ref_ppl, ref_top1 = hf_teacher_forced(reference, ids)
+    original_ppl, _ = hf_teacher_forced(path, ids)
     assert ref_ppl != original_ppl  # the reference is the rounded model, not the original one
     assert abs(ppl / ref_ppl - 1) < 0.02, (ppl, ref_ppl)
     assert sum(a == b for a, b in zip(top1, ref_top1)) >= 0.95 * len(top1)
