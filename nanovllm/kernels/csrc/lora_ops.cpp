@@ -11,6 +11,16 @@
 #include "cpu_math.h"
 #include "cpu_ops.h"
 
+// A row goes through `lora_tile<1>` alone and `lora_tile<TILE>` beside rows of its adapter: its bits agree only if
+// both round every multiply-add alike. Fusing some into FMAs in one instantiation and not in the other is the one
+// value-changing freedom the compiler has here (with GCC 13.3 on a Sapphire Rapids Xeon a row's delta changed with its
+// batch), so nothing is fused.
+#if defined(__clang__)
+#pragma clang fp contract(off)
+#elif defined(__GNUC__)
+#pragma GCC optimize("fp-contract=off")
+#endif
+
 namespace {
 
 // The slice table's columns: the adapter slot, its first row in the stacked A, its rank, its output columns
