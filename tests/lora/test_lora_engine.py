@@ -37,7 +37,7 @@ def make_adapter(base: str, path: str, seed: int, **settings) -> str:
 def peft_greedy(base: str, adapter: str | None, prompts: list[list[int]], device: str = "cpu") -> list[list[int]]:
     model = AutoModelForCausalLM.from_pretrained(base, dtype=torch.float32)
     if adapter is not None:
-        model = peft.PeftModel.from_pretrained(model, adapter)
+        model = peft.PeftModel.from_pretrained(model, adapter, torch_device="cpu")  # as the model, whatever GPUs
     return hf_greedy(model.to(device).eval(), prompts, MAX_TOKENS, device)
 
 
@@ -258,7 +258,7 @@ def test_beam_search_under_an_adapter_is_the_merged_models(qwen3, tmp_path):
     from nanovllm import BeamSearchParams
 
     merged = peft.PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(qwen3["base"], dtype=torch.float32),
-                                            qwen3["adapters"]["a"]).merge_and_unload()
+                                            qwen3["adapters"]["a"], torch_device="cpu").merge_and_unload()
     merged.save_pretrained(str(tmp_path / "merged"))
     params = BeamSearchParams(beam_width=3, max_tokens=6, ignore_eos=True)
     a = qwen3["requests"]["a"]

@@ -23,6 +23,7 @@ import torch.nn.functional as F
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from nanovllm import as_vllm
+from nanovllm.engine import setup
 
 from .models import local_model
 
@@ -58,6 +59,16 @@ from vllm.sampling_params import BeamSearchParams  # noqa: E402
 
 def pytest_collection_finish(session) -> None:
     as_vllm().remove()
+
+
+@pytest.fixture(scope="package", autouse=True)
+def on_the_cpu():
+    """The ported tests' engines on the CPU, as the runners' (device "auto" is the CPU, whatever GPUs there are), their
+    module fixtures' too."""
+    resolve_device = setup.resolve_device
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(setup, "resolve_device", lambda device: resolve_device("cpu" if device == "auto" else device))
+        yield
 
 
 @pytest.fixture(autouse=True)
