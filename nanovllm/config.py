@@ -31,7 +31,8 @@ DEFAULT_PROMPT_LOOKUP = 5  # vLLM's n-gram length when neither bound is given
 # sequences and D drafts costs about fixed + (1 + per_sequence) * B + D: the fixed part reads the weights, each
 # sequence brings its host work, sampling and attention besides its row. Fitted to step times with 2 to 16 requests
 # (k=5, always on) on the 2-core CPU with SmolLM2-135M (README, speculative decoding); the CUDA figures are a guess,
-# not measured: a GPU stays bound by reading the weights up to hundreds of rows.
+# not measured: a GPU stays bound by reading the weights up to hundreds of rows. Where decode replays CUDA graphs, a
+# step with drafts runs eagerly: the runner measures that price apart (`nanovllm.execution.cuda_graph.VerifyPrice`).
 STEP_COST = {"cpu": (8, 8), "cuda": (256, 1)}
 # vLLM V1's refusal of custom logits processors beside speculative decoding, in its words
 SPEC_DECODE_REJECTS_LOGITS_PROCESSORS = "Custom logits processors are not supported when speculative decoding is " \

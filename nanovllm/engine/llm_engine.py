@@ -7,7 +7,7 @@ from contextlib import contextmanager
 from itertools import count
 from typing import TYPE_CHECKING
 
-from nanovllm.config import Config, VllmConfig
+from nanovllm.config import STEP_COST, Config, VllmConfig
 from nanovllm.core.scheduler import ScheduledBatch, Scheduler, SchedulerConfig
 from nanovllm.core.sequence import Sequence
 from nanovllm.core.stopping import token_finish
@@ -23,7 +23,7 @@ from nanovllm.metrics import one_two_five_buckets
 from nanovllm.outputs import RequestOutput, TokenLogprobs
 from nanovllm.sampling_params import SamplingParams
 from nanovllm.spec_decode.grammar_drafts import GrammarDrafts
-from nanovllm.spec_decode.proposer import DraftModelProposer, NgramProposer
+from nanovllm.spec_decode.proposer import DraftModelProposer, NgramProposer, drafts_pay
 from nanovllm.spec_decode.stats import spec_decode_stats
 from nanovllm.structured_output.manager import StructuredOutputs
 
@@ -364,6 +364,18 @@ class LLMEngine:
             self.scheduler.abort(seq.seq_id)
         self._forget(request)
 
+    def _price_drafts(self) -> None:
+        """Drop the drafts of the step ahead where verifying them costs more than they bring (`drafts_pay`): on CUDA,
+        where decode replays graphs and a step with drafts cannot (`ModelRunner.verify_cost`)."""
+        running = self.scheduler.running
+        if not any(seq.spec_token_ids for seq in running):
+            return
+        price = self.model_runner.verify_cost(running)
+        if price > 1 and not drafts_pay(running, STEP_COST[self.config.device],
+                                        price * (self.proposer.draft_factor if self.proposer is not None else 1)):
+            for seq in running:
+                seq.spec_token_ids = []
+
     def _step(self) -> tuple[ScheduledBatch, list[Request]]:
         """One step: schedule, run, append the sampled tokens, detokenize and apply stop strings. Returns the
         step's batch and the requests that got a token in it. A request whose output processing fails is aborted
@@ -371,6 +383,7 @@ class LLMEngine:
         if self.proposer is not None:
             self.proposer.propose(self.scheduler.running)
         self.grammar_drafts.propose(self.scheduler.running, proposed=self.proposer is not None)
+        self._price_drafts()
         batch = self.scheduler.schedule()
         if not batch and self.structured.wait_for_compile():  # only requests whose grammar compiles are left
             batch = self.scheduler.schedule()

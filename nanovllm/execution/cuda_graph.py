@@ -1,14 +1,19 @@
-"""CUDA-graph decode: one captured graph per padded batch size, replayed with the batch copied into static buffers.
+"""CUDA-graph decode: one captured graph per padded batch size, replayed with the batch copied into static buffers;
+and what a step that verifies drafts, which no graph replays, costs against one that replays a graph.
 
-The bucketing and padding below are plain tensor code, so they are unit-tested on CPU; only
-`DecodeGraphs` needs a GPU.
+The bucketing, padding and pricing below are plain code, so they are unit-tested on CPU; only `DecodeGraphs` needs a
+GPU.
 """
 import bisect
+import math
 from dataclasses import dataclass
 
 import torch
 from torch import nn
 
+from nanovllm.core.scheduler import ScheduledBatch
+from nanovllm.core.sequence import Sequence
+from nanovllm.execution.stopwatch import SizeClassRatios
 from nanovllm.kernels.attention.context import Context, reset_context, set_context
 
 MAX_GRAPH_BATCH_SIZE = 512
@@ -122,3 +127,40 @@ class DecodeGraphs:
         self.buffers.load(input_ids, positions, ctx)
         self.graphs[pick_batch_size(self.sizes, n)].replay()
         return self.buffers.hidden_states[:n]
+
+
+def verifies(batch: ScheduledBatch) -> bool:
+    """Whether `batch` is a decode step but for drafts: each sequence computes its last token and its drafts."""
+    return any(batch.drafts) and all(n == 1 + len(drafts) for n, drafts in zip(batch.num_tokens, batch.drafts))
+
+
+class VerifyPrice:
+    """What a step verifying drafts costs, in decode steps of the same batch, where decode replays CUDA graphs: the
+    graphs hold one query row per sequence, so a verify step runs eagerly, launch by launch, which at small batch can
+    cost several replays while the cost model of the adaptive draft count (`STEP_COST`) prices a row as nearly free.
+    Measured on the device (`Stopwatch`: CUDA events) per size class of the batch: the replays' time (a moving
+    average), each eager verify step's against it (`SizeClassRatios`; prior 1, so that every size speculates once)."""
+
+    def __init__(self, max_graph_batch: int):
+        self.max_graph_batch = max_graph_batch
+        self.replay_seconds: dict[int, float] = {}
+        self.ratios = SizeClassRatios(prior=1.0)
+
+    def observe(self, batch: ScheduledBatch, replayed: bool, seconds: float) -> None:
+        """`batch` ran in `seconds`, replaying a graph or not."""
+        size = len(batch).bit_length()
+        if replayed:
+            last = self.replay_seconds.get(size)
+            self.replay_seconds[size] = seconds if last is None else 0.7 * last + 0.3 * seconds
+        elif size in self.replay_seconds and len(batch) <= self.max_graph_batch and verifies(batch):
+            self.ratios.observe(len(batch), seconds / self.replay_seconds[size])
+
+    def __call__(self, running: list[Sequence]) -> float:
+        """What the next step of `running` costs with drafts against without: 1 where it runs eagerly anyway (a
+        prompt's chunk is left, or the batch is larger than every graph); infinite where no replay of its size class
+        has been timed yet (its drafts wait a step, which replays a graph and is timed); else as measured."""
+        if len(running) > self.max_graph_batch or any(len(seq) - seq.num_computed_tokens > 1 for seq in running):
+            return 1.0
+        if len(running).bit_length() not in self.replay_seconds:
+            return math.inf
+        return self.ratios(len(running))

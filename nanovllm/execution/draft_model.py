@@ -33,7 +33,7 @@ from nanovllm.execution.model_loading import load_runner_model
 from nanovllm.execution.sampler import DeviceTail, Sampler, SamplingRow, to_host
 from nanovllm.execution.sampling_ops import draw_tokens, greedy_tokens
 from nanovllm.execution.step_inputs import Chunk, set_step_context, to_device
-from nanovllm.execution.stopwatch import Stopwatch
+from nanovllm.execution.stopwatch import SizeClassRatios, Stopwatch
 from nanovllm.kernels.attention import Platform, load_backend
 from nanovllm.kernels.attention.context import get_context, reset_context
 
@@ -64,7 +64,7 @@ class DraftModel:
         self.kv_cache = None
         self.computed: dict[int, int] = {}  # seq id -> positions whose draft K/V are in the cache
         self.last_start: dict[int, int] = {}  # seq id -> where its last scheduled chunk started
-        self.ratios: dict[int, float] = {}  # size class of the speculating sequences -> a draft forward / target step
+        self.ratios = SizeClassRatios(PRIOR_RATIO)  # a draft forward / a target step, by the speculating sequences
         self.last_run: tuple[int, int, Stopwatch] | None = None  # (sequences, forwards, time) of the last proposal
 
     def bind(self, num_blocks: int) -> None:
@@ -127,19 +127,12 @@ class DraftModel:
         if self.last_run is None:
             return
         (num_seqs, forwards, draft), self.last_run = self.last_run, None
-        ratio, size = draft.seconds() / forwards / max(target.seconds(), 1e-6), num_seqs.bit_length()
-        self.ratios[size] = ratio if size not in self.ratios else 0.7 * self.ratios[size] + 0.3 * ratio
+        self.ratios.observe(num_seqs, draft.seconds() / forwards / max(target.seconds(), 1e-6))
 
     def forward_ratio(self, num_seqs: int) -> float:
-        """What a draft forward over `num_seqs` sequences costs in target steps: as measured for their size class
-        (sizes within a factor of 2), else an optimistic `PRIOR_RATIO`, so that every size is tried. Each query
-        moves the class's figure 1% towards the prior: a class found too costly to speculate at (so no longer
-        measured) is tried again after some hundred steps, in case the machine was busy."""
-        size = num_seqs.bit_length()
-        if size not in self.ratios:
-            return PRIOR_RATIO
-        self.ratios[size] = 0.99 * self.ratios[size] + 0.01 * PRIOR_RATIO
-        return self.ratios[size]
+        """What a draft forward over `num_seqs` sequences costs in target steps: as measured for their size class,
+        else an optimistic `PRIOR_RATIO`, so that every size is tried (`SizeClassRatios`)."""
+        return self.ratios(num_seqs)
 
     @staticmethod
     def _inputs(tokens: torch.Tensor, speculating: list[tuple[Sequence, int, list[int]]], j: int) -> torch.Tensor:

@@ -8,9 +8,10 @@ import torch
 
 from nanovllm.config import Config
 from nanovllm.core.scheduler import ScheduledBatch
+from nanovllm.core.sequence import Sequence
 from nanovllm.execution.cpu_decode import SHORT_QUERIES, cpu_decoder
 from nanovllm.execution.cpu_threads import ThreadGovernor
-from nanovllm.execution.cuda_graph import DecodeGraphs, graph_batch_sizes
+from nanovllm.execution.cuda_graph import DecodeGraphs, VerifyPrice, graph_batch_sizes
 from nanovllm.execution.draft_model import DraftModel
 from nanovllm.execution.kv_cache import bind_kv_cache, create_kv_cache, release_kv_cache, restore_kv_cache
 from nanovllm.execution.logits_processors import build_logits_processors
@@ -110,19 +111,21 @@ class ModelRunner:
         self.cpu_decoder = None  # decode steps in one C++ call (`nanovllm.execution.cpu_decode`)
         if not on_gpu and cpu_kernels() is not None and not config.enforce_eager:
             self.cpu_decoder = cpu_decoder(self.model)
-        self.graphs = None
+        self.graphs = self.verify_price = None
         if on_gpu and not config.enforce_eager and self.backend.capturable and config.runner == "generate":
             with self.loras.capturing() if self.loras is not None else nullcontext():
                 self.graphs = DecodeGraphs(self.model, config.max_num_seqs, config.blocks_per_sequence,
                                            config.max_model_len, config.hf_config.hidden_size, config.torch_dtype,
                                            self.device)
+            self.verify_price = VerifyPrice(self.graphs.sizes[-1])
+        self.replayed = False  # whether the last model run replayed a graph
 
     def exit(self) -> None:
         if self.workers is not None:
             self.workers.shutdown()
         if self.governor is not None:
             self.governor.restore()
-        self.graphs = None
+        self.graphs = self.verify_price = None
         self.cpu_decoder = None
         self.kv_cache = None
         self.stowed = self.draft_stowed = None
@@ -209,7 +212,7 @@ class ModelRunner:
         rotary tables, are kept, in host memory on CUDA). A draft model's weights are kept as at level 1 whatever the
         level (`load_weights` never reaches them). The C++ decoder and the CUDA graphs, which hold the old
         addresses, go; `wake_up_rank` builds them again."""
-        self.graphs = None
+        self.graphs = self.verify_price = None
         self.cpu_decoder = None
         release_kv_cache(self.model, self.kv_cache)
         on_gpu = self.device.type == "cuda"
@@ -317,8 +320,9 @@ class ModelRunner:
                    token_type_ids: torch.Tensor | None) -> torch.Tensor | None:
         ctx = get_context()
         with self._timed("model"):
-            replay = self.graphs is not None and ctx.is_decode and ctx.rope_lengths is None
-            if replay and self.graphs.fits(input_ids.size(0)):
+            self.replayed = self.graphs is not None and ctx.is_decode and ctx.rope_lengths is None \
+                and self.graphs.fits(input_ids.size(0))
+            if self.replayed:
                 hidden_states = self.graphs.run(input_ids, positions, ctx)
             elif self.cpu_decoder is not None and ctx.max_seqlen_q <= SHORT_QUERIES:
                 hidden_states = self.cpu_decoder(input_ids, positions)
@@ -350,7 +354,8 @@ class ModelRunner:
             input_ids, positions, prompt_rows = self.prepare(batch)
             types = step_token_types(batch) if self.pooler is not None else None
         with self._governed():
-            watch = Stopwatch(self.device).start() if self.drafter is not None else None
+            timed = self.drafter is not None or self.verify_price is not None
+            watch = Stopwatch(self.device).start() if timed else None
             lora_rows = [(seq.lora_int_id, n) for seq, n in zip(batch.seqs, batch.num_tokens)] if self.loras else None
             logits = self.call("run_model", input_ids, positions,
                                None if types is None else to_device(types, torch.int64, self.device), lora_rows)
@@ -374,7 +379,14 @@ class ModelRunner:
                     if sampling or prompt is not None else SamplerOutput([])
         if self.drafter is not None:  # the step's tokens are on the host: reading the watch waits for nothing
             self.drafter.observe_target(watch)
+        if self.verify_price is not None:
+            self.verify_price.observe(batch, self.replayed, watch.seconds())
         return output
+
+    def verify_cost(self, running: list[Sequence]) -> float:
+        """What the next step of `running` costs if it verifies drafts, in steps without them: 1 but where decode
+        replays CUDA graphs (`VerifyPrice`)."""
+        return 1.0 if self.verify_price is None else self.verify_price(running)
 
     def _timed(self, phase: str) -> AbstractContextManager:
         """Around one phase of a step: nothing, unless `phase_seconds` is a dict (see `__init__`)."""

@@ -33,3 +33,25 @@ class Stopwatch:
             self.events[i].record()
         else:
             self.times[i] = time.perf_counter()
+
+
+class SizeClassRatios:
+    """A measured cost ratio per size class of a step's sequences (sizes within a factor of 2), the moving average of
+    what was observed; `prior` for a class never observed. Each query moves a class's figure 1% back towards the
+    prior, so that a class found too costly to be used (so no longer observed) is tried again after some hundred
+    steps, in case the machine was busy when it was measured."""
+
+    def __init__(self, prior: float):
+        self.prior = prior
+        self.ratios: dict[int, float] = {}
+
+    def observe(self, num_seqs: int, ratio: float) -> None:
+        size = num_seqs.bit_length()
+        self.ratios[size] = ratio if size not in self.ratios else 0.7 * self.ratios[size] + 0.3 * ratio
+
+    def __call__(self, num_seqs: int) -> float:
+        size = num_seqs.bit_length()
+        if size not in self.ratios:
+            return self.prior
+        self.ratios[size] = 0.99 * self.ratios[size] + 0.01 * self.prior
+        return self.ratios[size]

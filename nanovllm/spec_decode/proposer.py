@@ -60,8 +60,10 @@ class NgramProposer:
     def __init__(self, spec: SpeculativeConfig, max_model_len: int):
         self.spec = spec
         self.max_model_len = max_model_len
+        self.draft_factor = 1.0  # what the last proposal's step costs for drafting, in steps of the target alone
 
     def propose(self, running: list[Sequence]) -> None:
+        self.draft_factor = 1.0
         limit = self.spec.disable_by_batch_size
         enabled = limit is None or len(running) < limit
         proposals = {}
@@ -86,6 +88,18 @@ class NgramProposer:
 
     def _room(self, seq: Sequence) -> int:
         return draft_room(seq, self.spec.num_speculative_tokens, self.max_model_len)
+
+
+def drafts_pay(running: list[Sequence], step_cost: tuple[int, int], price: float) -> bool:
+    """Whether the running sequences' drafts (`spec_token_ids`) are worth verifying in a step that costs `price`
+    times the same step without them (where a plain step replays a CUDA graph and a verify step cannot): more
+    expected tokens per cost with them than without, in `keep_drafts`' cost model."""
+    fixed, per_sequence = step_cost
+    num_seqs = len(running)
+    cost = fixed + per_sequence * num_seqs + sum(len(seq) - seq.num_computed_tokens for seq in running)
+    drafts = sum(len(seq.spec_token_ids) for seq in running)
+    expected = num_seqs + sum(acceptance(seq) ** j for seq in running for j in range(1, len(seq.spec_token_ids) + 1))
+    return expected / (price * (cost + drafts)) > num_seqs / cost
 
 
 def keep_model_drafts(proposals: dict[Sequence, list[int]], num_seqs: int, num_rows: int,
@@ -123,5 +137,7 @@ class DraftModelProposer(NgramProposer):
         return [] if seq.grammar is not None else [0] * self._room(seq)
 
     def _keep(self, proposals: dict[Sequence, list[int]], num_seqs: int, num_rows: int) -> dict[Sequence, int]:
-        return keep_model_drafts(proposals, num_seqs, num_rows, self.spec.step_cost,
-                                 self.forward_ratio(len(proposals)))
+        ratio = self.forward_ratio(len(proposals))
+        kept = keep_model_drafts(proposals, num_seqs, num_rows, self.spec.step_cost, ratio)
+        self.draft_factor = 1 + max(kept.values()) * ratio
+        return kept

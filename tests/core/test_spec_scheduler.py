@@ -7,7 +7,7 @@ from nanovllm.core.scheduler import Scheduler, SchedulerConfig
 from nanovllm.core.sequence import Sequence
 from nanovllm.sampling_params import SamplingParams
 from nanovllm.spec_decode.ngram import ngram_proposal
-from nanovllm.spec_decode.proposer import NgramProposer, acceptance, keep_drafts
+from nanovllm.spec_decode.proposer import NgramProposer, acceptance, drafts_pay, keep_drafts
 
 BS = 4
 
@@ -127,6 +127,28 @@ def test_adaptive_rule_keeps_drafts_that_pay_for_their_rows():
     assert sorted(set(kept.values())) == [0, 5] and sum(kept.values()) == 32 * 5
     # where a row costs as much as the step's fixed part, only drafts likelier than a token per cost are kept
     assert set(keep_drafts({good: [7] * 5}, num_seqs=64, num_rows=64, step_cost=(0, 0)).values()) == {0}
+
+
+def test_drafts_pay_a_verify_step_that_costs_more_only_with_enough_expected_tokens():
+    """Where a plain step replays a CUDA graph and a verify step cannot (costing `price` plain steps), drafts are
+    kept while their expected tokens per cost beat the plain step's: at batch 1 on CUDA (a step costs 256 + 1 + 1
+    rows), five likely drafts (4.6 tokens expected) pay a verify step of 3 plain steps, not one of 5."""
+    def decoding(accepted: int, trials: int, drafts: int) -> Sequence:
+        seq = Sequence(0, [1, 2, 3], BS, SamplingParams())
+        seq.num_computed_tokens = 2
+        seq.spec_accepted, seq.spec_trials, seq.spec_token_ids = accepted, trials, [7] * drafts
+        return seq
+
+    good, poor = decoding(90, 100, 5), decoding(5, 100, 5)
+    expected = 1 + sum(acceptance(good) ** j for j in range(1, 6))
+    assert 4.5 < expected < 4.7
+    cuda = STEP_COST["cuda"]
+    assert drafts_pay([good], cuda, price=1.0) and drafts_pay([good], cuda, price=3.0)
+    assert not drafts_pay([good], cuda, price=5.0)
+    assert drafts_pay([poor], cuda, price=1.0) and not drafts_pay([poor], cuda, price=1.1)
+    # at batch 64 one sequence's drafts hardly raise the step's tokens: not worth a step that costs 1.5 plain ones
+    batch = [good] + [decoding(0, 0, 0) for _ in range(63)]
+    assert drafts_pay(batch, cuda, price=1.0) and not drafts_pay(batch, cuda, price=1.5)
 
 
 def test_vllm_older_ngram_model_name_is_the_ngram_method():

@@ -1,6 +1,8 @@
 """Speculative decoding with a draft model: a smaller random model, the target quantized at load (int8) or a GGUF
 copy of it. Greedy output is transformers' token for token, seeded sampling the same as without speculation, whatever
 the batch, the cache or preemption; every block is freed; a draft that cannot serve the target is refused."""
+from dataclasses import replace
+
 import pytest
 from checkpoints import hf_greedy, make_checkpoint
 from test_engine_parity import assert_all_blocks_free, random_prompts
@@ -175,6 +177,24 @@ def test_the_draft_models_cost_decides_how_deep_it_drafts():
     for seq in seqs:
         seq.spec_trials, seq.spec_accepted = 40, 10
     assert 0 < max(keep_model_drafts(proposals, 4, 4, (8, 8), 0.05).values()) < 5
+
+
+def test_the_draft_models_forwards_are_part_of_a_steps_price():
+    """What a proposal's step costs beyond the target's forward (its d draft forwards at `forward_ratio` each), for
+    the engine's pricing of drafts against a step that costs more with them (`drafts_pay`)."""
+    from nanovllm.config import STEP_COST, parse_speculative_config
+    from nanovllm.core.sequence import Sequence
+    from nanovllm.spec_decode.proposer import DraftModelProposer
+
+    spec = parse_speculative_config({"model": "draft", "num_speculative_tokens": 3})
+    proposer = DraftModelProposer(replace(spec, step_cost=STEP_COST["cuda"]), 64, lambda num_seqs: 0.1)
+    seq = Sequence(0, [1, 2, 3], 16, SamplingParams())
+    seq.num_computed_tokens = 2
+    proposer.propose([seq])
+    assert seq.spec_token_ids == [0] * 3 and proposer.draft_factor == pytest.approx(1.3)
+    seq.params = SamplingParams(max_tokens=1)  # no room for drafts: nothing drafted, nothing to pay
+    proposer.propose([seq])
+    assert seq.spec_token_ids == [] and proposer.draft_factor == 1.0
 
 
 def test_a_draft_turned_off_by_batch_size_runs_no_forward(tied_model, small_draft, monkeypatch):

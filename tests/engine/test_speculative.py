@@ -5,6 +5,8 @@ from checkpoints import hf_greedy
 from test_engine_parity import assert_all_blocks_free, random_prompts
 
 from nanovllm import LLM, SamplingParams
+from nanovllm.execution.cuda_graph import VerifyPrice
+from nanovllm.execution.model_runner import ModelRunner
 
 NGRAM = {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_max": 3, "prompt_lookup_min": 1,
          "disable_by_batch_size": 64}
@@ -113,6 +115,26 @@ def test_disable_by_batch_size_turns_proposals_off(tied_model):
         llm.generate(prompts[:2], GREEDY, use_tqdm=False)
         assert llm.stats()["num_draft_tokens"] > 0
     assert [o["token_ids"] for o in outputs] == hf_greedy(tied_model, prompts, MAX_TOKENS)
+
+
+def test_drafts_that_do_not_pay_a_costlier_verify_step_are_dropped(tied_model, monkeypatch):
+    """Where a verify step costs more than a plain one (on CUDA: no graph replays it), drafts are kept only where
+    they pay for it: none at 1,000 plain steps. With the runner's measured price (`VerifyPrice`, here told that a
+    graph replay takes a nanosecond), the first verify step is tried, timed, and no other follows."""
+    prompts = grounded_prompts([8], seed=5)
+    expected = hf_greedy(tied_model, prompts, MAX_TOKENS)
+    with monkeypatch.context() as patch:
+        patch.setattr(ModelRunner, "verify_cost", lambda self, running: 1000.0)
+        with spec_llm(tied_model) as llm:
+            assert [o["token_ids"] for o in llm.generate(prompts, GREEDY, use_tqdm=False)] == expected
+            assert llm.stats()["num_draft_tokens"] == 0
+    with spec_llm(tied_model) as llm:
+        runner = llm.engine.model_runner
+        runner.verify_price = VerifyPrice(max_graph_batch=8)
+        runner.verify_price.replay_seconds[1] = 1e-9
+        assert [o["token_ids"] for o in llm.generate(prompts, GREEDY, use_tqdm=False)] == expected
+        assert llm.stats()["num_spec_rows"] == 1 and llm.stats()["num_draft_tokens"] > 0
+        assert runner.verify_price.ratios.ratios[1] > 1000
 
 
 def test_penalized_requests_run_without_drafts(tied_model):

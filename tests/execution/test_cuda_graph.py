@@ -1,9 +1,14 @@
-"""CUDA-graph decode bookkeeping (batch-size buckets, padding into static buffers), tested on CPU."""
+"""CUDA-graph decode bookkeeping (batch-size buckets, padding into static buffers, the price of a verify step that no
+graph replays), tested on CPU."""
+import math
+
 import pytest
 import torch
 
 from nanovllm import LLM, SamplingParams
-from nanovllm.execution.cuda_graph import DecodeBuffers, graph_batch_sizes, pick_batch_size
+from nanovllm.core.scheduler import ScheduledBatch
+from nanovllm.core.sequence import Sequence
+from nanovllm.execution.cuda_graph import DecodeBuffers, VerifyPrice, graph_batch_sizes, pick_batch_size, verifies
 from nanovllm.kernels.attention.context import Context, get_context, reset_context
 
 
@@ -97,3 +102,53 @@ def test_padded_decode_equals_unpadded_decode(tied_model):
         torch.testing.assert_close(padded, eager, rtol=1e-5, atol=1e-5)
         assert torch.equal(runner.model.compute_logits(padded).argmax(-1),
                            runner.model.compute_logits(eager).argmax(-1))
+
+
+def decoding(num_seqs: int, drafts: int = 0) -> tuple[list[Sequence], ScheduledBatch]:
+    """`num_seqs` sequences about to decode (with `drafts` drafts each), and the step that runs them."""
+    seqs = [Sequence(i, [1, 2, 3], 16, SamplingParams()) for i in range(num_seqs)]
+    batch = ScheduledBatch()
+    for seq in seqs:
+        seq.num_computed_tokens = 2
+        seq.spec_token_ids = [5] * drafts
+        batch.add(seq, 1 + drafts, seq.spec_token_ids)
+        seq.num_computed_tokens = 2
+    return seqs, batch
+
+
+def test_a_verify_step_is_priced_against_the_graph_replays_of_its_size_class():
+    price = VerifyPrice(max_graph_batch=8)
+    seqs, plain = decoding(2)
+    _, verify = decoding(2, drafts=3)
+    assert verifies(verify) and not verifies(plain)
+    assert price(seqs) == math.inf  # no replay of 2-3 sequences timed: the next step replays one
+    price.observe(plain, replayed=True, seconds=0.010)
+    assert price(seqs) == 1.0  # the prior: speculate, and time it
+    price.observe(verify, replayed=False, seconds=0.030)
+    assert price(seqs) == pytest.approx(0.99 * 3.0 + 0.01)
+    assert price(decoding(3)[0]) == pytest.approx(0.99 * (0.99 * 3.0 + 0.01) + 0.01)  # 3 is in 2's class
+    assert price(decoding(4)[0]) == math.inf  # 4-7 is another class
+    prompt, _ = decoding(2)
+    prompt[1].num_computed_tokens = 0
+    assert price(prompt) == 1.0  # a prompt's chunk in the step: it runs eagerly anyway
+    assert price(decoding(9)[0]) == 1.0  # larger than every graph: eager anyway
+    for _ in range(200):  # a class found too costly is tried again: its figure drifts back to the prior
+        last = price(seqs)
+    assert 1.0 < last < 1.3
+
+
+def test_only_verify_steps_that_graphs_could_have_run_are_priced():
+    price = VerifyPrice(max_graph_batch=8)
+    _, plain = decoding(2)
+    price.observe(plain, replayed=True, seconds=0.010)
+    price.observe(plain, replayed=True, seconds=0.020)
+    assert price.replay_seconds[2] == pytest.approx(0.7 * 0.010 + 0.3 * 0.020)
+    _, chunked = decoding(2, drafts=3)
+    chunked.num_tokens[0] += 4  # a chunk of a prompt beside drafts: not a verify step
+    assert not verifies(chunked)
+    price.observe(chunked, replayed=False, seconds=1.0)
+    price.observe(decoding(8)[1], replayed=True, seconds=0.010)
+    _, large = decoding(9, drafts=3)  # in 8's class, but larger than every graph
+    price.observe(large, replayed=False, seconds=1.0)
+    seqs, _ = decoding(2)
+    assert price(seqs) == 1.0 and not price.ratios.ratios

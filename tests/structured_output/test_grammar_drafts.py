@@ -15,6 +15,7 @@ from transformers import AutoTokenizer
 from benchmarks.structured_jump import compare_jump_forward
 from nanovllm import LLM, SamplingParams, StructuredOutputsParams
 from nanovllm.core.sequence import Sequence
+from nanovllm.execution.model_runner import ModelRunner
 from nanovllm.spec_decode.grammar_drafts import GrammarDrafts
 from nanovllm.structured_output.backends import check_constraint
 from nanovllm.structured_output.manager import StructuredOutputs
@@ -173,6 +174,18 @@ def test_output_is_the_same_with_and_without_jump_forward_and_speculation(tied_m
     assert speculated == expected
     assert spec_stats["num_accepted_tokens"] > jump_stats["num_accepted_tokens"]
     assert spec_stats["num_steps"] < jump_stats["num_steps"]
+
+
+def test_forced_tokens_are_dropped_where_a_verify_step_costs_too_much(tied_model, tokenizer, monkeypatch):
+    """Jump-forward's forced tokens are drafts: where a step verifying them costs more than they bring (on CUDA, no
+    graph replays it), the step runs without them, and the output is the same."""
+    prompts, params = mixed_batch(tokenizer)
+    expected, _, _ = run(tied_model, prompts, params, structured_outputs_config={"jump_forward": False})
+    monkeypatch.setattr(ModelRunner, "verify_cost", lambda self, running: 1000.0)
+    priced, completions, stats = run(tied_model, prompts, params)
+    assert priced == expected
+    assert stats["num_draft_tokens"] == 0
+    assert_valid(completions, params)
 
 
 def test_a_draft_model_leaves_constrained_sequences_their_forced_tokens(tied_model, tokenizer):
