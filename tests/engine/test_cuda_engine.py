@@ -107,6 +107,29 @@ def test_float32_tokens_do_not_depend_on_cache_hits_or_the_batch(gpu_model, name
     assert runs["alone"] == runs["batched"]
 
 
+@pytest.mark.parametrize("name", BACKENDS)
+def test_float32_ngram_speculation_beside_the_graphs_is_exact_and_priced(gpu_model, name):
+    """Verify steps run eagerly beside the decode graphs: the output is transformers', and the runner has timed both
+    kinds of step (`VerifyPrice`: speculation tried at least once for a batch size that replays a graph)."""
+    block_size = block_size_for(name)
+    backend = require_backend(name, torch.float32, block_size, HEAD_DIM)
+    if not backend.capturable:
+        pytest.skip(f"{name} runs decode without graphs")
+    rng = random.Random(9)
+    prompts = [[rng.randrange(384) for _ in range(n)] * 3 for n in (12, 20, 7)]
+    params = SamplingParams(temperature=0, max_tokens=32, ignore_eos=True)
+    expected = hf_greedy(gpu_model, prompts, 32, device="cuda")
+    spec = {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_min": 1}
+    with LLM(gpu_model, dtype="float32", attention_backend=name, kvcache_block_size=block_size, max_num_seqs=16,
+             speculative_config=spec) as llm:
+        assert token_ids(llm.generate(prompts, params, use_tqdm=False)) == expected
+        assert [token_ids(llm.generate([p], params, use_tqdm=False))[0] for p in prompts] == expected
+        price = llm.engine.model_runner.verify_price
+        assert price.replay_seconds and price.ratios.ratios
+        assert llm.stats()["num_draft_tokens"] > 0
+        assert_all_blocks_free(llm)
+
+
 @pytest.mark.parametrize("kv_cache_dtype", ["fp8_e4m3", "fp8_e5m2"])
 @pytest.mark.parametrize("name", BACKENDS)
 def test_float32_tokens_over_an_8bit_cache_do_not_depend_on_cache_hits_or_the_batch(gpu_model, name, kv_cache_dtype):
