@@ -368,11 +368,12 @@ class LLMEngine:
         """Drop the drafts of the step ahead where verifying them costs more than they bring (`drafts_pay`): on CUDA,
         where decode replays graphs and a step with drafts cannot (`ModelRunner.verify_cost`)."""
         running = self.scheduler.running
-        if not any(seq.spec_token_ids for seq in running):
+        price = self.model_runner.verify_cost(running)  # 1 at once on the CPU: nothing to scan there
+        if price == 1 or not any(seq.spec_token_ids for seq in running):
             return
-        price = self.model_runner.verify_cost(running)
-        if price > 1 and not drafts_pay(running, STEP_COST[self.config.device],
-                                        price * (self.proposer.draft_factor if self.proposer is not None else 1)):
+        if self.proposer is not None:
+            price *= self.proposer.draft_factor
+        if not drafts_pay(running, STEP_COST[self.config.device], price):
             for seq in running:
                 seq.spec_token_ids = []
 

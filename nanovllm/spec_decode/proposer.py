@@ -31,6 +31,13 @@ def acceptance(seq: Sequence) -> float:
     return (seq.spec_accepted + PRIOR_ACCEPTED) / (seq.spec_trials + PRIOR_TRIALS)
 
 
+def plain_cost(step_cost: tuple[int, int], num_seqs: int, num_rows: int) -> int:
+    """What a step of `num_seqs` sequences and `num_rows` rows costs before its drafts, in rows: with `step_cost`
+    (fixed, per_sequence), fixed + per_sequence * num_seqs + num_rows."""
+    fixed, per_sequence = step_cost
+    return fixed + per_sequence * num_seqs + num_rows
+
+
 def keep_drafts(proposals: dict[Sequence, list[int]], num_seqs: int, num_rows: int,
                 step_cost: tuple[int, int]) -> dict[Sequence, int]:
     """How many of its proposed drafts each sequence keeps, so that the step's expected tokens per unit of cost are
@@ -41,8 +48,7 @@ def keep_drafts(proposals: dict[Sequence, list[int]], num_seqs: int, num_rows: i
     batch only likely ones, and none for a sequence whose drafts are mostly rejected."""
     candidates = sorted(((acceptance(seq) ** j, i, seq) for i, (seq, drafts) in enumerate(proposals.items())
                          for j in range(1, len(drafts) + 1)), key=lambda c: (-c[0], c[1]))
-    fixed, per_sequence = step_cost
-    expected, cost = float(num_seqs), fixed + per_sequence * num_seqs + num_rows
+    expected, cost = float(num_seqs), plain_cost(step_cost, num_seqs, num_rows)
     kept = dict.fromkeys(proposals, 0)
     for gain, _, seq in candidates:
         if gain * cost <= expected:
@@ -94,9 +100,8 @@ def drafts_pay(running: list[Sequence], step_cost: tuple[int, int], price: float
     """Whether the running sequences' drafts (`spec_token_ids`) are worth verifying in a step that costs `price`
     times the same step without them (where a plain step replays a CUDA graph and a verify step cannot): more
     expected tokens per cost with them than without, in `keep_drafts`' cost model."""
-    fixed, per_sequence = step_cost
     num_seqs = len(running)
-    cost = fixed + per_sequence * num_seqs + sum(len(seq) - seq.num_computed_tokens for seq in running)
+    cost = plain_cost(step_cost, num_seqs, sum(len(seq) - seq.num_computed_tokens for seq in running))
     drafts = sum(len(seq.spec_token_ids) for seq in running)
     expected = num_seqs + sum(acceptance(seq) ** j for seq in running for j in range(1, len(seq.spec_token_ids) + 1))
     return expected / (price * (cost + drafts)) > num_seqs / cost
@@ -108,8 +113,7 @@ def keep_model_drafts(proposals: dict[Sequence, list[int]], num_seqs: int, num_r
     d) whose step yields the most expected tokens per cost, where the step's cost is the target's (`keep_drafts`'
     model, each kept draft one more row) times 1 + d x `forward_ratio`, since each of the d draft forwards, which
     all speculating sequences share, costs `forward_ratio` target steps. Depth 0: no drafts."""
-    fixed, per_sequence = step_cost
-    base = fixed + per_sequence * num_seqs + num_rows
+    base = plain_cost(step_cost, num_seqs, num_rows)
     best_rate, best_depth = num_seqs / base, 0
     for depth in range(1, max(map(len, proposals.values())) + 1):
         kept = {seq: min(depth, len(drafts)) for seq, drafts in proposals.items()}
