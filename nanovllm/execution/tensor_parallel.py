@@ -23,11 +23,13 @@ sending the message costs far less than the batch broadcasts, whose cost is most
 process waking up, which any channel would pay.
 
 Failure handling: a worker that raises sends its traceback up its pipe and exits; one that is
-killed just exits. Either way rank 0's next collective fails (gloo reports the closed
-connection at once; a dead worker is also noticed before each dispatch) and rank 0 raises a
-`WorkerFailure` naming the worker, its exit code and its traceback. A worker that is alive but
-stops answering (stopped by a signal, or stuck) makes the collective time out after the engine's
-`distributed_timeout_s`, and the `WorkerFailure` names it and its state. Starting (spawn, rendezvous, model loading,
+killed just exits. Either way rank 0 raises a `WorkerFailure` naming the worker, its exit code and its traceback:
+gloo fails the step's collective as soon as the connection closes, a dead worker is noticed before each dispatch,
+and a watchdog thread notices one that dies or is stopped by a signal mid-step, kills the workers and, on NCCL
+(whose collectives would wait for the timeout, then take the user's process down), aborts the group; the step then
+fails, even where its collectives returned. A worker that is alive but stops answering (stuck) makes the collective
+time out after the engine's `distributed_timeout_s`: on gloo the `WorkerFailure` names it and its state; on NCCL
+torch's own watchdog ends the process (`TORCH_NCCL_ASYNC_ERROR_HANDLING`). Starting (spawn, rendezvous, model loading,
 KV-cache sizing) is bounded by `worker_start_timeout_s` instead: a worker importing torch on a busy machine is slow,
 not stuck. After a worker failure
 the group is shut down at once (no process is left behind); after any other failure inside a
@@ -51,7 +53,7 @@ import torch
 import torch.distributed as dist
 
 from nanovllm.config import Config
-from nanovllm.distributed.process_group import finish_start, join_tp_group, leave_tp_group
+from nanovllm.distributed.process_group import abort_tp_group, finish_start, join_tp_group, leave_tp_group
 from nanovllm.distributed.supervisor import Child, is_stopped, spawn, stop
 from nanovllm.kernels.attention.context import get_context as get_attention_context
 from nanovllm.kernels.attention.context import reset_context, set_context
@@ -147,6 +149,8 @@ class WorkerGroup:
         self.reports: dict[int, str] = {}
         self.workers: list[Child] = []
         self.frozen: dict[int, float] = {}  # rank -> seconds it had been stopped when the watchdog gave up the step
+        self.gave_up = False  # the watchdog ended a step: whatever it returns is not to be used
+        self.put_down: set[int] = set()  # ranks the watchdog killed while they ran, after another's failure
         self._in_step = 0
         self.saved_num_threads = torch.get_num_threads()
         threads = self.saved_num_threads if config.device == "cuda" else max(1, self.saved_num_threads // world_size)
@@ -172,9 +176,10 @@ class WorkerGroup:
             raise
 
     def _watch(self) -> None:
-        """While rank 0 is in a step (`guard`), a worker stopped by a signal (SIGSTOP or Ctrl-Z on it, a debugger, an
-        overloaded host) for `STOPPED_GRACE_S` would hold rank 0's collective until `distributed_timeout_s`: the
-        workers are killed instead, so the collective fails at once and `guard` names the stopped rank."""
+        """While rank 0 is in a step (`guard`), a worker that dies, or is stopped by a signal (SIGSTOP or Ctrl-Z on it,
+        a debugger, an overloaded host) for `STOPPED_GRACE_S`, would hold rank 0's collective until
+        `distributed_timeout_s` (on NCCL, then end the user's process): the workers are killed instead and the group
+        aborted, so the collective ends at once and `guard` fails the step, naming the rank."""
         stopped_since: dict[int, float] = {}
         while not self.closed:
             time.sleep(WATCH_EVERY_S)
@@ -185,10 +190,14 @@ class WorkerGroup:
                 else:
                     stopped_since.pop(rank, None)
             frozen = {rank: now - since for rank, since in stopped_since.items() if now - since >= STOPPED_GRACE_S}
-            if frozen and not self.closed:
-                self.frozen = frozen
+            died = self._in_step and not all(worker.alive for worker in self.workers)
+            if (frozen or died) and not self.closed:
+                self.frozen, self.gave_up = frozen, True
+                self.put_down = {rank for rank, worker in enumerate(self.workers, start=1)
+                                 if worker.alive and rank not in frozen}
                 for worker in self.workers:
                     worker.process.kill()  # a stopped process dies of SIGKILL too
+                abort_tp_group()
                 return
 
     def _check_alive(self) -> None:
@@ -223,6 +232,8 @@ class WorkerGroup:
         self._in_step += 1
         try:
             yield
+            if self.gave_up:  # its collectives returned (an aborted NCCL one does), with nothing a step can use
+                raise RuntimeError("the step's collectives were abandoned")
         except BaseException as e:
             self.broken = True
             error = self._explain(e)
@@ -268,7 +279,7 @@ class WorkerGroup:
     def _worker_failure(self) -> "WorkerFailure":
         lines = []
         for rank, worker in enumerate(self.workers, start=1):
-            if worker.alive:
+            if worker.alive or rank in self.put_down:
                 continue
             try:
                 if rank not in self.reports and worker.conn.poll(0):

@@ -13,6 +13,7 @@ from checkpoints import hf_greedy
 
 from benchmarks.compete import competing_process
 from nanovllm import LLM, SamplingParams
+from nanovllm.distributed import process_group
 from nanovllm.execution import tensor_parallel
 from nanovllm.execution.tensor_parallel import WorkerFailure
 
@@ -126,6 +127,62 @@ def test_killed_worker_raises_on_rank0_in_bounded_time(tied_model):
         assert isinstance(error, WorkerFailure)
         assert f"worker rank 1 (pid {worker.pid}) was killed by SIGKILL" in str(error)
         assert elapsed < BOUND_S
+    finally:
+        llm.exit()
+    _assert_nothing_left()
+
+
+def test_a_step_the_watchdog_gave_up_fails_even_where_it_returns(tied_model, monkeypatch):
+    """A worker that dies mid-step: the watchdog kills the others and aborts the group (on NCCL the step's collectives
+    then return, with nothing in their buffers), so the step must fail however it ends: here its body returns as an
+    aborted NCCL step would, and the guard still raises the dead worker's failure."""
+    aborts = []
+    monkeypatch.setattr(tensor_parallel, "abort_tp_group", lambda: aborts.append(process_group.abort_tp_group()))
+    llm = LLM(tied_model, tensor_parallel_size=2, **SMALL_CACHE)
+    group = llm.engine.model_runner.workers
+    (worker,) = group.workers
+    try:
+        with pytest.raises(WorkerFailure) as info:
+            with group.guard():
+                os.kill(worker.pid, signal.SIGKILL)
+                deadline = time.monotonic() + BOUND_S
+                while not group.gave_up and time.monotonic() < deadline:
+                    time.sleep(0.05)
+        assert group.gave_up and aborts == [False]  # gloo: nothing to abort
+        assert f"worker rank 1 (pid {worker.pid}) was killed by SIGKILL" in str(info.value)
+        assert multiprocessing.active_children() == []
+        with pytest.raises(RuntimeError, match="create a new LLM"):
+            llm.generate(PROMPTS, GREEDY, use_tqdm=False)
+    finally:
+        llm.exit()
+    _assert_nothing_left()
+
+
+@pytest.mark.parametrize("backend, aborts", [("nccl", True), ("gloo", False)])
+def test_only_an_nccl_group_is_aborted(monkeypatch, backend, aborts):
+    """Gloo fails a dead peer's collective by itself; NCCL's would wait for the timeout, so its group is aborted."""
+    calls = []
+    monkeypatch.setattr(process_group, "_size", 2)
+    monkeypatch.setattr(dist, "is_initialized", lambda: True)
+    monkeypatch.setattr(dist, "get_backend", lambda group=None: backend)
+    monkeypatch.setattr(dist.distributed_c10d, "_abort_process_group", lambda group=None: calls.append(group))
+    assert process_group.abort_tp_group() is aborts
+    assert calls == ([None] if aborts else [])
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 CUDA GPUs for tensor_parallel_size=2")
+def test_a_frozen_nccl_worker_is_named_within_seconds_and_the_process_survives(tied_model):
+    """On NCCL a stopped peer's collective waits on the device, then torch's watchdog ends the whole process: the
+    engine's watchdog aborts the group first, and generate() raises, naming the rank."""
+    llm = LLM(tied_model, tensor_parallel_size=2, dtype="float32", kvcache_block_size=16, enforce_eager=True)
+    try:
+        (worker,) = llm.engine.model_runner.workers.workers
+        error, elapsed = _disturb_mid_generate(llm, lambda: os.kill(worker.pid, signal.SIGSTOP))
+        assert isinstance(error, WorkerFailure), error
+        assert f"worker rank 1 (pid {worker.pid}) was stopped by a signal (SIGSTOP/SIGTSTP) for" in str(error)
+        assert elapsed < tensor_parallel.STOPPED_GRACE_S + 10
+        assert multiprocessing.active_children() == [] and llm.is_finished()
     finally:
         llm.exit()
     _assert_nothing_left()
