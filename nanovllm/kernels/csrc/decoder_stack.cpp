@@ -31,8 +31,9 @@ template <typename F>
 void run_team(const F& fn) {
   const int threads = at::get_num_threads();
   if (threads == 1 || at::in_parallel_region()) return fn(Team{});
+  nanovllm::TeamBarrier sync;
 #pragma omp parallel num_threads(threads)
-  fn(Team{omp_get_thread_num(), omp_get_num_threads()});
+  fn(Team{omp_get_thread_num(), omp_get_num_threads(), &sync});
 }
 
 // fn(m) for this thread's share of the M rows, then a barrier: the rows are ready for every thread.
@@ -301,18 +302,25 @@ class DecoderStack : public torch::CustomClassHolder {
         l.lora[QKV_PROJ].add(team, normed, M, H, qkv, qkv_width, lora_slots);
         C* k_cache = l.k_cache.data_ptr<C>();
         C* v_cache = l.v_cache.data_ptr<C>();
-        for_rows(team, M, [&](int64_t m) {  // rotary, then the row's K and V into the cache
+        // Rotary by head (at one row, a row each left one thread idle): a query head, or a KV head's K, then its K
+        // and V into the cache.
+        const int64_t row_heads = heads_ + kv_heads_;
+        for_rows(team, M * row_heads, [&](int64_t item) {
+          const int64_t m = item / row_heads, h = item % row_heads;
           const T* row = qkv + m * qkv_width;
           const float* table = cos_sin + positions[m] * D;
-          for (int64_t h = 0; h < heads_; ++h) nanovllm::rotary_row(row + h * D, q_rot + m * q + h * D, table, D / 2);
-          for (int64_t h = 0; h < kv_heads_; ++h)
-            nanovllm::rotary_row(row + q + h * D, k_rot + m * kv + h * D, table, D / 2);
-          if (slots[m] >= 0) {
-            store_row(k_rot + m * kv, k_cache + slots[m] * kv, kv);
-            store_row(row + q + kv, v_cache + slots[m] * kv, kv);
+          if (h < heads_) {
+            nanovllm::rotary_row(row + h * D, q_rot + m * q + h * D, table, D / 2);
+            if (h == 0 && context_lens[m] <= 0)  // a row that attends to nothing is zeros, as paged_decode leaves it
+              std::fill(attn + m * q, attn + (m + 1) * q, from_float<T>(0.f));
+            return;
           }
-          if (context_lens[m] <= 0)  // a row that attends to nothing is zeros, as paged_decode returns it
-            std::fill(attn + m * q, attn + (m + 1) * q, from_float<T>(0.f));
+          const int64_t g = h - heads_;
+          nanovllm::rotary_row(row + q + g * D, k_rot + m * kv + g * D, table, D / 2);
+          if (slots[m] >= 0) {
+            store_row(k_rot + m * kv + g * D, k_cache + slots[m] * kv + g * D, D);
+            store_row(row + q + kv + g * D, v_cache + slots[m] * kv + g * D, D);
+          }
         });
         nanovllm::paged_decode_rows(q_rot, k_cache, v_cache, tables, context_lens, attn, M, heads_, kv_heads_, D,
                                     l.k_cache.size(1), table_width, scale_, 0, 0.f, &team, partials);
