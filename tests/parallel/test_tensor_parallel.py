@@ -43,6 +43,13 @@ def _assert_nothing_left() -> None:
     assert not dist.is_initialized()
 
 
+def _assert_workers_gone_and_engine_refuses(llm: LLM) -> None:
+    """After a worker failure: no worker process is left, and the engine refuses further work."""
+    assert multiprocessing.active_children() == []
+    with pytest.raises(RuntimeError, match="create a new LLM"):
+        llm.generate(PROMPTS, GREEDY, use_tqdm=False)
+
+
 def _disturb_mid_generate(llm: LLM, action) -> tuple[BaseException, float]:
     """Start a long generate, run `action` from another thread once it is under way; return what
     generate raised and how long after the action it raised."""
@@ -114,8 +121,7 @@ def test_second_engine_dummy_weights_match_tp1_and_worker_error_surfaces(tied_mo
         with pytest.raises(WorkerFailure, match=r"(?s)worker rank 1 .*exited with code 1.*no_such_method"):
             llm.generate(PROMPTS, GREEDY, use_tqdm=False)
         assert time.monotonic() - start < BOUND_S
-        with pytest.raises(RuntimeError, match="create a new LLM"):
-            llm.generate(PROMPTS, GREEDY, use_tqdm=False)
+        _assert_workers_gone_and_engine_refuses(llm)
     _assert_nothing_left()
 
 
@@ -150,9 +156,7 @@ def test_a_step_the_watchdog_gave_up_fails_even_where_it_returns(tied_model, mon
                     time.sleep(0.05)
         assert group.gave_up and aborts == [False]  # gloo: nothing to abort
         assert f"worker rank 1 (pid {worker.pid}) was killed by SIGKILL" in str(info.value)
-        assert multiprocessing.active_children() == []
-        with pytest.raises(RuntimeError, match="create a new LLM"):
-            llm.generate(PROMPTS, GREEDY, use_tqdm=False)
+        _assert_workers_gone_and_engine_refuses(llm)
     finally:
         llm.exit()
     _assert_nothing_left()
@@ -214,9 +218,7 @@ def test_stopped_worker_is_reported_after_the_timeout_and_nothing_is_left(tied_m
         assert "did not answer within distributed_timeout_s=2" in str(error)
         assert f"worker rank 1 (pid {worker.pid}) is stopped by a signal" in str(error)
         assert elapsed < BOUND_S
-        assert multiprocessing.active_children() == []
-        with pytest.raises(RuntimeError, match="create a new LLM"):
-            llm.generate(PROMPTS, GREEDY, use_tqdm=False)
+        _assert_workers_gone_and_engine_refuses(llm)
     finally:
         llm.exit()
     _assert_nothing_left()
@@ -233,9 +235,8 @@ def test_a_frozen_worker_is_named_within_seconds_not_after_the_collective_timeou
         assert isinstance(error, WorkerFailure), error
         assert f"worker rank 1 (pid {worker.pid}) was stopped by a signal (SIGSTOP/SIGTSTP) for" in str(error)
         assert tensor_parallel.STOPPED_GRACE_S <= elapsed < tensor_parallel.STOPPED_GRACE_S + 10
-        assert multiprocessing.active_children() == [] and llm.is_finished()
-        with pytest.raises(RuntimeError, match="create a new LLM"):
-            llm.generate(PROMPTS, GREEDY, use_tqdm=False)
+        assert llm.is_finished()
+        _assert_workers_gone_and_engine_refuses(llm)
     finally:
         llm.exit()
     _assert_nothing_left()
