@@ -380,9 +380,14 @@ def fake_llamacpp(tmp_path, llama_bench: str) -> tuple[str, str, Path]:
     return model, source, bin_dir
 
 
-def test_llamacpp_baseline_runs_its_tools_on_the_same_file_and_threads(tmp_path, capsys):
+def test_llamacpp_baseline_runs_its_tools_on_the_same_file_and_threads(tmp_path, capsys, monkeypatch):
     """llama.cpp's tools (fakes printing their output formats here) get the file, the thread count and the shapes;
-    each of the six rates appears beside nanovllm's, with the ratio."""
+    each of the six rates appears beside nanovllm's, with the ratio. The batch-1 decodes as shares of the read
+    bandwidth: over the run's best probe, and over the probes beside each engine's round (here 40, 60, 80 GB/s)."""
+    from benchmarks import llamacpp
+
+    probes = iter([40e9, 60e9, 80e9])
+    monkeypatch.setattr(llamacpp, "read_bandwidth", lambda: next(probes))
     model, source, bin_dir = fake_llamacpp(tmp_path, FAKE_LLAMA_BENCH)
     result = bench.main(["--model", model, "--baseline", "llamacpp", "--llamacpp-bin", str(bin_dir), "--threads",
                          "1", "--dtype", "float32"])
@@ -405,9 +410,15 @@ def test_llamacpp_baseline_runs_its_tools_on_the_same_file_and_threads(tmp_path,
     assert result["weight_bytes_per_token"] == weights
     config = AutoConfig.from_pretrained(source)
     kv = 2 * config.num_hidden_layers * config.num_key_value_heads * config.head_dim * (128 + 64)
-    assert result["bandwidth_share_batch1"]["llamacpp"] == pytest.approx((weights + 2 * kv) * 100.0
-                                                                         / result["read_bandwidth"])
+    assert result["read_bandwidth"] == 80e9
+    assert result["bandwidth_share_batch1"]["llamacpp"] == pytest.approx((weights + 2 * kv) * 100.0 / 80e9)
     assert f"llama.cpp at {result['bandwidth_share_batch1']['llamacpp']:.0%}" in printed
+    paired = result["bandwidth_share_batch1_paired"]
+    assert paired["llamacpp"] == pytest.approx((weights + 2 * kv) * 100.0 / 50e9)  # between 40 and 60
+    ours = result["rounds"]["nanovllm"][0]["decode 1"]
+    assert paired["nanovllm"] == pytest.approx((weights + 4 * kv) * ours / 70e9)  # float32 cache; 60 and 80
+    assert (f"paired with the probes beside each round (40.0 to 80.0 GB/s): nanovllm {paired['nanovllm']:.0%}, "
+            f"llama.cpp {paired['llamacpp']:.0%}") in printed
 
 
 FAKE_DEPTH_BENCH = f"""#!{sys.executable}
