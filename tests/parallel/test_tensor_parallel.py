@@ -176,15 +176,17 @@ def test_only_an_nccl_group_is_aborted(monkeypatch, backend, aborts):
 
 @pytest.mark.cuda
 @pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 CUDA GPUs for tensor_parallel_size=2")
-def test_a_frozen_nccl_worker_is_named_within_seconds_and_the_process_survives(tied_model):
-    """On NCCL a stopped peer's collective waits on the device, then torch's watchdog ends the whole process: the
-    engine's watchdog aborts the group first, and generate() raises, naming the rank."""
+@pytest.mark.parametrize("sig, state", [(signal.SIGSTOP, "was stopped by a signal (SIGSTOP/SIGTSTP) for"),
+                                        (signal.SIGKILL, "was killed by SIGKILL")])
+def test_a_frozen_or_dead_nccl_worker_is_named_within_seconds_and_the_process_survives(tied_model, sig, state):
+    """On NCCL a stopped or dead peer's collective waits on the device, then torch's watchdog ends the whole process:
+    the engine's watchdog aborts the group first, and generate() raises, naming the rank."""
     llm = LLM(tied_model, tensor_parallel_size=2, dtype="float32", kvcache_block_size=16, enforce_eager=True)
     try:
         (worker,) = llm.engine.model_runner.workers.workers
-        error, elapsed = _disturb_mid_generate(llm, lambda: os.kill(worker.pid, signal.SIGSTOP))
+        error, elapsed = _disturb_mid_generate(llm, lambda: os.kill(worker.pid, sig))
         assert isinstance(error, WorkerFailure), error
-        assert f"worker rank 1 (pid {worker.pid}) was stopped by a signal (SIGSTOP/SIGTSTP) for" in str(error)
+        assert f"worker rank 1 (pid {worker.pid}) {state}" in str(error)
         assert elapsed < tensor_parallel.STOPPED_GRACE_S + 10
         assert multiprocessing.active_children() == [] and llm.is_finished()
     finally:
