@@ -77,6 +77,21 @@ def test_any_number_of_threads_in_the_step_s_team_too(mixed_gguf, threads):
         torch.set_num_threads(before)
 
 
+@pytest.mark.parametrize("threads", [2, 3])
+def test_rows_over_several_chunks_of_keys_too(mixed_gguf, threads):
+    """Rows whose cached keys span several of decode attention's chunks (256 keys), the last one short, alone and
+    beside a short row: the team splits the work items by their keys there, not by count, with the same bits."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        with LLM(mixed_gguf, device="cpu", dtype="float32", max_model_len=700, kvcache_block_size=16) as llm:
+            long, longer = [[(7 * i + k) % 300 + 1 for i in range(n)] for k, n in ((1, 300), (2, 600))]
+            assert run_both_paths(llm, [long]) == [1] * (GREEDY.max_tokens - 1)
+            assert run_both_paths(llm, [longer, PROMPTS[0]]) == [2] * (GREEDY.max_tokens - 1)
+    finally:
+        torch.set_num_threads(before)
+
+
 @pytest.mark.parametrize("kv_cache_dtype", ["fp8_e4m3", "fp8_e5m2"])
 def test_over_an_8bit_kv_cache_too(mixed_gguf, kv_cache_dtype):
     with LLM(mixed_gguf, device="cpu", dtype="bfloat16", kv_cache_dtype=kv_cache_dtype, max_model_len=256,
