@@ -6,12 +6,18 @@ package documents) times its phases: the batch's tensors (prepare), the model (e
 LM head, the sampler; and the rest of the step (engine): the scheduler, the runner's glue, appending tokens and
 building outputs.
 
-    python -m benchmarks.step_profile --model SmolLM2-135M-Instruct.Q4_1.gguf --threads 2
+With `--verify K`, a third engine speculates by n-gram lookup (K drafts) over a prompt that repeats a random run of
+tokens (a model continues such a prompt by copying it, so most drafts are kept): each of its decode steps is timed
+whole and filed by the drafts it verified (`LLM.stats()`), and the median step verifying K drafts is given against
+the median plain step of the first engine: what issue 38 calls "a step verifying 5 drafts, in plain steps".
+
+    python -m benchmarks.step_profile --model SmolLM2-135M-Instruct.Q4_1.gguf --threads 2 [--verify 5]
 """
 import argparse
 import random
 import statistics
 import time
+from collections import defaultdict
 
 import torch
 
@@ -40,6 +46,20 @@ def decode_round(llm: LLM, prompt: list[int], output_tokens: int) -> dict[str, f
     return ms
 
 
+def verify_round(llm: LLM, prompt: list[int], output_tokens: int) -> dict[int, list[float]]:
+    """Milliseconds of each decode step, by how many drafts it verified."""
+    llm.add_request(prompt, SamplingParams(temperature=0, max_tokens=output_tokens, ignore_eos=True))
+    llm.step()  # the prompt
+    steps: dict[int, list[float]] = defaultdict(list)
+    while not llm.is_finished():
+        drafts = llm.stats()["num_draft_tokens"]
+        start = time.perf_counter()
+        llm.step()
+        elapsed = 1000 * (time.perf_counter() - start)
+        steps[llm.stats()["num_draft_tokens"] - drafts].append(elapsed)
+    return steps
+
+
 def main(argv: list[str] | None = None) -> dict[str, dict[str, float]]:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--model", required=True, help="model directory or .gguf file")
@@ -48,6 +68,8 @@ def main(argv: list[str] | None = None) -> dict[str, dict[str, float]]:
     p.add_argument("--prompt-tokens", type=int, default=128)
     p.add_argument("--output-tokens", type=int, default=128)
     p.add_argument("--rounds", type=int, default=3)
+    p.add_argument("--verify", type=int, default=0, metavar="K",
+                   help="also time steps verifying K drafts (n-gram speculation) against plain steps")
     args = p.parse_args(argv)
     if args.threads:
         torch.set_num_threads(args.threads)
@@ -56,20 +78,37 @@ def main(argv: list[str] | None = None) -> dict[str, dict[str, float]]:
                     args.output_tokens)
     engines = {"one call": LLM(args.model, **settings), "layer by layer": LLM(args.model, enforce_eager=True,
                                                                               **settings)}
+    speculating = LLM(args.model, speculative_config={"method": "ngram", "num_speculative_tokens": args.verify},
+                      **settings) if args.verify else None
     vocab, rng = engines["one call"].config.hf_config.vocab_size, random.Random(0)
     rounds: dict[str, list[dict[str, float]]] = {name: [] for name in engines}
+    verify_steps: dict[int, list[float]] = defaultdict(list)
     for i in range(args.rounds + 1):  # the first round warms up
         for name, llm in engines.items():
             result = decode_round(llm, [rng.randrange(vocab) for _ in range(args.prompt_tokens)],
                                   args.output_tokens)
             if i:
                 rounds[name].append(result)
+        if speculating is not None:
+            run = [rng.randrange(vocab) for _ in range(args.prompt_tokens // 2)]
+            for drafts, times in verify_round(speculating, run + run, args.output_tokens).items():
+                verify_steps[drafts] += times if i else []
     medians = {name: {piece: statistics.median(r.get(piece, 0.0) for r in results) for piece in (*PIECES, "step")}
                for name, results in rounds.items()}
     print(f"batch-1 decode, {threads} threads, ms per step (median of {args.rounds} rounds; the first engine decodes "
           "in one call where the model allows)")
     print(markdown_table(["piece", *engines], [[piece, *(f"{medians[name][piece]:.3f}" for name in engines)]
                                                for piece in (*PIECES, "step")]))
+    if speculating is not None:
+        plain = medians["one call"]["step"]
+        medians["verify"] = {f"{drafts} drafts": statistics.median(times) for drafts, times in verify_steps.items()}
+        print(f"n-gram speculation ({args.verify} drafts at most), ms per decode step by the drafts it verified "
+              f"(median), and in plain steps ({plain:.3f} ms, the first engine's)")
+        print(markdown_table(["drafts verified", "steps", "ms per step", "plain steps"],
+                             [[str(drafts), str(len(times)), f"{statistics.median(times):.3f}",
+                               f"{statistics.median(times) / plain:.2f}"]
+                              for drafts, times in sorted(verify_steps.items())]))
+        speculating.exit()
     for llm in engines.values():
         llm.exit()
     return medians
