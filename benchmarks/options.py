@@ -26,6 +26,7 @@ directory or a .gguf file (converted once, see `nanovllm convert`).
     python bench.py --attention-backend triton,flash-attn-4,torch   # one row per backend, same workload
     python bench.py --attention-micro            # decode attention us per call, every backend that runs here
     python bench.py --model DIR --workload grounded --speculative ngram --num-seqs 1   # n-gram speculation, on/off
+    python bench.py --model DIR --workload grounded --speculative ngram --max-concurrency 1   # all 32 prompts alone
     python bench.py --model DIR --workload grounded --speculative DIR --draft-quantization int4 --num-seqs 1
                                                  # self-speculation with a 4-bit copy (or a smaller draft's DIR/.gguf)
     python bench.py --model SmolLM2.Q4_1.gguf --baseline llamacpp --llamacpp-bin /tmp/llamacpp-bin/bin --threads 2
@@ -121,6 +122,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                         "'all' (top-p, top-k, min-p, the three penalties, a seed and 5 logprobs per request)")
     p.add_argument("--request-rate", type=float, default=float("inf"),
                    help="requests per second, arriving as a Poisson process (default: all at once)")
+    p.add_argument("--max-concurrency", type=int,
+                   help="at most this many requests in the engine at once, the next sent as one finishes (vLLM's "
+                        "bench flag; 1: every request alone, at batch 1); default: no limit")
     p.add_argument("--attention-backend", default="auto",
                    help="an attention backend ('auto', 'flash-attn', 'flash-attn-4', 'triton', 'torch'), a "
                         "comma-separated list of them (the workload runs once per backend, one row each), or 'all': "
@@ -176,7 +180,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     for name in ("num_seqs", "min_input_len", "max_input_len", "min_output_len", "max_output_len",
                  "hf_batch_size", "threads", "data_parallel_size", "repeat", "kvcache_block_size",
                  "max_num_batched_tokens", "micro_batch", "host_batch", "micro_max_context", "num_speculative_tokens",
-                 "beam_width", "lora", "lora_rank"):
+                 "beam_width", "lora", "lora_rank", "max_concurrency"):
         value = getattr(args, name)
         if value is not None and value < 1:
             p.error(f"--{name.replace('_', '-')} must be a positive integer, got {value}")
@@ -201,6 +205,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                 "--baseline (the baselines run every request to its max_tokens)")
     if not args.request_rate > 0:
         p.error(f"--request-rate must be positive, got {args.request_rate}")
+    if args.max_concurrency is not None and args.baseline != "none":
+        p.error("--max-concurrency limits nanovllm's rows only: run it without --baseline")
     if args.model is not None and not (os.path.isdir(args.model) or
                                        args.model.endswith(".gguf") and os.path.isfile(args.model)):
         p.error(f"--model {args.model!r} is neither a directory nor a .gguf file")

@@ -57,7 +57,7 @@ def run(args: argparse.Namespace) -> dict:
         "workload": {"num_seqs": args.num_seqs, "input_len": [args.min_input_len, args.max_input_len],
                      "output_len": [args.min_output_len, args.max_output_len], "prompt_tokens": requests.prompt_tokens,
                      "temperature": args.temperature, "seed": args.seed, "hf_batch_size": args.hf_batch_size,
-                     "request_rate": args.request_rate},
+                     "request_rate": args.request_rate, "max_concurrency": args.max_concurrency},
         "engines": {f"{measured[0].served.facts['attention']} {mode} {sampling}{BUSY * busy}"
                     + ("" if spec is None else f" {spec} speculation"):
                     measured[0].served.facts for (_, mode, sampling, busy, spec), measured in runs.items()},
@@ -173,7 +173,7 @@ def run_engine(llm: LLM, requests: Requests, args: argparse.Namespace, memory: P
     synchronize(config.device)
     with memory.watch():
         start = time.perf_counter()
-        ttft, itl, tokens, outputs = serve(llm, requests, params)
+        ttft, itl, tokens, outputs = serve(llm, requests, params, args.max_concurrency)
         seconds = time.perf_counter() - start
     stats = llm.stats()
     replicas = args.data_parallel_size
@@ -190,22 +190,26 @@ def run_engine(llm: LLM, requests: Requests, args: argparse.Namespace, memory: P
     return Served(seconds, tokens, ttft, itl, facts)
 
 
-def serve(llm: LLM, requests: Requests,
-          params: list[SamplingParams]) -> tuple[list[float], list[float], int, list[list[int]]]:
-    """Feed the requests to the engine at their arrival times through `add_request`/`step`; returns each
-    request's time to first token, every inter-token latency (seconds; a step that brings a request several tokens,
-    as speculative decoding does, is one), the output tokens and each request's token ids."""
+def serve(llm: LLM, requests: Requests, params: list[SamplingParams],
+          max_concurrency: int | None = None) -> tuple[list[float], list[float], int, list[list[int]]]:
+    """Feed the requests to the engine at their arrival times through `add_request`/`step`, at most
+    `max_concurrency` at once (a request held back is sent, and its latency counted from, when one finishes);
+    returns each request's time to first token, every inter-token latency (seconds; a step that brings a request
+    several tokens, as speculative decoding does, is one), the output tokens and each request's token ids."""
     start = time.perf_counter()
     pending = list(range(len(requests.prompts)))[::-1]
-    index, arrived, last, ttft, itl, tokens = {}, {}, {}, [], [], 0
+    index, arrived, last, ttft, itl, tokens, finished, freed = {}, {}, {}, [], [], 0, 0, start
     token_ids: list[list[int]] = [[] for _ in requests.prompts]
     with tqdm(total=len(pending), desc="nanovllm", dynamic_ncols=True) as pbar:
         while pending or not llm.is_finished():
             now = time.perf_counter() - start
-            while pending and requests.arrivals[pending[-1]] <= now:
+            while pending and requests.arrivals[pending[-1]] <= now and (max_concurrency is None or
+                                                                         len(index) - finished < max_concurrency):
                 i = pending.pop()
                 index[llm.add_request(requests.prompts[i], params[i])] = i
                 arrived[i] = start + requests.arrivals[i]
+                if max_concurrency is not None:  # from when its slot opened, if it waited for one
+                    arrived[i] = max(arrived[i], freed)
             if llm.is_finished():
                 time.sleep(requests.arrivals[pending[-1]] - now)
                 continue
@@ -218,6 +222,8 @@ def serve(llm: LLM, requests: Requests,
                 last[i] = now
                 tokens += len(out["token_ids"]) - len(token_ids[i])
                 token_ids[i] = out["token_ids"]
+                finished += out.finished
+                freed = now if out.finished else freed
                 pbar.update(out.finished)
     return ttft, itl, tokens, token_ids
 

@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 
 import bench
-from nanovllm import LLM
+from nanovllm import LLM, SamplingParams
 
 BENCHMARKS = Path(bench.__file__).parent / "benchmarks"
 
@@ -78,10 +78,39 @@ def test_requests_arrive_as_a_poisson_process_and_latency_counts_from_arrival(ti
     assert 0 < row["ttft_ms"]["p50"] <= row["ttft_ms"]["p99"]
 
 
+def test_max_concurrency_sends_each_waiting_request_as_one_finishes(tied_model):
+    from benchmarks.throughput import serve
+
+    class Watched:  # the engine, recording how many requests it holds at each step
+        def __init__(self, llm):
+            self.llm, self.held = llm, []
+
+        def step(self):
+            self.held.append(self.llm.engine.get_num_unfinished_requests())
+            return self.llm.step()
+
+        def __getattr__(self, name):
+            return getattr(self.llm, name)
+
+    flags = ["--num-seqs", "4", "--min-input-len", "4", "--max-input-len", "8", "--min-output-len", "2",
+             "--max-output-len", "4"]
+    requests = bench.make_requests(bench.parse_args(flags), 384)
+    params = [SamplingParams(temperature=0, max_tokens=n, ignore_eos=True) for n in requests.max_tokens]
+    with LLM(tied_model, device="cpu") as llm:
+        for limit, most in ((1, 1), (None, 4)):
+            watched = Watched(llm)
+            ttft, _, tokens, outputs = serve(watched, requests, params, limit)
+            assert max(watched.held) == most and tokens == sum(requests.max_tokens) and len(ttft) == 4
+            assert [len(ids) for ids in outputs] == requests.max_tokens
+    with pytest.raises(SystemExit):
+        bench.parse_args(["--model", tied_model, "--max-concurrency", "1", "--baseline", "hf"])
+
+
 def test_bench_rejects_bad_flags(tied_model):
     with pytest.raises(SystemExit, match="--min-input-len"):
         bench.main(["--model", tied_model, "--device", "cpu", "--min-input-len", "9", "--max-input-len", "3"])
-    for flags in (["--scheduling", "chunked,lifo"], ["--request-rate", "0"], ["--sampling", "plain,greedy"]):
+    for flags in (["--scheduling", "chunked,lifo"], ["--request-rate", "0"], ["--sampling", "plain,greedy"],
+                  ["--max-concurrency", "0"]):
         with pytest.raises(SystemExit):
             bench.parse_args(["--model", tied_model] + flags)
 
