@@ -6,6 +6,9 @@ not the engine: it uses the kernels room's public face, `nanovllm.kernels.ggml`,
     python -m benchmarks.ggml_kernels [--types Q4_1,Q8_0] [--rows 1,8,32,128,512] [--threads 2]
     python -m benchmarks.ggml_kernels --step [--rows 1,8,128]   # a whole forward's linear layers
 
+Each GGML type runs as the file has it and, where this path repacks it at load as the engine does (`as_loaded`), as
+"TYPE repacked": the layout the engine's products stream; `--step` holds every weight as the engine does.
+
 Prints, per shape (in -> out features) and activation rows, the best and the median time of the calls of a few
 interleaved rounds, and the effective bandwidth at the best (the weight's bytes in its own format over the time). On a
 loaded machine the best is the figure to compare: a parallel region waits for its slowest thread.
@@ -19,7 +22,7 @@ import torch
 
 from benchmarks.ggml_random import random_ggml_weight
 from benchmarks.report import markdown_table
-from nanovllm.kernels.ggml import BLOCK, TYPE_IDS, ggml_dequantize, ggml_linear, kernel_isa
+from nanovllm.kernels.ggml import BLOCK, TYPE_IDS, ggml_dequantize, ggml_linear, kernel_isa, repack, repack_lanes
 
 SHAPES = [(576, 576), (576, 192), (576, 1536), (1536, 576), (576, 49152)]  # in -> out; the last is the LM head
 LAYER = [(576, 576), (576, 192), (576, 192), (576, 576), (576, 1536), (576, 1536), (1536, 576)]  # q k v o gate up down
@@ -38,6 +41,15 @@ def time_calls(fn, budget_s: float) -> list[float]:
     return times
 
 
+def as_loaded(weight: torch.Tensor, qtype: int, in_features: int) -> tuple:
+    """`ggml_linear`'s weight arguments as the engine holds the weight: repacked at load into the kernels' tiles where
+    this path has them (`repack_lanes`), else as the file has it."""
+    lanes = repack_lanes(qtype)
+    if lanes and weight.shape[0] % lanes == 0:
+        return repack(weight, qtype, lanes), qtype, in_features, None, lanes
+    return weight, qtype, in_features, None, 0
+
+
 def bench(types: list[str], rows: list[int], rounds: int, budget_s: float) -> list[list[str]]:
     """Rows of the table; shapes whose input is not whole blocks of a type (576 values and the 256-value K-quants)
     leave that type out."""
@@ -50,7 +62,12 @@ def bench(types: list[str], rows: list[int], rounds: int, budget_s: float) -> li
                   for dtype in (torch.bfloat16, torch.float32)}
         for m in rows:
             x = torch.randn(m, k)
-            calls = {t: (partial(ggml_linear, x, weights[t], TYPES[t], k), weights[t].numel()) for t in fit}
+            calls = {}
+            for t in fit:
+                calls[t] = (partial(ggml_linear, x, weights[t], TYPES[t], k), weights[t].numel())
+                loaded = as_loaded(weights[t], TYPES[t], k)
+                if loaded[-1]:
+                    calls[f"{t} repacked"] = (partial(ggml_linear, x, *loaded), weights[t].numel())
             for dtype, w in packed.items():
                 name = f"oneDNN {str(dtype).removeprefix('torch.')}"
                 calls[name] = (partial(torch.ops.mkldnn._linear_pointwise, x.to(dtype), w, None, "none", [], ""),
@@ -76,8 +93,9 @@ def forward(weights: list, inputs: list[torch.Tensor], quantized: bool) -> None:
 
 def bench_step(rows: list[int], rounds: int) -> list[list[str]]:
     """The linear layers of one SmolLM2-135M forward (30 layers of q, k, v, o, gate, up, down in Q4_1, the LM head in
-    Q8_0, on one row: the last token's logits), each weight its own (the 98 MB stream from memory as in a model),
-    beside the same products through oneDNN on prepacked bfloat16 and float32 copies."""
+    Q8_0, on one row: the last token's logits), each weight its own (the 98 MB stream from memory as in a model) and
+    held as the engine holds it (`as_loaded`), beside the same products through oneDNN on prepacked bfloat16 and
+    float32 copies."""
     quantized = [(random_ggml_weight(3, n, k, seed=i), 3, k) for i, (k, n) in enumerate(LAYER * LAYERS)]
     head = (random_ggml_weight(8, HEAD[1], HEAD[0], seed=-1 % 2**32), 8, HEAD[0])
     table = []
@@ -85,7 +103,7 @@ def bench_step(rows: list[int], rounds: int) -> list[list[str]]:
     weights = {}
     for name, dtype in steps.items():
         if dtype is None:
-            weights[name] = [*quantized, head]
+            weights[name] = [as_loaded(*w) for w in [*quantized, head]]
         else:
             weights[name] = [torch.ops.mkldnn._reorder_linear_weight(ggml_dequantize(w, q, k).to(dtype))
                              for w, q, k in [*quantized, head]]

@@ -637,3 +637,15 @@ def test_the_vllm_runners_import_only_the_standard_library_vllm_and_their_shared
     problems = [f"{path.name} imports {source}" for path in runners
                 for source, _, _ in imported(ast.parse(path.read_text())) if source.split(".")[0] not in allowed]
     assert not problems
+
+
+def test_ggml_kernel_bench_times_the_layout_the_engine_streams():
+    from benchmarks import ggml_kernels
+    from nanovllm.kernels.ggml import TYPE_IDS, repack_lanes
+
+    table = ggml_kernels.bench(["Q4_1"], [1], rounds=1, budget_s=0.0)
+    timed = {(row[0], row[2]) for row in table}
+    repacked = bool(repack_lanes(TYPE_IDS["Q4_1"]))  # 0 without compiled kernels: the file's layout only
+    for k, n in ggml_kernels.SHAPES:
+        assert (f"{k}->{n}", "Q4_1") in timed
+        assert ((f"{k}->{n}", "Q4_1 repacked") in timed) == repacked
