@@ -91,8 +91,9 @@ def main(argv: list[str] | None = None) -> dict[str, dict[str, float]]:
                 rounds[name].append(result)
         if speculating is not None:
             run = [rng.randrange(vocab) for _ in range(args.prompt_tokens // 2)]
-            for drafts, times in verify_round(speculating, run + run, args.output_tokens).items():
-                verify_steps[drafts] += times if i else []
+            steps = verify_round(speculating, run + run, args.output_tokens)
+            for drafts, times in steps.items() if i else ():
+                verify_steps[drafts] += times
     medians = {name: {piece: statistics.median(r.get(piece, 0.0) for r in results) for piece in (*PIECES, "step")}
                for name, results in rounds.items()}
     print(f"batch-1 decode, {threads} threads, ms per step (median of {args.rounds} rounds; the first engine decodes "
