@@ -32,7 +32,8 @@ def decode_round(llm: LLM, prompt: list[int], output_tokens: int) -> dict[str, f
     """Milliseconds per decode step of each piece, and of the whole step ("step")."""
     phases: dict[str, float] = {}
     llm.add_request(prompt, SamplingParams(temperature=0, max_tokens=output_tokens, ignore_eos=True))
-    llm.step()  # the prompt
+    while not llm.step():  # the prompt, in as many chunks as the token budget takes
+        pass
     llm.engine.model_runner.phase_seconds = phases  # the documented profiling hook: from the first decode step on
     start, steps = time.perf_counter(), 0
     while not llm.is_finished():
@@ -49,7 +50,8 @@ def decode_round(llm: LLM, prompt: list[int], output_tokens: int) -> dict[str, f
 def verify_round(llm: LLM, prompt: list[int], output_tokens: int) -> dict[int, list[float]]:
     """Milliseconds of each decode step, by how many drafts it verified."""
     llm.add_request(prompt, SamplingParams(temperature=0, max_tokens=output_tokens, ignore_eos=True))
-    llm.step()  # the prompt
+    while not llm.step():  # the prompt, in as many chunks as the token budget takes
+        pass
     steps: dict[int, list[float]] = defaultdict(list)
     while not llm.is_finished():
         drafts = llm.stats()["num_draft_tokens"]
