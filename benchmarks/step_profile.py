@@ -28,12 +28,18 @@ PIECES = ("engine", "prepare", "model", "LM head", "sampler")
 PHASES = {"prepare": "prepare", "model": "model", "lm_head": "LM head", "sampler": "sampler", "draft": "draft"}
 
 
+def start_request(llm: LLM, prompt: list[int], output_tokens: int) -> None:
+    """Submit one greedy request and run its prompt, in as many steps as the token budget takes, up to its first
+    token: the steps after it decode."""
+    llm.add_request(prompt, SamplingParams(temperature=0, max_tokens=output_tokens, ignore_eos=True))
+    while not llm.step():
+        pass
+
+
 def decode_round(llm: LLM, prompt: list[int], output_tokens: int) -> dict[str, float]:
     """Milliseconds per decode step of each piece, and of the whole step ("step")."""
     phases: dict[str, float] = {}
-    llm.add_request(prompt, SamplingParams(temperature=0, max_tokens=output_tokens, ignore_eos=True))
-    while not llm.step():  # the prompt, in as many chunks as the token budget takes
-        pass
+    start_request(llm, prompt, output_tokens)
     llm.engine.model_runner.phase_seconds = phases  # the documented profiling hook: from the first decode step on
     start, steps = time.perf_counter(), 0
     while not llm.is_finished():
@@ -49,9 +55,7 @@ def decode_round(llm: LLM, prompt: list[int], output_tokens: int) -> dict[str, f
 
 def verify_round(llm: LLM, prompt: list[int], output_tokens: int) -> dict[int, list[float]]:
     """Milliseconds of each decode step, by how many drafts it verified."""
-    llm.add_request(prompt, SamplingParams(temperature=0, max_tokens=output_tokens, ignore_eos=True))
-    while not llm.step():  # the prompt, in as many chunks as the token budget takes
-        pass
+    start_request(llm, prompt, output_tokens)
     steps: dict[int, list[float]] = defaultdict(list)
     while not llm.is_finished():
         drafts = llm.stats()["num_draft_tokens"]
@@ -94,8 +98,9 @@ def main(argv: list[str] | None = None) -> dict[str, dict[str, float]]:
         if speculating is not None:
             run = [rng.randrange(vocab) for _ in range(args.prompt_tokens // 2)]
             steps = verify_round(speculating, run + run, args.output_tokens)
-            for drafts, times in steps.items() if i else ():
-                verify_steps[drafts] += times
+            if i:
+                for drafts, times in steps.items():
+                    verify_steps[drafts] += times
     medians = {name: {piece: statistics.median(r.get(piece, 0.0) for r in results) for piece in (*PIECES, "step")}
                for name, results in rounds.items()}
     print(f"batch-1 decode, {threads} threads, ms per step (median of {args.rounds} rounds; the first engine decodes "

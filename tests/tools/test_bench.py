@@ -256,14 +256,13 @@ def test_step_profile_splits_a_decode_step_into_the_engines_phases(tied_model, c
 def test_step_profile_files_each_speculative_step_by_the_drafts_it_verified(tied_model, capsys):
     from benchmarks import step_profile
 
-    llm = LLM(tied_model, speculative_config={"method": "ngram", "num_speculative_tokens": 3,
-                                              "prompt_lookup_max": 1})
-    vocab = llm.config.hf_config.vocab_size
-    steps = step_profile.verify_round(llm, list(range(vocab)), 10)  # every token is in it: drafts each step
-    assert llm.stats()["num_draft_tokens"] == sum(drafts * len(times) for drafts, times in steps.items()) > 0
-    assert set(steps) <= {0, 1, 2, 3} and all(t > 0 for times in steps.values() for t in times)
-    assert llm.is_finished()
-    llm.exit()
+    spec = {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_max": 1}
+    with LLM(tied_model, speculative_config=spec) as llm:
+        vocab = llm.config.hf_config.vocab_size
+        steps = step_profile.verify_round(llm, list(range(vocab)), 10)  # every token is in it: drafts each step
+        assert llm.stats()["num_draft_tokens"] == sum(drafts * len(times) for drafts, times in steps.items()) > 0
+        assert set(steps) <= {0, 1, 2, 3} and all(t > 0 for times in steps.values() for t in times)
+        assert llm.is_finished()
     medians = step_profile.main(["--model", tied_model, "--threads", "1", "--prompt-tokens", "16", "--output-tokens",
                                  "8", "--rounds", "1", "--verify", "3"])
     assert medians["verify"] and all(key.endswith(" drafts") for key in medians["verify"])
