@@ -25,6 +25,12 @@ def test_unknown_kv_cache_dtypes_are_refused():
         Config("model", kv_cache_dtype="int8")
 
 
+def test_an_8bit_cache_on_the_cpu_needs_blocks_of_whole_key_tiles(tied_model):
+    with pytest.raises(ValueError, match="K in tiles of 16 tokens on the CPU: kvcache_block_size must be a multiple "
+                                         "of 16, got 8"):
+        LLM(tied_model, device="cpu", kv_cache_dtype="fp8", kvcache_block_size=8)
+
+
 @pytest.mark.parametrize("dtype, ratio", [("float32", 4), ("bfloat16", 2)])
 def test_the_same_memory_holds_more_blocks(tied_model, dtype, ratio):
     def blocks(kv_cache_dtype: str) -> int:

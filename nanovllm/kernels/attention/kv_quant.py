@@ -1,7 +1,8 @@
 """K/V as an 8-bit KV cache stores them (`kv_cache_dtype="fp8"`): each value saturated at the format's largest finite
 value, then rounded to nearest as torch converts (a value beyond it would become NaN in e4m3 and infinity in e5m2).
-The compiled CPU store (`store_row` in `csrc/cpu_math.h`) rounds the same way; every reader converts the stored
-values back exactly and computes in the model's dtype."""
+The compiled CPU store (`store_row`, `store_key` in `csrc/cpu_math.h`) rounds the same way, and keeps K in tiles of
+16 tokens for the decode kernel (its blocks a multiple of 16 tokens); every reader converts the stored values back
+exactly and computes in the model's dtype."""
 import torch
 
 

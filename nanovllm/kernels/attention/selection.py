@@ -34,9 +34,13 @@ def unsupported(name: str, platform: Platform, dtype: torch.dtype, block_size: i
     holds `kv_cache_dtype` (None: `dtype`). Installation is checked last, so that installing is suggested only where
     it would help."""
     spec = registry.BACKENDS[name]
-    if kv_cache_dtype is not None and kv_cache_dtype.itemsize == 1 and not spec.reads_8bit_cache:
+    eight_bit = kv_cache_dtype is not None and kv_cache_dtype.itemsize == 1
+    if eight_bit and not spec.reads_8bit_cache:
         return (f"cannot read an 8-bit KV cache ({str(kv_cache_dtype).removeprefix('torch.')}, from kv_cache_dtype): "
                 "leave kv_cache_dtype='auto', or use attention_backend='triton'")
+    if eight_bit and platform.device == "cpu" and block_size % (multiple := spec.cpu_8bit_block_multiple):
+        return (f"keeps an 8-bit KV cache's K in tiles of {multiple} tokens on the CPU: kvcache_block_size must be a "
+                f"multiple of {multiple}, got {block_size}; use 16 (the default) or kv_cache_dtype='auto'")
     if platform.device not in spec.devices:
         if not spec.interpretable:
             return f"needs a {'CUDA GPU' if 'cuda' in spec.devices else ' or '.join(spec.devices)}"
@@ -78,8 +82,9 @@ def select_backend(requested: str, platform: Platform, dtype: torch.dtype, block
     """The backend to run, and for "auto" why each one preferred to it was passed over.
 
     "auto" takes, in `BACKENDS` order, the first backend made for this device (the interpreter does not count)
-    that can serve this dtype, block size, head_dim and KV cache dtype here; torch serves everything. A named backend
-    that cannot is a ValueError saying why.
+    that can serve this dtype, block size, head_dim and KV cache dtype here; torch serves everything but an 8-bit cache
+    on the CPU in blocks that cannot hold whole key tiles. A named backend that cannot, or no backend at all, is a
+    ValueError saying why.
     """
     if requested != "auto":
         reason = unsupported(requested, platform, dtype, block_size, head_dim, kv_cache_dtype)
@@ -94,7 +99,8 @@ def select_backend(requested: str, platform: Platform, dtype: torch.dtype, block
         if reason is None:
             return name, passed_over
         passed_over[name] = reason
-    raise AssertionError("the torch backend serves every device")
+    raise ValueError("no attention backend can run here: " + "; ".join(f"{name} {reason}"
+                                                                       for name, reason in passed_over.items()))
 
 
 def choose_backend(requested: str, device: str, dtype: torch.dtype, block_size: int, head_dim: int,

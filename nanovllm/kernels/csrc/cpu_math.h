@@ -47,39 +47,46 @@ static inline void to_floats(const T* in, float* out, int64_t n) {
   for (int64_t i = 0; i < n; ++i) out[i] = to_float(in[i]);
 }
 
-// 8-bit floats as float16 bits (e5m2 is a float16's top byte; e4m3's exponent and mantissa sit under a float16's, its
+// 8-bit floats (16 or 8 in registers, or n into memory) as float16 bits (e5m2 is a float16's top byte; e4m3's exponent and mantissa sit under a float16's, its
 // bias 8 lower: times 2^8; the byte is put in a lane's top byte and shifted right by one, the sign copied, the copy
 // in the exponent's top bit then cleared), converted by the CPU's float16 instructions, 16 at a time on AVX-512, 8 on
 // AVX2 with F16C, the rest (and every value elsewhere) by `to_float`: the same values on every path, and never a
 // subnormal float operand (`to_float`'s vectorized arithmetic multiplies e4m3's subnormals: paged_decode over 4,096
 // e4m3 tokens took 208 us that way, 127 us this way, 113 us over bfloat16).
-template <typename C>
-static inline void fp8_to_floats(const C* in, float* out, int64_t n) {
-  constexpr bool e4m3 = std::is_same_v<C, c10::Float8_e4m3fn>;
-  int64_t i = 0;
 #if defined(__AVX512F__)
-  for (; i + 16 <= n; i += 16) {
-    const __m256i bytes = _mm256_cvtepu8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(in + i)));
-    if constexpr (e4m3) {
-      const __m256i half = _mm256_and_si256(_mm256_srai_epi16(_mm256_slli_epi16(bytes, 8), 1),
-                                            _mm256_set1_epi16(static_cast<int16_t>(0xBFFF)));
-      _mm512_storeu_ps(out + i, _mm512_mul_ps(_mm512_cvtph_ps(half), _mm512_set1_ps(256.f)));
-    } else {
-      _mm512_storeu_ps(out + i, _mm512_cvtph_ps(_mm256_slli_epi16(bytes, 8)));
-    }
+template <typename C>
+static inline __m512 fp8_lanes16(const C* in) {  // 16 values
+  const __m256i bytes = _mm256_cvtepu8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(in)));
+  if constexpr (std::is_same_v<C, c10::Float8_e4m3fn>) {
+    const __m256i half = _mm256_and_si256(_mm256_srai_epi16(_mm256_slli_epi16(bytes, 8), 1),
+                                          _mm256_set1_epi16(static_cast<int16_t>(0xBFFF)));
+    return _mm512_mul_ps(_mm512_cvtph_ps(half), _mm512_set1_ps(256.f));
+  } else {
+    return _mm512_cvtph_ps(_mm256_slli_epi16(bytes, 8));
   }
+}
 #endif
 #if defined(__AVX2__) && defined(__F16C__)
-  for (; i + 8 <= n; i += 8) {
-    const __m128i bytes = _mm_cvtepu8_epi16(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(in + i)));
-    if constexpr (e4m3) {
-      const __m128i half = _mm_and_si128(_mm_srai_epi16(_mm_slli_epi16(bytes, 8), 1),
-                                         _mm_set1_epi16(static_cast<int16_t>(0xBFFF)));
-      _mm256_storeu_ps(out + i, _mm256_mul_ps(_mm256_cvtph_ps(half), _mm256_set1_ps(256.f)));
-    } else {
-      _mm256_storeu_ps(out + i, _mm256_cvtph_ps(_mm_slli_epi16(bytes, 8)));
-    }
+template <typename C>
+static inline __m256 fp8_lanes8(const C* in) {  // 8 values
+  const __m128i bytes = _mm_cvtepu8_epi16(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(in)));
+  if constexpr (std::is_same_v<C, c10::Float8_e4m3fn>) {
+    const __m128i half = _mm_and_si128(_mm_srai_epi16(_mm_slli_epi16(bytes, 8), 1),
+                                       _mm_set1_epi16(static_cast<int16_t>(0xBFFF)));
+    return _mm256_mul_ps(_mm256_cvtph_ps(half), _mm256_set1_ps(256.f));
+  } else {
+    return _mm256_cvtph_ps(_mm_slli_epi16(bytes, 8));
   }
+}
+#endif
+template <typename C>
+static inline void fp8_to_floats(const C* in, float* out, int64_t n) {
+  int64_t i = 0;
+#if defined(__AVX512F__)
+  for (; i + 16 <= n; i += 16) _mm512_storeu_ps(out + i, fp8_lanes16(in + i));
+#endif
+#if defined(__AVX2__) && defined(__F16C__)
+  for (; i + 8 <= n; i += 8) _mm256_storeu_ps(out + i, fp8_lanes8(in + i));
 #endif
   for (; i < n; ++i) out[i] = to_float(in[i]);
 }
@@ -130,6 +137,40 @@ static inline void store_row(const T* x, C* out, int64_t n) {
     std::memcpy(out, x, n * sizeof(T));
   } else {
     for (int64_t i = 0; i < n; ++i) out[i] = from_float<C>(to_float(x[i]));
+  }
+}
+
+// An 8-bit cache's K as the compiled kernels keep it (in blocks of a multiple of KEY_TILE tokens): a block's tokens in
+// tiles of KEY_TILE, and a tile's keys of one KV head as [head_dim][KEY_TILE tokens], so that decode scores 16 keys at
+// once, a dimension of all 16 at a time, with no sums across lanes (the scores of keys in rows end in shuffles that
+// took ~40% of decode attention over 4,096 8-bit keys). V stays in rows.
+constexpr int64_t KEY_TILE = 16;
+
+// Where value d of key `slot`'s head g lies in a tiled K cache with `kv_heads` heads of head_dim.
+static inline int64_t tiled_key_offset(int64_t slot, int64_t g, int64_t d, int64_t kv_heads, int64_t head_dim) {
+  return ((slot / KEY_TILE * kv_heads + g) * head_dim + d) * KEY_TILE + slot % KEY_TILE;
+}
+
+// One KV head's key (head_dim values) into its cache slot: a row of a cache of T itself, tiled in an 8-bit one.
+template <typename T, typename C>
+static inline void store_key(const T* x, C* cache, int64_t slot, int64_t g, int64_t kv_heads, int64_t head_dim) {
+  if constexpr (sizeof(C) == 1) {
+    C* key = cache + tiled_key_offset(slot, g, 0, kv_heads, head_dim);
+    for (int64_t d = 0; d < head_dim; ++d) key[d * KEY_TILE] = from_float<C>(to_float(x[d]));
+  } else {
+    store_row(x, cache + (slot * kv_heads + g) * head_dim, head_dim);
+  }
+}
+
+// A cached key's head_dim values as floats, from a row or a tile.
+template <typename C>
+static inline void key_to_floats(const C* cache, int64_t slot, int64_t g, int64_t kv_heads, int64_t head_dim,
+                                 float* out) {
+  if constexpr (sizeof(C) == 1) {
+    const C* key = cache + tiled_key_offset(slot, g, 0, kv_heads, head_dim);
+    for (int64_t d = 0; d < head_dim; ++d) out[d] = to_float(key[d * KEY_TILE]);
+  } else {
+    to_floats(cache + (slot * kv_heads + g) * head_dim, out, head_dim);
   }
 }
 

@@ -77,9 +77,11 @@ void silu_mul_row(const T* gate, const T* up, T* out, int64_t n);
 // paged_decode.cpp: `rows` single queries q [rows, heads, head_dim] against their cached K/V (caches
 // [blocks, block_size, kv_heads, head_dim], row i's blocks in block_tables[i * table_width...]); rows with context
 // length 0 are left as they are. Threads over (row, KV head, chunk of keys), then over (row, KV head). The caches
-// hold T, or 8-bit floats (c10::Float8_e4m3fn, c10::Float8_e5m2) for every T. A team shares `partials`
-// (`paged_decode_partials` floats).
+// hold T, or 8-bit floats (c10::Float8_e4m3fn, c10::Float8_e5m2) for every T, K then in tiles (`KEY_TILE` in
+// cpu_math.h). A team shares `partials` (`paged_decode_partials` floats).
 constexpr int64_t MAX_HEAD_DIM = 1024;
+// Refuses an 8-bit K cache (`element_size` 1) whose blocks of `block_size` tokens cannot hold whole tiles.
+void check_key_tiles(int64_t element_size, int64_t block_size);
 template <typename T, typename C>
 void paged_decode_rows(const T* q, const C* k_cache, const C* v_cache, const int32_t* block_tables,
                        const int32_t* context_lens, T* out, int64_t rows, int64_t heads, int64_t kv_heads,

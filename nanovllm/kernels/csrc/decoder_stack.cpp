@@ -155,6 +155,7 @@ class DecoderStack : public torch::CustomClassHolder {
     TORCH_CHECK(k_cache.is_contiguous() && v_cache.is_contiguous() && k_cache.dim() == 4 &&
                     k_cache.sizes() == v_cache.sizes() && k_cache.size(2) == kv_heads_ && k_cache.size(3) == head_dim_,
                 "DecoderStack: the caches must be contiguous [blocks, block_size, kv_heads, head_dim]");
+    nanovllm::check_key_tiles(k_cache.element_size(), k_cache.size(1));
     const auto dtype = final_norm_.scalar_type(), cache = k_cache.scalar_type();
     bool same = input_norm.scalar_type() == dtype && post_norm.scalar_type() == dtype &&
                 v_cache.scalar_type() == cache && (layers_.empty() || layers_[0].k_cache.scalar_type() == cache) &&
@@ -318,7 +319,7 @@ class DecoderStack : public torch::CustomClassHolder {
           const int64_t g = h - heads_;
           nanovllm::rotary_row(row + q + g * D, k_rot + m * kv + g * D, table, D / 2);
           if (slots[m] >= 0) {
-            store_row(k_rot + m * kv + g * D, k_cache + slots[m] * kv + g * D, D);
+            store_key(k_rot + m * kv + g * D, k_cache, slots[m], g, kv_heads_, D);
             store_row(row + q + kv + g * D, v_cache + slots[m] * kv + g * D, D);
           }
         });

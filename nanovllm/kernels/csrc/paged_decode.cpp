@@ -9,8 +9,9 @@
 // it has them), K and V asked for ahead of their use, and V weighted once per token for up to 4 heads in registers:
 // 2x faster over 4,096 cached tokens than one head at a time (with bfloat16 queries, two tokens at a time by the same
 // pair products, where the CPU also permutes bytes by table: AVX512-VBMI). The cache holds the queries' dtype T, or
-// 8-bit floats C (`kv_cache_dtype="fp8"`), each value read back exactly as it is loaded, so that both give the same
-// results.
+// 8-bit floats C (`kv_cache_dtype="fp8"`), each value read back exactly as it is loaded; there K lies in tiles of 16
+// tokens (`KEY_TILE` in cpu_math.h), scored a value of 16 keys at a time with no sums across lanes, twice as fast as
+// keys in rows, whose products it sums in another order (the same results to rounding).
 #include <ATen/Dispatch.h>
 #include <ATen/Parallel.h>
 #include <ATen/core/Tensor.h>
@@ -143,12 +144,21 @@ static const Bfloat16Table<C> bfloat16_table;
 // Permutations: `unpack_order` puts 64 bytes where the byte unpacks (which interleave each 128-bit lane's halves)
 // return them in order, `pair_order(half)` the bytes 32 * half.. of two vectors side by side (a's byte, b's byte)
 // where the unpacks return them as the pairs of dimensions 32 * half.. in order; `interleave_words(half)` pairs two
-// vectors' 16-bit values (word 2k: the first's 16 * half + k, word 2k + 1: the second's).
+// vectors' 16-bit values (word 2k: the first's 16 * half + k, word 2k + 1: the second's); `tile_pairs` puts 4
+// dimensions of a K tile's 16 tokens where the unpacks return them as 2 vectors of the tokens' pairs of values (lane j:
+// token j's dimensions 0 and 1, then 2 and 3).
 struct Permutations {
-  __m512i unpack_order, pair_order[2], interleave_words[2];
+  __m512i unpack_order, pair_order[2], interleave_words[2], tile_pairs;
   Permutations() {
-    alignas(64) uint8_t order[64], pairs[2][64];
+    alignas(64) uint8_t order[64], pairs[2][64], tiles[64];
     alignas(64) uint16_t words[2][32];
+    for (int lane = 0; lane < 4; ++lane)
+      for (int i = 0; i < 8; ++i) {
+        const int word = 8 * lane + i;  // token word / 2, dimension word % 2 (+ 2 from unpackhi)
+        tiles[16 * lane + i] = static_cast<uint8_t>(word % 2 * KEY_TILE + word / 2);
+        tiles[16 * lane + 8 + i] = static_cast<uint8_t>((2 + word % 2) * KEY_TILE + word / 2);
+      }
+    tile_pairs = _mm512_load_si512(tiles);
     for (int k = 0; k < 4; ++k)
       for (int j = 0; j < 8; ++j) {
         order[16 * k + j] = static_cast<uint8_t>(8 * k + j);
@@ -206,37 +216,9 @@ __attribute__((always_inline)) static inline void value_pairs(const C* a, const 
 }
 #endif
 
-// An 8-bit key as the dot products' operand type: to floats, then (exactly) to bfloat16 by the CPU's instruction; by
-// table where the CPU has them.
-template <int64_t HEAD_DIM, typename C, typename Operand>
-static inline void convert_key(const C* key, Operand* out) {
-#ifdef NANOVLLM_BF16_TABLES
-  if constexpr (std::is_same_v<Operand, c10::BFloat16> && HEAD_DIM % 64 == 0) {
-    for (int64_t d = 0; d < HEAD_DIM; d += 64) {
-      __m512i words[2];
-      widen<C>(_mm512_loadu_si512(key + d), words);
-      _mm512_store_si512(out + d, words[0]), _mm512_store_si512(out + d + 32, words[1]);
-    }
-    return;
-  }
-#endif
-  alignas(64) float values[HEAD_DIM];
-  to_floats(key, values, HEAD_DIM);
-  if constexpr (std::is_same_v<Operand, float>) {
-    std::memcpy(out, values, sizeof values);
-  } else {
-#if defined(__AVX512BF16__)
-    for (int64_t d = 0; d < HEAD_DIM; d += 32)
-      _mm512_store_si512(out + d,
-                         (__m512i)_mm512_cvtne2ps_pbh(_mm512_load_ps(values + d + 16), _mm512_load_ps(values + d)));
-#endif
-  }
-}
-
-// scores[h * length + t] = scale * query_h . key_(first + t) for the group's heads and the `length` keys from `first`,
-// 16 keys per tile (a short last tile padded with 0); each token's K and V asked for PREFETCH_TOKENS ahead. Keys
-// stored as the operand type are read in place, others converted once per tile (exactly: the cache holds values the
-// queries' dtype represents).
+// scores[h * length + t] = scale * query_h . key_(first + t) for the group's heads and the `length` keys (rows of a
+// 16-bit cache) from `first`, 16 keys per tile (a short last tile padded with 0); each token's K and V asked for
+// PREFETCH_TOKENS ahead. Keys stored as the operand type are read in place, float16 ones converted once per tile.
 template <typename Operand, typename C, int64_t HEAD_DIM>
 static void tiled_scores(const Operand* query, float scale, const C* k_cache, const C* v_cache, const int32_t* table,
                          int64_t first, int64_t length, int64_t group, int64_t block_size, int64_t block_stride,
@@ -265,8 +247,8 @@ static void tiled_scores(const Operand* query, float scale, const C* k_cache, co
       const C* key = k_cache + table[block] * block_stride + offset * token_stride + head_offset;
       if constexpr (std::is_same_v<C, Operand>) {
         rows[j] = key;
-      } else {
-        convert_key<HEAD_DIM>(key, keys[j]);
+      } else {  // float16 keys for float queries
+        to_floats(key, keys[j], HEAD_DIM);
         rows[j] = keys[j];
       }
       if (++offset == block_size) ++block, offset = 0;
@@ -274,6 +256,136 @@ static void tiled_scores(const Operand* query, float scale, const C* k_cache, co
     for (int64_t h = 0; h < group;) {  // up to 3 heads at a time: each key read once for all of them
       const auto run = [&](auto heads) {
         tile_scores<decltype(heads)::value, HEAD_DIM>(query, h, rows, scale, n, scores + t0, length);
+      };
+      const int64_t heads = std::min<int64_t>(3, group - h);
+      if (heads == 3) run(std::integral_constant<int64_t, 3>{});
+      else if (heads == 2) run(std::integral_constant<int64_t, 2>{});
+      else run(std::integral_constant<int64_t, 1>{});
+      h += heads;
+    }
+  }
+}
+
+// One dimension of a K tile's 16 keys as floats, in the CPU's registers: one of 16 floats on AVX-512, two of 8 on AVX2
+// (where GCC's 16-float vectors went through memory: 2x slower).
+#if defined(__AVX512F__)
+using KeyPart = f32x16;
+constexpr int64_t KEY_PARTS = 1;
+template <typename C>
+static inline KeyPart key_part(const C* values, int64_t) { return (KeyPart)fp8_lanes16(values); }
+#elif defined(__AVX2__) && defined(__F16C__)
+typedef float KeyPart __attribute__((vector_size(32)));
+constexpr int64_t KEY_PARTS = 2;
+template <typename C>
+static inline KeyPart key_part(const C* values, int64_t part) { return (KeyPart)fp8_lanes8(values + 8 * part); }
+#else
+using KeyPart = f32x16;
+constexpr int64_t KEY_PARTS = 1;
+template <typename C>
+static inline KeyPart key_part(const C* values, int64_t) {
+  alignas(64) KeyPart x;
+  to_floats(values, reinterpret_cast<float*>(&x), KEY_TILE);
+  return x;
+}
+#endif
+
+// out[h] lane j: query_h . key j of a tile (one KV head's 16 keys in an 8-bit K tile) for HEADS heads: each value of
+// the 16 keys one vector (a dimension's 16 bytes, widened), made once for the HEADS heads, its products added into one
+// of a few sums per head (chains the CPU overlaps), summed at the end.
+template <int64_t HEADS, int64_t HEAD_DIM, typename C>
+static inline void tile_dots(const float* query, const C* tile, f32x16 out[HEADS]) {
+  constexpr int64_t SUMS = KEY_PARTS == 1 ? 4 : 1;  // registers of sums for 3 heads: 12 of 32, or 6 of 16 (AVX2)
+  KeyPart sums[HEADS][KEY_PARTS][SUMS] = {};
+  for (int64_t d = 0; d < HEAD_DIM; d += SUMS)
+    for (int64_t k = 0; k < SUMS; ++k)
+      for (int64_t part = 0; part < KEY_PARTS; ++part) {
+        const KeyPart keys = key_part(tile + KEY_TILE * (d + k), part);
+        for (int64_t h = 0; h < HEADS; ++h) sums[h][part][k] += keys * query[h * HEAD_DIM + d + k];
+      }
+  for (int64_t h = 0; h < HEADS; ++h)
+    for (int64_t part = 0; part < KEY_PARTS; ++part) {
+      KeyPart sum = sums[h][part][0];
+      for (int64_t k = 1; k < SUMS; ++k) sum += sums[h][part][k];
+      std::memcpy(reinterpret_cast<KeyPart*>(&out[h]) + part, &sum, sizeof sum);
+    }
+}
+#if defined(__AVX512BF16__)
+// Bfloat16 queries: the keys' pairs of values, as the CPU multiplies bfloat16 pairs, from 64 bytes (4 dimensions) at a
+// time: by table where the CPU has them (their bytes paired by the same permutation that orders them for the unpacks).
+template <int64_t HEADS, int64_t HEAD_DIM, typename C>
+static inline void tile_dots(const c10::BFloat16* query, const C* tile, f32x16 out[HEADS]) {
+  __m512 sums[HEADS][4];
+  for (int64_t h = 0; h < HEADS; ++h)
+    for (int64_t k = 0; k < 4; ++k) sums[h][k] = _mm512_setzero_ps();
+  for (int64_t d = 0; d < HEAD_DIM; d += 8) {  // pairs d / 2 .. d / 2 + 3
+    __m512i pairs[4];
+    for (int64_t k = 0; k < 2; ++k) {
+      const C* values = tile + KEY_TILE * (d + 4 * k);
+#ifdef NANOVLLM_BF16_TABLES
+      __m512i low, high;
+      look_up<C>(_mm512_permutexvar_epi8(permutations.tile_pairs, _mm512_loadu_si512(values)), low, high);
+      pairs[2 * k] = _mm512_unpacklo_epi8(low, high), pairs[2 * k + 1] = _mm512_unpackhi_epi8(low, high);
+#else
+      alignas(64) static constexpr uint16_t by_token[32] = {0, 16, 1, 17, 2,  18, 3,  19, 4,  20, 5,  21, 6,  22, 7,  23,
+                                                            8, 24, 9, 25, 10, 26, 11, 27, 12, 28, 13, 29, 14, 30, 15, 31};
+      alignas(64) float x[4][KEY_TILE];
+      to_floats(values, x[0], 4 * KEY_TILE);
+      for (int64_t e = 0; e < 2; ++e) {  // dimensions 2e and 2e + 1 as bfloat16 (exactly), then paired by token
+        const __m512bh both = _mm512_cvtne2ps_pbh(_mm512_load_ps(x[2 * e + 1]), _mm512_load_ps(x[2 * e]));
+        pairs[2 * k + e] = _mm512_permutexvar_epi16(_mm512_load_si512(by_token), (__m512i)both);
+      }
+#endif
+    }
+    for (int64_t h = 0; h < HEADS; ++h)
+      for (int64_t k = 0; k < 4; ++k) {
+        int32_t pair;
+        std::memcpy(&pair, query + h * HEAD_DIM + d + 2 * k, sizeof pair);
+        sums[h][k] = _mm512_dpbf16_ps(sums[h][k], (__m512bh)pairs[k], (__m512bh)_mm512_set1_epi32(pair));
+      }
+  }
+  for (int64_t h = 0; h < HEADS; ++h)
+    out[h] = (f32x16)_mm512_add_ps(_mm512_add_ps(sums[h][0], sums[h][1]), _mm512_add_ps(sums[h][2], sums[h][3]));
+}
+#endif
+
+// Tiles whose keys a work item asks for ahead of their scores (a tile of one head is contiguous, but the blocks are
+// scattered).
+constexpr int64_t PREFETCH_TILES = 4;
+
+// `tiled_scores` for an 8-bit cache's tiled K (g: the KV head): each tile's keys widened once for the group's heads.
+// A tile the keys [first, first + length) cover in part gives the scores of its keys in the range only.
+template <typename Operand, typename C, int64_t HEAD_DIM>
+static void tiled_key_scores(const Operand* query, float scale, const C* k_cache, const C* v_cache,
+                             const int32_t* table, int64_t first, int64_t length, int64_t group, int64_t block_size,
+                             int64_t block_stride, int64_t token_stride, int64_t g, float* scores) {
+  const auto tile_at = [&](int64_t t) {  // t: a multiple of KEY_TILE
+    return k_cache + table[t / block_size] * block_stride + t % block_size * token_stride + g * KEY_TILE * HEAD_DIM;
+  };
+  const int64_t end = first + length;
+  int64_t ahead = first, ahead_block = first / block_size, ahead_offset = first % block_size;  // the next V to ask for
+  for (int64_t t0 = first - first % KEY_TILE; t0 < end; t0 += KEY_TILE) {
+    if (const int64_t next = t0 + PREFETCH_TILES * KEY_TILE; next < end)
+      prefetch_head(tile_at(next), KEY_TILE * HEAD_DIM);
+    for (; ahead < std::min(end, t0 + KEY_TILE + PREFETCH_TOKENS); ++ahead) {
+      prefetch_head<2>(v_cache + table[ahead_block] * block_stride + ahead_offset * token_stride + g * HEAD_DIM,
+                       HEAD_DIM);
+      if (++ahead_offset == block_size) ++ahead_block, ahead_offset = 0;
+    }
+    const C* tile = tile_at(t0);
+    const int64_t from = std::max(first, t0), to = std::min(end, t0 + KEY_TILE);
+    for (int64_t h = 0; h < group;) {  // up to 3 heads at a time: each tile widened once for them
+      const auto run = [&](auto heads) {
+        constexpr int64_t HEADS = decltype(heads)::value;
+        f32x16 dots[HEADS];
+        tile_dots<HEADS, HEAD_DIM>(query + h * HEAD_DIM, tile, dots);
+        for (int64_t k = 0; k < HEADS; ++k) {
+          const f32x16 scaled = dots[k] * scale;
+          float* out = scores + (h + k) * length;
+          if (to - from == KEY_TILE)
+            *reinterpret_cast<f32x16*>(out + t0 - first) = scaled;
+          else
+            for (int64_t t = from; t < to; ++t) out[t - first] = scaled[t - t0];
+        }
       };
       const int64_t heads = std::min<int64_t>(3, group - h);
       if (heads == 3) run(std::integral_constant<int64_t, 3>{});
@@ -482,14 +594,18 @@ static void decode_chunk(const T* q, const C* k_cache, const C* v_cache, const i
       group_query = query.data();
     else
       group_query = q + (row * heads + g * group) * head_dim, after = scale;
-    tiled_scores<Operand, C, HEAD_DIM>(group_query, after, k_cache, v_cache, table, from, length, group, block_size,
-                                       block_stride, token_stride, g * head_dim, scores.data());
+    if constexpr (sizeof(C) == 1)
+      tiled_key_scores<Operand, C, HEAD_DIM>(group_query, after, k_cache, v_cache, table, from, length, group,
+                                             block_size, block_stride, token_stride, g, scores.data());
+    else
+      tiled_scores<Operand, C, HEAD_DIM>(group_query, after, k_cache, v_cache, table, from, length, group,
+                                         block_size, block_stride, token_stride, g * head_dim, scores.data());
   } else
 #endif
   for (int64_t t0 = from - from % block_size; t0 < to; t0 += block_size) {
-    const C* block = k_cache + table[t0 / block_size] * block_stride + g * head_dim;
     for (int64_t t = std::max(t0, from); t < std::min(t0 + block_size, to); ++t) {
-      to_floats(block + (t - t0) * token_stride, key.data(), head_dim);
+      key_to_floats(k_cache, table[t0 / block_size] * block_size + t - t0, g, token_stride / head_dim, head_dim,
+                    key.data());
       for (int64_t h = 0; h < group; ++h) {
         const float* qh = query.data() + h * head_dim;
         float dot = 0.f;
@@ -665,6 +781,12 @@ NANOVLLM_PAGED_DECODE_CACHES(c10::Half)
 #undef NANOVLLM_PAGED_DECODE_CACHES
 #undef NANOVLLM_PAGED_DECODE
 
+void nanovllm::check_key_tiles(int64_t element_size, int64_t block_size) {
+  TORCH_CHECK(element_size > 1 || block_size % KEY_TILE == 0,
+              nanovllm::message("an 8-bit KV cache keeps K in tiles of ", KEY_TILE, " tokens: its blocks must hold a "
+                                "multiple of ", KEY_TILE, " tokens, not ", block_size));
+}
+
 at::Tensor paged_decode(at::Tensor q, at::Tensor k_cache, at::Tensor v_cache, at::Tensor block_tables,
                         at::Tensor context_lens, double scale, int64_t window, double softcap) {
   TORCH_CHECK(q.dim() == 3 && k_cache.dim() == 4 && v_cache.sizes() == k_cache.sizes(), "bad shapes");
@@ -674,6 +796,7 @@ at::Tensor paged_decode(at::Tensor q, at::Tensor k_cache, at::Tensor v_cache, at
                                                  cache == at::kFloat8_e5m2),
               "the caches must hold q's dtype or 8-bit floats (float8_e4m3fn, float8_e5m2)");
   TORCH_CHECK(q.size(2) <= nanovllm::MAX_HEAD_DIM, nanovllm::message("head_dim above ", nanovllm::MAX_HEAD_DIM));
+  nanovllm::check_key_tiles(k_cache.element_size(), k_cache.size(1));
   q = q.contiguous();
   block_tables = block_tables.to(at::kInt).contiguous();
   context_lens = context_lens.to(at::kInt).contiguous();
