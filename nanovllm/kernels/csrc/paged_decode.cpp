@@ -39,6 +39,36 @@ constexpr int64_t CHUNK = 256;
 typedef float f32x16 __attribute__((vector_size(64), aligned(4)));
 typedef int32_t i32x16 __attribute__((vector_size(64)));
 
+// The CPU's own float vectors, for loops that keep their data in registers: GCC's 16-float vectors are one AVX-512
+// register, but on AVX2 two whose arithmetic went through memory (V weighted 3x slower than with these).
+#if defined(__AVX512F__)
+using Lanes = f32x16;
+using Ints = i32x16;
+#else
+typedef float Lanes __attribute__((vector_size(32), aligned(4)));
+typedef int32_t Ints __attribute__((vector_size(32)));
+#endif
+constexpr int64_t LANES = sizeof(Lanes) / sizeof(float);
+
+// LANES values from `in` as floats (8-bit ones by the CPU's float16 instructions where it has them).
+template <typename C>
+static inline Lanes to_lanes(const C* in) {
+  if constexpr (std::is_same_v<C, float>) {
+    return *reinterpret_cast<const Lanes*>(in);
+#if defined(__AVX512F__)
+  } else if constexpr (sizeof(C) == 1) {
+    return (Lanes)fp8_lanes16(in);
+#elif defined(__AVX2__) && defined(__F16C__)
+  } else if constexpr (sizeof(C) == 1) {
+    return (Lanes)fp8_lanes8(in);
+#endif
+  } else {
+    alignas(64) float x[LANES];
+    to_floats(in, x, LANES);
+    return *reinterpret_cast<const Lanes*>(x);
+  }
+}
+
 // The first step of summing 16 vectors' lanes: lanes 0-7 of the result hold a's pairwise sums, 8-15 b's.
 static inline f32x16 half_sums(f32x16 a, f32x16 b) {
   const i32x16 lo = {0, 1, 2, 3, 4, 5, 6, 7, 16, 17, 18, 19, 20, 21, 22, 23};
@@ -85,11 +115,46 @@ static inline f32x16 dot_lanes(const c10::BFloat16* query, const c10::BFloat16* 
 }
 #endif
 
+#if !defined(__AVX512F__)
+// `dot_lanes` and `lane_sums` in 8-float registers (AVX2: GCC's 16-float vectors went through memory, 2x slower).
+template <int64_t HEAD_DIM>
+static inline Lanes dot_lanes8(const float* query, const float* key) {
+  const Lanes* q = reinterpret_cast<const Lanes*>(query);
+  const Lanes* k = reinterpret_cast<const Lanes*>(key);
+  Lanes acc = q[0] * k[0];
+  for (int64_t c = 1; c < HEAD_DIM / 8; ++c) acc += q[c] * k[c];
+  return acc;
+}
+static inline Lanes lane_sums(const Lanes v[8]) {  // lane i: the sum of v[i]'s lanes
+  const Ints lo1 = {0, 1, 2, 3, 8, 9, 10, 11}, hi1 = {4, 5, 6, 7, 12, 13, 14, 15};
+  const Ints lo2 = {0, 1, 8, 9, 4, 5, 12, 13}, hi2 = {2, 3, 10, 11, 6, 7, 14, 15};
+  const Ints lo3 = {0, 8, 2, 10, 4, 12, 6, 14}, hi3 = {1, 9, 3, 11, 5, 13, 7, 15};
+  Lanes r[4], s[2];
+  for (int i = 0; i < 4; ++i) r[i] = __builtin_shuffle(v[i], v[i + 4], lo1) + __builtin_shuffle(v[i], v[i + 4], hi1);
+  for (int i = 0; i < 2; ++i) s[i] = __builtin_shuffle(r[i], r[i + 2], lo2) + __builtin_shuffle(r[i], r[i + 2], hi2);
+  return __builtin_shuffle(s[0], s[1], lo3) + __builtin_shuffle(s[0], s[1], hi3);
+}
+#endif
+
 // One tile's scores for HEADS heads from `head`: scores[h * length + j] = scale * query_h . rows[j] for the first n
 // of the 16 keys.
 template <int64_t HEADS, int64_t HEAD_DIM, typename Operand>
 static inline void tile_scores(const Operand* query, int64_t head, const Operand* const rows[16], float scale,
                                int64_t n, float* scores, int64_t length) {
+#if !defined(__AVX512F__)
+  if constexpr (std::is_same_v<Operand, float>) {  // a head at a time: 8 registers of products each
+    for (int64_t h = 0; h < HEADS; ++h)
+      for (int64_t half = 0; half < 2; ++half) {
+        Lanes dots[8];
+        for (int64_t j = 0; j < 8; ++j)
+          dots[j] = dot_lanes8<HEAD_DIM>(query + (head + h) * HEAD_DIM, rows[8 * half + j]);
+        const Lanes sums = lane_sums(dots) * scale;
+        float* out = scores + (head + h) * length + 8 * half;
+        for (int64_t j = 0; j < std::min<int64_t>(8, n - 8 * half); ++j) out[j] = sums[j];
+      }
+    return;
+  }
+#endif
   f32x16 halves[HEADS][8];
   for (int64_t j = 0; j < 8; ++j)
     for (int64_t h = 0; h < HEADS; ++h) {
@@ -266,47 +331,24 @@ static void tiled_scores(const Operand* query, float scale, const C* k_cache, co
   }
 }
 
-// One dimension of a K tile's 16 keys as floats, in the CPU's registers: one of 16 floats on AVX-512, two of 8 on AVX2
-// (where GCC's 16-float vectors went through memory: 2x slower).
-#if defined(__AVX512F__)
-using KeyPart = f32x16;
-constexpr int64_t KEY_PARTS = 1;
-template <typename C>
-static inline KeyPart key_part(const C* values, int64_t) { return (KeyPart)fp8_lanes16(values); }
-#elif defined(__AVX2__) && defined(__F16C__)
-typedef float KeyPart __attribute__((vector_size(32)));
-constexpr int64_t KEY_PARTS = 2;
-template <typename C>
-static inline KeyPart key_part(const C* values, int64_t part) { return (KeyPart)fp8_lanes8(values + 8 * part); }
-#else
-using KeyPart = f32x16;
-constexpr int64_t KEY_PARTS = 1;
-template <typename C>
-static inline KeyPart key_part(const C* values, int64_t) {
-  alignas(64) KeyPart x;
-  to_floats(values, reinterpret_cast<float*>(&x), KEY_TILE);
-  return x;
-}
-#endif
-
 // out[h] lane j: query_h . key j of a tile (one KV head's 16 keys in an 8-bit K tile) for HEADS heads: each value of
 // the 16 keys one vector (a dimension's 16 bytes, widened), made once for the HEADS heads, its products added into one
 // of a few sums per head (chains the CPU overlaps), summed at the end.
 template <int64_t HEADS, int64_t HEAD_DIM, typename C>
 static inline void tile_dots(const float* query, const C* tile, f32x16 out[HEADS]) {
-  constexpr int64_t SUMS = KEY_PARTS == 1 ? 4 : 1;  // registers of sums for 3 heads: 12 of 32, or 6 of 16 (AVX2)
-  KeyPart sums[HEADS][KEY_PARTS][SUMS] = {};
+  constexpr int64_t PARTS = KEY_TILE / LANES, SUMS = PARTS == 1 ? 4 : 1;  // sums for 3 heads: 12 of 32 registers,
+  Lanes sums[HEADS][PARTS][SUMS] = {};                                         // or 6 of 16 (AVX2)
   for (int64_t d = 0; d < HEAD_DIM; d += SUMS)
     for (int64_t k = 0; k < SUMS; ++k)
-      for (int64_t part = 0; part < KEY_PARTS; ++part) {
-        const KeyPart keys = key_part(tile + KEY_TILE * (d + k), part);
+      for (int64_t part = 0; part < PARTS; ++part) {
+        const Lanes keys = to_lanes(tile + KEY_TILE * (d + k) + LANES * part);
         for (int64_t h = 0; h < HEADS; ++h) sums[h][part][k] += keys * query[h * HEAD_DIM + d + k];
       }
   for (int64_t h = 0; h < HEADS; ++h)
-    for (int64_t part = 0; part < KEY_PARTS; ++part) {
-      KeyPart sum = sums[h][part][0];
+    for (int64_t part = 0; part < PARTS; ++part) {
+      Lanes sum = sums[h][part][0];
       for (int64_t k = 1; k < SUMS; ++k) sum += sums[h][part][k];
-      std::memcpy(reinterpret_cast<KeyPart*>(&out[h]) + part, &sum, sizeof sum);
+      std::memcpy(reinterpret_cast<Lanes*>(&out[h]) + part, &sum, sizeof sum);
     }
 }
 #if defined(__AVX512BF16__)
@@ -326,8 +368,9 @@ static inline void tile_dots(const c10::BFloat16* query, const C* tile, f32x16 o
       look_up<C>(_mm512_permutexvar_epi8(permutations.tile_pairs, _mm512_loadu_si512(values)), low, high);
       pairs[2 * k] = _mm512_unpacklo_epi8(low, high), pairs[2 * k + 1] = _mm512_unpackhi_epi8(low, high);
 #else
-      alignas(64) static constexpr uint16_t by_token[32] = {0, 16, 1, 17, 2,  18, 3,  19, 4,  20, 5,  21, 6,  22, 7,  23,
-                                                            8, 24, 9, 25, 10, 26, 11, 27, 12, 28, 13, 29, 14, 30, 15, 31};
+      alignas(64) static constexpr uint16_t by_token[32] = {0, 16, 1, 17, 2,  18, 3,  19, 4,  20, 5,  21, 6,  22,
+                                                            7, 23, 8, 24, 9,  25, 10, 26, 11, 27, 12, 28, 13, 29,
+                                                            14, 30, 15, 31};
       alignas(64) float x[4][KEY_TILE];
       to_floats(values, x[0], 4 * KEY_TILE);
       for (int64_t e = 0; e < 2; ++e) {  // dimensions 2e and 2e + 1 as bfloat16 (exactly), then paired by token
@@ -397,27 +440,36 @@ static void tiled_key_scores(const Operand* query, float scale, const C* k_cache
 }
 
 // The weighted sums of V for HEADS heads of the group from `head` (weights[h * (to - from) + t], into partial's rows),
-// kept in registers: each token's V converted to floats once for all of them, then added token by token.
+// kept in registers: each token's V converted to floats once for all of them, then added token by token; as many
+// dimensions at a time as 16 registers (AVX2: 12 of its 16) hold sums of for the HEADS heads (AVX2: 32 for 3 heads,
+// each token's V read in two passes).
+static constexpr int64_t value_slice(int64_t heads, int64_t head_dim) {
+  int64_t slice = head_dim;
+  while (heads * slice > (LANES == 16 ? 16 : 12) * LANES && slice > LANES) slice /= 2;
+  return slice;
+}
 template <int64_t HEADS, typename C, int64_t HEAD_DIM>
 static void weighted_values(const C* v_cache, const int32_t* table, int64_t head, int64_t from, int64_t to,
                             int64_t block_size, int64_t block_stride, int64_t token_stride, int64_t head_offset,
                             const float* weights, float* partial) {
-  constexpr int64_t CHUNKS = HEAD_DIM / 16;
+  constexpr int64_t SLICE = value_slice(HEADS, HEAD_DIM), PARTS = SLICE / LANES;
   const int64_t length = to - from;
-  f32x16 acc[HEADS][CHUNKS] = {};
-  for (int64_t t0 = from - from % block_size; t0 < to; t0 += block_size) {
-    const C* block = v_cache + table[t0 / block_size] * block_stride + head_offset;
-    for (int64_t t = std::max(t0, from); t < std::min(t0 + block_size, to); ++t) {
-      f32x16 v[CHUNKS];
-      to_floats(block + (t - t0) * token_stride, reinterpret_cast<float*>(v), HEAD_DIM);
-      for (int64_t h = 0; h < HEADS; ++h) {
-        const float w = weights[(head + h) * length + t - from];
-        for (int64_t c = 0; c < CHUNKS; ++c) acc[h][c] += w * v[c];
+  for (int64_t d0 = 0; d0 < HEAD_DIM; d0 += SLICE) {
+    Lanes acc[HEADS][PARTS] = {};
+    for (int64_t t0 = from - from % block_size; t0 < to; t0 += block_size) {
+      const C* block = v_cache + table[t0 / block_size] * block_stride + head_offset + d0;
+      for (int64_t t = std::max(t0, from); t < std::min(t0 + block_size, to); ++t) {
+        Lanes v[PARTS];
+        for (int64_t p = 0; p < PARTS; ++p) v[p] = to_lanes(block + (t - t0) * token_stride + LANES * p);
+        for (int64_t h = 0; h < HEADS; ++h) {
+          const float w = weights[(head + h) * length + t - from];
+          for (int64_t p = 0; p < PARTS; ++p) acc[h][p] += w * v[p];
+        }
       }
     }
+    for (int64_t h = 0; h < HEADS; ++h)
+      std::memcpy(partial + (head + h) * (HEAD_DIM + 2) + d0, acc[h], SLICE * sizeof(float));
   }
-  for (int64_t h = 0; h < HEADS; ++h)
-    std::memcpy(partial + (head + h) * (HEAD_DIM + 2), acc[h], HEAD_DIM * sizeof(float));
 }
 
 #ifdef NANOVLLM_BF16_TABLES
@@ -543,21 +595,21 @@ static inline float largest(const float* p, int64_t n) {
 // p[t] = exp(p[t] - top) for n scores at most `top`; returns their sum.
 static inline float exponentials(float* p, int64_t n, float top) {
 #ifdef NANOVLLM_TILED_SCORES
-  f32x16 sums = {};
+  Lanes sums = {};
   int64_t t = 0;
-  for (; t + 16 <= n; t += 16) {
-    f32x16& x = *reinterpret_cast<f32x16*>(p + t);
-    x = exp_lanes<f32x16, i32x16>(x - top);
+  for (; t + LANES <= n; t += LANES) {
+    Lanes& x = *reinterpret_cast<Lanes*>(p + t);
+    x = exp_lanes<Lanes, Ints>(x - top);
     sums += x;
   }
   if (t < n) {  // a short last tile: its other lanes neither stored nor summed
-    f32x16 x = {};
+    Lanes x = {};
     std::memcpy(&x, p + t, (n - t) * sizeof(float));
-    x = exp_lanes<f32x16, i32x16>(x - top);
+    x = exp_lanes<Lanes, Ints>(x - top);
     for (int64_t i = 0; t + i < n; ++i) p[t + i] = x[i], sums[i] += x[i];
   }
   float total = 0.f;
-  for (int i = 0; i < 16; ++i) total += sums[i];
+  for (int i = 0; i < LANES; ++i) total += sums[i];
   return total;
 #else
   float total = 0.f;
