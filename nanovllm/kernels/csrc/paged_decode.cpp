@@ -94,14 +94,19 @@ static inline f32x16 lane_sums(const f32x16 r[8]) {
 // slices of the cache, a token's width apart (a work item over 4,096 cached tokens read them twice as slowly).
 constexpr int64_t PREFETCH_TOKENS = 32;
 
-// Lane i of the 16 summed: query . key, for HEAD_DIM values of the dot products' operand type: float, or bfloat16
-// where the CPU multiplies pairs of them into float sums (AVX512-BF16: exact products, half the instructions).
-template <int64_t HEAD_DIM>
-static inline f32x16 dot_lanes(const float* query, const float* key) {
-  const f32x16* q = reinterpret_cast<const f32x16*>(query);
-  const f32x16* k = reinterpret_cast<const f32x16*>(key);
-  f32x16 acc = q[0] * k[0];
-  for (int64_t c = 1; c < HEAD_DIM / 16; ++c) acc += q[c] * k[c];
+// Lane i of the 16 (or of a vector V's lanes) summed: query . key, for HEAD_DIM values of the dot products' operand
+// type: float, or bfloat16 where the CPU multiplies pairs of them into float sums (AVX512-BF16: exact products, half
+// the instructions).
+template <int64_t HEAD_DIM, typename V = f32x16>
+static inline V dot_lanes(const float* query, const float* key) {
+  constexpr int64_t N = sizeof(V) / sizeof(float);
+  const auto at = [](const float* p, int64_t c) {  // by memcpy: V, a template argument, lost its typedef's alignment
+    V v;
+    std::memcpy(&v, p + N * c, sizeof v);
+    return v;
+  };
+  V acc = at(query, 0) * at(key, 0);
+  for (int64_t c = 1; c < HEAD_DIM / N; ++c) acc += at(query, c) * at(key, c);
   return acc;
 }
 #if defined(__AVX512BF16__)
@@ -116,16 +121,9 @@ static inline f32x16 dot_lanes(const c10::BFloat16* query, const c10::BFloat16* 
 #endif
 
 #if !defined(__AVX512F__)
-// `dot_lanes` and `lane_sums` in 8-float registers (AVX2: GCC's 16-float vectors went through memory, 2x slower).
-template <int64_t HEAD_DIM>
-static inline Lanes dot_lanes8(const float* query, const float* key) {
-  const Lanes* q = reinterpret_cast<const Lanes*>(query);
-  const Lanes* k = reinterpret_cast<const Lanes*>(key);
-  Lanes acc = q[0] * k[0];
-  for (int64_t c = 1; c < HEAD_DIM / 8; ++c) acc += q[c] * k[c];
-  return acc;
-}
-static inline Lanes lane_sums(const Lanes v[8]) {  // lane i: the sum of v[i]'s lanes
+// `lane_sums` in 8-float registers (AVX2: GCC's 16-float vectors went through memory, 2x slower): lane i, the sum of
+// v[i]'s lanes.
+static inline Lanes lane_sums(const Lanes v[8]) {
   const Ints lo1 = {0, 1, 2, 3, 8, 9, 10, 11}, hi1 = {4, 5, 6, 7, 12, 13, 14, 15};
   const Ints lo2 = {0, 1, 8, 9, 4, 5, 12, 13}, hi2 = {2, 3, 10, 11, 6, 7, 14, 15};
   const Ints lo3 = {0, 8, 2, 10, 4, 12, 6, 14}, hi3 = {1, 9, 3, 11, 5, 13, 7, 15};
@@ -147,7 +145,7 @@ static inline void tile_scores(const Operand* query, int64_t head, const Operand
       for (int64_t half = 0; half < 2; ++half) {
         Lanes dots[8];
         for (int64_t j = 0; j < 8; ++j)
-          dots[j] = dot_lanes8<HEAD_DIM>(query + (head + h) * HEAD_DIM, rows[8 * half + j]);
+          dots[j] = dot_lanes<HEAD_DIM, Lanes>(query + (head + h) * HEAD_DIM, rows[8 * half + j]);
         const Lanes sums = lane_sums(dots) * scale;
         float* out = scores + (head + h) * length + 8 * half;
         for (int64_t j = 0; j < std::min<int64_t>(8, n - 8 * half); ++j) out[j] = sums[j];
