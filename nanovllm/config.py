@@ -154,7 +154,8 @@ class Config:
     `skip_tokenizer_init=True` (vLLM's) loads none: prompts are token ids and outputs have no text.
     `quantization` ("int8" or "int4") quantizes the linear weights of an unquantized checkpoint at load, to GGML's
     Q8_0 or Q4_1 blocks of 32 (round to nearest). `kv_cache_dtype` (vLLM's, one of `KV_CACHE_DTYPES`): "fp8" stores
-    K/V in 8-bit floats, twice the tokens in the same memory; the torch and Triton backends read them, flash-attn not.
+    K/V in 8-bit floats, twice the tokens in the same memory; the torch and Triton backends read them, flash-attn not
+    (on the CPU its blocks hold a multiple of 16 tokens: the compiled kernels keep K in tiles of 16).
     `attention_backend` names the attention kernels ("auto", "flash-attn", "flash-attn-4", "triton", "torch"; see
     `nanovllm.kernels.attention.select_backend`); like `device` and `dtype`, "auto" is replaced by what was chosen.
     On CPU the KV cache is sized from `cpu_kvcache_gib` (GiB of host memory); on CUDA from `gpu_memory_utilization`
