@@ -47,12 +47,13 @@ static inline void to_floats(const T* in, float* out, int64_t n) {
   for (int64_t i = 0; i < n; ++i) out[i] = to_float(in[i]);
 }
 
-// 8-bit floats (16 or 8 in registers, or n into memory) as float16 bits (e5m2 is a float16's top byte; e4m3's exponent and mantissa sit under a float16's, its
-// bias 8 lower: times 2^8; the byte is put in a lane's top byte and shifted right by one, the sign copied, the copy
-// in the exponent's top bit then cleared), converted by the CPU's float16 instructions, 16 at a time on AVX-512, 8 on
-// AVX2 with F16C, the rest (and every value elsewhere) by `to_float`: the same values on every path, and never a
-// subnormal float operand (`to_float`'s vectorized arithmetic multiplies e4m3's subnormals: paged_decode over 4,096
-// e4m3 tokens took 208 us that way, 127 us this way, 113 us over bfloat16).
+// 8-bit floats (16 or 8 into registers, or n into memory) as float16 bits (e5m2 is a float16's top byte; e4m3's
+// exponent and mantissa sit under a float16's, its bias 8 lower: times 2^8; the byte is put in a lane's top byte and
+// shifted right by one, the sign copied, the copy in the exponent's top bit then cleared), converted by the CPU's
+// float16 instructions, 16 at a time on AVX-512, 8 on AVX2 with F16C, the rest (and every value elsewhere) by
+// `to_float`: the same values on every path, and never a subnormal float operand (`to_float`'s vectorized arithmetic
+// multiplies e4m3's subnormals: paged_decode over 4,096 e4m3 tokens took 208 us that way, 127 us this way, 113 us over
+// bfloat16).
 #if defined(__AVX512F__)
 template <typename C>
 static inline __m512 fp8_lanes16(const C* in) {  // 16 values
