@@ -279,6 +279,18 @@ __attribute__((always_inline)) static inline void value_pairs(const C* a, const 
 }
 #endif
 
+// fn(h, std::integral_constant<int64_t, HEADS>) for the group's heads from h, up to 3 at a time.
+template <typename F>
+static inline void by_three_heads(int64_t group, const F& fn) {
+  for (int64_t h = 0; h < group;) {
+    const int64_t heads = std::min<int64_t>(3, group - h);
+    if (heads == 3) fn(h, std::integral_constant<int64_t, 3>{});
+    else if (heads == 2) fn(h, std::integral_constant<int64_t, 2>{});
+    else fn(h, std::integral_constant<int64_t, 1>{});
+    h += heads;
+  }
+}
+
 // scores[h * length + t] = scale * query_h . key_(first + t) for the group's heads and the `length` keys (rows of a
 // 16-bit cache) from `first`, 16 keys per tile (a short last tile padded with 0); each token's K and V asked for
 // PREFETCH_TOKENS ahead. Keys stored as the operand type are read in place, float16 ones converted once per tile.
@@ -316,16 +328,9 @@ static void tiled_scores(const Operand* query, float scale, const C* k_cache, co
       }
       if (++offset == block_size) ++block, offset = 0;
     }
-    for (int64_t h = 0; h < group;) {  // up to 3 heads at a time: each key read once for all of them
-      const auto run = [&](auto heads) {
-        tile_scores<decltype(heads)::value, HEAD_DIM>(query, h, rows, scale, n, scores + t0, length);
-      };
-      const int64_t heads = std::min<int64_t>(3, group - h);
-      if (heads == 3) run(std::integral_constant<int64_t, 3>{});
-      else if (heads == 2) run(std::integral_constant<int64_t, 2>{});
-      else run(std::integral_constant<int64_t, 1>{});
-      h += heads;
-    }
+    by_three_heads(group, [&](int64_t h, auto heads) {  // each key read once for them
+      tile_scores<decltype(heads)::value, HEAD_DIM>(query, h, rows, scale, n, scores + t0, length);
+    });
   }
 }
 
@@ -414,26 +419,19 @@ static void tiled_key_scores(const Operand* query, float scale, const C* k_cache
     }
     const C* tile = tile_at(t0);
     const int64_t from = std::max(first, t0), to = std::min(end, t0 + KEY_TILE);
-    for (int64_t h = 0; h < group;) {  // up to 3 heads at a time: each tile widened once for them
-      const auto run = [&](auto heads) {
-        constexpr int64_t HEADS = decltype(heads)::value;
-        f32x16 dots[HEADS];
-        tile_dots<HEADS, HEAD_DIM>(query + h * HEAD_DIM, tile, dots);
-        for (int64_t k = 0; k < HEADS; ++k) {
-          const f32x16 scaled = dots[k] * scale;
-          float* out = scores + (h + k) * length;
-          if (to - from == KEY_TILE)
-            *reinterpret_cast<f32x16*>(out + t0 - first) = scaled;
-          else
-            for (int64_t t = from; t < to; ++t) out[t - first] = scaled[t - t0];
-        }
-      };
-      const int64_t heads = std::min<int64_t>(3, group - h);
-      if (heads == 3) run(std::integral_constant<int64_t, 3>{});
-      else if (heads == 2) run(std::integral_constant<int64_t, 2>{});
-      else run(std::integral_constant<int64_t, 1>{});
-      h += heads;
-    }
+    by_three_heads(group, [&](int64_t h, auto heads) {  // each tile widened once for them
+      constexpr int64_t HEADS = decltype(heads)::value;
+      f32x16 dots[HEADS];
+      tile_dots<HEADS, HEAD_DIM>(query + h * HEAD_DIM, tile, dots);
+      for (int64_t k = 0; k < HEADS; ++k) {
+        const f32x16 scaled = dots[k] * scale;
+        float* out = scores + (h + k) * length;
+        if (to - from == KEY_TILE)
+          *reinterpret_cast<f32x16*>(out + t0 - first) = scaled;
+        else
+          for (int64_t t = from; t < to; ++t) out[t - first] = scaled[t - t0];
+      }
+    });
   }
 }
 
