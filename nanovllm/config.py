@@ -11,9 +11,10 @@ if TYPE_CHECKING:
 
 DTYPES = ("auto", "float32", "bfloat16", "float16")
 DTYPE_ALIASES = {"half": "float16", "float": "float32"}  # vLLM's other names, read as these
-# vLLM's kv_cache_dtype names: "auto" keeps K/V in the model's dtype; the others store them in 8 bits (scale 1.0, as
-# vLLM's default), each read back exactly and computed in the model's dtype; "fp8" is "fp8_e4m3"
-KV_CACHE_DTYPES = ("auto", "fp8", "fp8_e4m3", "fp8_e5m2")
+# kv_cache_dtype: "auto" keeps K/V in the model's dtype; vLLM's "fp8" ("fp8_e4m3") and "fp8_e5m2" store them in 8-bit
+# floats (scale 1.0, as vLLM's default), each read back exactly and computed in the model's dtype; "int8" (llama.cpp's
+# q8_0 in spirit) in 8-bit integers with a float32 scale per token and KV head: 16-bit accuracy in ~half the memory
+KV_CACHE_DTYPES = ("auto", "fp8", "fp8_e4m3", "fp8_e5m2", "int8")
 QUANTIZATIONS = {"int8": "Q8_0", "int4": "Q4_1"}  # quantization= at load: the GGML block type each makes
 # What logprobs and prompt logprobs hold (vLLM's `logprobs_mode`): log-probabilities or logits, of the model's logits
 # ("raw", after a structured output's mask) or of those a token is drawn from ("processed": then penalties, min_tokens,
@@ -153,9 +154,11 @@ class Config:
     config.json is required. `tokenizer`, as vLLM's, is a directory to take the tokenizer from instead of the model's;
     `skip_tokenizer_init=True` (vLLM's) loads none: prompts are token ids and outputs have no text.
     `quantization` ("int8" or "int4") quantizes the linear weights of an unquantized checkpoint at load, to GGML's
-    Q8_0 or Q4_1 blocks of 32 (round to nearest). `kv_cache_dtype` (vLLM's, one of `KV_CACHE_DTYPES`): "fp8" stores
-    K/V in 8-bit floats, twice the tokens in the same memory; the torch and Triton backends read them, flash-attn not
-    (on the CPU its blocks hold a multiple of 16 tokens: the compiled kernels keep K in tiles of 16).
+    Q8_0 or Q4_1 blocks of 32 (round to nearest). `kv_cache_dtype` (one of `KV_CACHE_DTYPES`): "fp8" stores K/V in
+    8-bit floats, twice the tokens in the same memory; the torch and Triton backends read them, flash-attn not. "int8"
+    stores 8-bit integers with a scale per token and KV head (1.9x the tokens of a 16-bit cache, closer to it than
+    fp8); the torch backend reads them. On the CPU an 8-bit cache's blocks hold a multiple of 16 tokens (the compiled
+    kernels keep K in tiles of 16).
     `attention_backend` names the attention kernels ("auto", "flash-attn", "flash-attn-4", "triton", "torch"; see
     `nanovllm.kernels.attention.select_backend`); like `device` and `dtype`, "auto" is replaced by what was chosen.
     On CPU the KV cache is sized from `cpu_kvcache_gib` (GiB of host memory); on CUDA from `gpu_memory_utilization`

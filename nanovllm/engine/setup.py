@@ -10,6 +10,7 @@ from transformers import AutoConfig, PretrainedConfig
 from nanovllm.config import POOLING_REJECTS_LOGITS_PROCESSORS, QUANTIZATIONS, STEP_COST, Config, default_block_size
 from nanovllm.engine.tokenizer import check_same_vocabulary
 from nanovllm.kernels.attention import ATTENTION_BACKENDS, choose_backend
+from nanovllm.kernels.attention.kv_quant import INT8_CACHE
 from nanovllm.kernels.ggml import BLOCK, TYPE_IDS
 from nanovllm.layers.prepack import native_bfloat16
 from nanovllm.models import has_lm_head, kv_sliding_window, model_class
@@ -20,7 +21,8 @@ from nanovllm.models.loader import find_weight_files
 from nanovllm.models.sentence_transformers import is_sentence_transformers, read_pooler_config
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
-_KV_CACHE_DTYPES = {"fp8": torch.float8_e4m3fn, "fp8_e4m3": torch.float8_e4m3fn, "fp8_e5m2": torch.float8_e5m2}
+_KV_CACHE_DTYPES = {"fp8": torch.float8_e4m3fn, "fp8_e4m3": torch.float8_e4m3fn, "fp8_e5m2": torch.float8_e5m2,
+                    "int8": INT8_CACHE}
 # vLLM engine arguments that clients pass as they are (lm-eval passes every one) and that ask nanovllm for nothing in
 # the values here: hub revisions (nanovllm loads local directories and files), the Hugging Face tokenizer ("auto" and
 # "hf" are the same here; vLLM's other modes are tokenizers nanovllm does not have), remote code (no code from the

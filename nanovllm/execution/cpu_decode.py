@@ -14,6 +14,7 @@ step's adapters change) and adds each row's delta with the kernel the layers cal
 import torch
 
 from nanovllm.kernels.attention.context import get_context
+from nanovllm.kernels.attention.kv_quant import INT8_CACHE
 from nanovllm.kernels.attention.torch_backend import TorchBackend, query_rows
 from nanovllm.kernels.ggml import kernel_isa
 from nanovllm.layers.ggml_weight import GGMLWeight
@@ -120,7 +121,8 @@ def _standard_layer(layer: DecoderLayer, first: DecoderLayer) -> bool:
             and attn.sliding_window == 0 and attn.softcap == 0
             and attn.backend.attend == TorchBackend.attend and attn.backend.store_kvcache == TorchBackend.store_kvcache
             and attn.k_cache.dim() == 4
-            and attn.k_cache.dtype in (layer.input_layernorm.weight.dtype, torch.float8_e4m3fn, torch.float8_e5m2))
+            and attn.k_cache.dtype in (layer.input_layernorm.weight.dtype, torch.float8_e4m3fn, torch.float8_e5m2,
+                                       INT8_CACHE))
 
 
 def _linear(layer: LinearBase) -> torch.ScriptObject:

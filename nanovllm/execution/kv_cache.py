@@ -18,6 +18,7 @@ from nanovllm.config import Config
 from nanovllm.distributed.process_group import min_over_ranks
 from nanovllm.execution.sampler import Sampler, SamplingRow
 from nanovllm.kernels.attention.context import reset_context, set_context
+from nanovllm.kernels.attention.kv_quant import cache_row_width
 from nanovllm.layers.attention import Attention
 from nanovllm.models.hf_config import head_dim
 from nanovllm.sampling_params import SamplingParams
@@ -37,10 +38,11 @@ class KVCache:
 
 
 def kv_cache_shape(config: Config, num_blocks: int) -> tuple[int, ...]:
-    """(k/v, layer, block, token in block, this rank's KV heads, head dim)."""
+    """(k/v, layer, block, token in block, this rank's KV heads, head dim (an int8 cache's rows: and its scale))."""
     cfg = config.hf_config
     num_kv_heads = cfg.num_key_value_heads // config.tensor_parallel_size
-    return 2, cfg.num_hidden_layers, num_blocks, config.kvcache_block_size, num_kv_heads, head_dim(cfg)
+    width = cache_row_width(head_dim(cfg), config.kv_cache_torch_dtype)
+    return 2, cfg.num_hidden_layers, num_blocks, config.kvcache_block_size, num_kv_heads, width
 
 
 def kv_block_bytes(config: Config) -> int:

@@ -92,7 +92,7 @@ def test_rows_over_several_chunks_of_keys_too(mixed_gguf, threads):
         torch.set_num_threads(before)
 
 
-@pytest.mark.parametrize("kv_cache_dtype", ["fp8_e4m3", "fp8_e5m2"])
+@pytest.mark.parametrize("kv_cache_dtype", ["fp8_e4m3", "fp8_e5m2", "int8"])
 def test_over_an_8bit_kv_cache_too(mixed_gguf, kv_cache_dtype):
     with LLM(mixed_gguf, device="cpu", dtype="bfloat16", kv_cache_dtype=kv_cache_dtype, max_model_len=256,
              kvcache_block_size=16) as llm:

@@ -37,8 +37,9 @@ class BackendSpec:
     attend can run in a CUDA graph (which also needs a K/V writer that never syncs: Triton's). `own_kv_writer`:
     its class writes K/V itself; otherwise Triton's writer is used on CUDA when triton imports, else torch's.
     `interpretable`: it also runs on the CPU under TRITON_INTERPRET=1. `reads_8bit_cache`: it serves a KV cache of
-    8-bit floats (`kv_cache_dtype="fp8"`), reading each value back exactly; `cpu_8bit_block_multiple`: the block
-    size such a cache needs on the CPU (the compiled kernels keep its K in tiles of 16 tokens).
+    8-bit floats (`kv_cache_dtype="fp8"`), reading each value back exactly; `reads_int8_cache`: one of scaled 8-bit
+    integers (`kv_cache_dtype="int8"`); `cpu_8bit_block_multiple`: the block size an 8-bit cache needs on the CPU (the
+    compiled kernels keep its K in tiles of 16 tokens).
     """
 
     name: str
@@ -56,6 +57,7 @@ class BackendSpec:
     own_kv_writer: bool = False
     interpretable: bool = False
     reads_8bit_cache: bool = False
+    reads_int8_cache: bool = False
     cpu_8bit_block_multiple: int = 1
     library: tuple[str, str | None] | None = None   # (module, attribute) that must import
     install: str = ""
@@ -80,7 +82,7 @@ BACKENDS: dict[str, BackendSpec] = {spec.name: spec for spec in (
                 bfloat16_from=(8, 0), capturable=True, own_kv_writer=True, interpretable=True,
                 reads_8bit_cache=True, library=("triton", None), install="pip install 'nanovllm[cuda]'"),
     BackendSpec("torch", "nanovllm.kernels.attention.torch_backend:TorchBackend", devices=("cpu", "cuda"),
-                own_kv_writer=True, reads_8bit_cache=True, cpu_8bit_block_multiple=16),
+                own_kv_writer=True, reads_8bit_cache=True, reads_int8_cache=True, cpu_8bit_block_multiple=16),
 )}
 ATTENTION_BACKENDS = ("auto", *BACKENDS)  # "auto" tries them in this order
 

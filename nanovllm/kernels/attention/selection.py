@@ -7,6 +7,7 @@ from dataclasses import dataclass
 import torch
 
 from nanovllm.kernels.attention import registry
+from nanovllm.kernels.attention.kv_quant import INT8_CACHE
 from nanovllm.kernels.attention.registry import BackendSpec, library_installed
 
 logger = logging.getLogger("nanovllm")
@@ -35,6 +36,9 @@ def unsupported(name: str, platform: Platform, dtype: torch.dtype, block_size: i
     it would help."""
     spec = registry.BACKENDS[name]
     eight_bit = kv_cache_dtype is not None and kv_cache_dtype.itemsize == 1
+    if kv_cache_dtype == INT8_CACHE and not spec.reads_int8_cache:
+        return ("cannot read an int8 KV cache (kv_cache_dtype='int8'): use attention_backend='torch', or "
+                "kv_cache_dtype='fp8'")
     if eight_bit and not spec.reads_8bit_cache:
         return (f"cannot read an 8-bit KV cache ({str(kv_cache_dtype).removeprefix('torch.')}, from kv_cache_dtype): "
                 "leave kv_cache_dtype='auto', or use attention_backend='triton'")

@@ -6,7 +6,7 @@ import torch.nn.functional as F
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from nanovllm.kernels.attention.context import Context
-from nanovllm.kernels.attention.kv_quant import to_cache_dtype
+from nanovllm.kernels.attention.kv_quant import from_cache, to_cache_dtype
 from nanovllm.kernels.cpu import DECODE_CHUNK, cpu_kernels, paged_decode
 
 _CUDA_KERNELS = [SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH]
@@ -71,7 +71,7 @@ def _gather(cache: torch.Tensor, block_table: torch.Tensor, length: int, dtype: 
     blocks before it may have been released), in `dtype` (an 8-bit cache's values converted back)."""
     block_size = cache.size(1)
     num_blocks = (length + block_size - 1) // block_size
-    return cache[block_table[first // block_size:num_blocks]].flatten(0, 1)[:length - first].to(dtype)
+    return from_cache(cache[block_table[first // block_size:num_blocks]].flatten(0, 1)[:length - first], dtype)
 
 
 def _runs(block_table: list[int], length: int, block_size: int, start: int = 0) -> list[tuple[int, int]]:
@@ -99,8 +99,8 @@ def _decode_in_place(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
     q = q[None, :, None, :]
     outs, lses = [], []
     for first, count in _runs(block_table, length, k_cache.size(1), max(0, length - window) if window else 0):
-        k = k_flat[first:first + count].transpose(0, 1)[None].to(q.dtype)
-        v = v_flat[first:first + count].transpose(0, 1)[None].to(q.dtype)
+        k = from_cache(k_flat[first:first + count], q.dtype).transpose(0, 1)[None]
+        v = from_cache(v_flat[first:first + count], q.dtype).transpose(0, 1)[None]
         o, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(q, k, v, scale=scale)
         outs.append(o)
         lses.append(lse)
@@ -231,7 +231,8 @@ def _decode_rows(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, 
     mask = keys < context_lens[:, None]
     if window:
         mask &= keys >= context_lens[:, None] - window
-    k, v = (torch.where(mask[:, None, :, None], cache[block_tables].flatten(1, 2).transpose(1, 2).to(q.dtype), 0)
+    k, v = (torch.where(mask[:, None, :, None], from_cache(cache[block_tables].flatten(1, 2), q.dtype).transpose(1, 2),
+                        0)
             for cache in (k_cache, v_cache))
     attend = functools.partial(_explicit, softcap=softcap) if softcap else _sdpa
     out = attend(q.unsqueeze(2), k, v, mask[:, None, None, :], scale).squeeze(2)

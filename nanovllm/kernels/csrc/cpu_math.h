@@ -40,6 +40,30 @@ static inline float to_float(c10::Float8_e5m2 x) {
   return f * 0x1p112f;
 }
 
+// kv_cache_dtype="int8": each (token, KV head) row of head_dim values as a sign and a 7-bit magnitude (so that it
+// widens by the same byte tables as an 8-bit float), times the float32 scale (the row's largest magnitude / 127) the
+// cache keeps after the row's values (`SCALE_BYTES`); the row's value is magnitude * scale.
+struct Int8Scaled {
+  uint8_t x;
+  struct from_bits_t {};
+  static constexpr from_bits_t from_bits() { return {}; }
+  Int8Scaled() = default;
+  constexpr Int8Scaled(uint8_t bits, from_bits_t) : x(bits) {}
+};
+static inline float to_float(Int8Scaled v) {  // the magnitude, signed (not yet scaled)
+  const float magnitude = static_cast<float>(v.x & 0x7Fu);
+  return v.x & 0x80u ? -magnitude : magnitude;
+}
+
+// Bytes of a (token, KV head) row's scale after its values: 4 in an int8 cache, none in the others.
+template <typename C>
+constexpr int64_t SCALE_BYTES = std::is_same_v<C, Int8Scaled> ? 4 : 0;
+// A cache row's width in elements of C: head_dim values, then the scale's bytes.
+template <typename C>
+constexpr int64_t row_width(int64_t head_dim) {
+  return head_dim + SCALE_BYTES<C> / static_cast<int64_t>(sizeof(C));
+}
+
 // out[i] = to_float(in[i]) for n values.
 template <typename T>
 static inline void to_floats(const T* in, float* out, int64_t n) {
@@ -141,49 +165,121 @@ static inline void store_row(const T* x, C* out, int64_t n) {
   }
 }
 
+// An int8 cache's row of n values: their scale (the largest magnitude / 127, or 0), and each value's magnitude
+// |x| / scale rounded to nearest even (at most 127), at out[i * stride] (`to_int8` in kv_quant.py, the same bytes).
+template <typename T>
+static inline float store_int8(const T* x, Int8Scaled* out, int64_t n, int64_t stride) {
+  float largest = 0.f;
+  for (int64_t i = 0; i < n; ++i) largest = std::max(largest, std::abs(to_float(x[i])));
+  const float scale = largest / 127.f;
+  for (int64_t i = 0; i < n; ++i) {
+    const float v = to_float(x[i]), ratio = scale > 0.f ? std::abs(v) / scale : 0.f;
+    const float magnitude = std::nearbyint(ratio < 127.f ? ratio : 127.f);
+    out[i * stride].x = static_cast<uint8_t>(static_cast<uint8_t>(magnitude) | (v < 0.f ? 0x80u : 0u));
+  }
+  return scale;
+}
+
 // An 8-bit cache's K as the compiled kernels keep it (in blocks of a multiple of KEY_TILE tokens): a block's tokens in
 // tiles of KEY_TILE, and a tile's keys of one KV head as [head_dim][KEY_TILE tokens], so that decode scores 16 keys at
 // once, a dimension of all 16 at a time, with no sums across lanes (the scores of keys in rows end in shuffles that
-// took ~40% of decode attention over 4,096 8-bit keys). V stays in rows.
+// took ~40% of decode attention over 4,096 8-bit keys). An 8-bit float V stays in rows; an int8 cache's V lies in the
+// same tiles as its K, as [KEY_TILE tokens][head_dim] (one head's values and scales together, 64-byte aligned), and
+// every tile of either ends in its tokens' 16 scales (floats).
 constexpr int64_t KEY_TILE = 16;
 
-// Where value d of key `slot`'s head g lies in a tiled K cache with `kv_heads` heads of head_dim.
-static inline int64_t tiled_key_offset(int64_t slot, int64_t g, int64_t d, int64_t kv_heads, int64_t head_dim) {
-  return ((slot / KEY_TILE * kv_heads + g) * head_dim + d) * KEY_TILE + slot % KEY_TILE;
+// Where value d of key `slot`'s head g lies in a tiled K cache with `kv_heads` heads of rows `width` wide
+// (`row_width`; d = head_dim: the tile's scales).
+static inline int64_t tiled_key_offset(int64_t slot, int64_t g, int64_t d, int64_t kv_heads, int64_t width) {
+  return ((slot / KEY_TILE * kv_heads + g) * width + d) * KEY_TILE + slot % KEY_TILE;
+}
+
+// Where the scale of token j of an int8 tile that starts at `tile` lies: after the tile's head_dim * KEY_TILE values.
+template <typename P>
+static inline P* tile_scale(P* tile, int64_t head_dim, int64_t j) {
+  return tile + KEY_TILE * head_dim + 4 * j;
+}
+
+// Where token `slot`'s V row of KV head g starts: a row of the cache, or in an int8 cache row slot % KEY_TILE of its
+// tile.
+template <typename C>
+static inline int64_t value_offset(int64_t slot, int64_t g, int64_t kv_heads, int64_t head_dim) {
+  if constexpr (std::is_same_v<C, Int8Scaled>)
+    return tiled_key_offset(slot - slot % KEY_TILE, g, 0, kv_heads, row_width<C>(head_dim)) +
+           slot % KEY_TILE * head_dim;
+  else
+    return (slot * kv_heads + g) * head_dim;
+}
+
+// The float at `at` (a scale in an int8 cache's bytes).
+template <typename P>
+static inline float scale_at(const P* at) {
+  float scale;
+  std::memcpy(&scale, at, sizeof scale);
+  return scale;
 }
 
 // One KV head's key (head_dim values) into its cache slot: a row of a cache of T itself, tiled in an 8-bit one.
 template <typename T, typename C>
 static inline void store_key(const T* x, C* cache, int64_t slot, int64_t g, int64_t kv_heads, int64_t head_dim) {
   if constexpr (sizeof(C) == 1) {
-    C* key = cache + tiled_key_offset(slot, g, 0, kv_heads, head_dim);
-    for (int64_t d = 0; d < head_dim; ++d) key[d * KEY_TILE] = from_float<C>(to_float(x[d]));
+    C* key = cache + tiled_key_offset(slot, g, 0, kv_heads, row_width<C>(head_dim));
+    if constexpr (std::is_same_v<C, Int8Scaled>) {
+      const float scale = store_int8(x, key, head_dim, KEY_TILE);
+      std::memcpy(tile_scale(key - slot % KEY_TILE, head_dim, slot % KEY_TILE), &scale, sizeof scale);
+    } else {
+      for (int64_t d = 0; d < head_dim; ++d) key[d * KEY_TILE] = from_float<C>(to_float(x[d]));
+    }
   } else {
     store_row(x, cache + (slot * kv_heads + g) * head_dim, head_dim);
   }
 }
 
-// A cached key's head_dim values as floats, from a row or a tile.
+// A cached key's head_dim values as floats, from a row or a tile (an int8 key's scaled).
 template <typename C>
 static inline void key_to_floats(const C* cache, int64_t slot, int64_t g, int64_t kv_heads, int64_t head_dim,
                                  float* out) {
   if constexpr (sizeof(C) == 1) {
-    const C* key = cache + tiled_key_offset(slot, g, 0, kv_heads, head_dim);
-    for (int64_t d = 0; d < head_dim; ++d) out[d] = to_float(key[d * KEY_TILE]);
+    const C* key = cache + tiled_key_offset(slot, g, 0, kv_heads, row_width<C>(head_dim));
+    float scale = 1.f;
+    if constexpr (std::is_same_v<C, Int8Scaled>)
+      scale = scale_at(tile_scale(key - slot % KEY_TILE, head_dim, slot % KEY_TILE));
+    for (int64_t d = 0; d < head_dim; ++d) out[d] = to_float(key[d * KEY_TILE]) * scale;
   } else {
     to_floats(cache + (slot * kv_heads + g) * head_dim, out, head_dim);
   }
 }
 
-// fn(C{}) with C the KV cache's element type for activations of type T: `cache` is T's own, or an 8-bit float.
+// One KV head's value (head_dim values) into its cache slot: a row, in an int8 cache's tile with its scale.
+template <typename T, typename C>
+static inline void store_value(const T* x, C* cache, int64_t slot, int64_t g, int64_t kv_heads, int64_t head_dim) {
+  C* row = cache + value_offset<C>(slot, g, kv_heads, head_dim);
+  if constexpr (std::is_same_v<C, Int8Scaled>) {
+    const float scale = store_int8(x, row, head_dim, 1);
+    std::memcpy(tile_scale(row - slot % KEY_TILE * head_dim, head_dim, slot % KEY_TILE), &scale, sizeof scale);
+  } else {
+    store_row(x, row, head_dim);
+  }
+}
+
+// fn(C{}) with C the KV cache's element type for activations of type T: `cache` is T's own, an 8-bit float, or
+// bytes (uint8: an int8 cache's values and scales).
 template <typename T, typename F>
 static inline void with_cache_type(c10::ScalarType cache, const F& fn) {
   if (cache == c10::ScalarType::Float8_e4m3fn)
     fn(c10::Float8_e4m3fn{});
   else if (cache == c10::ScalarType::Float8_e5m2)
     fn(c10::Float8_e5m2{});
+  else if (cache == c10::ScalarType::Byte)
+    fn(Int8Scaled{});
   else
     fn(T{});
+}
+
+// Whether a cache of `cache` serves activations of `dtype`: their own dtype, an 8-bit float, or an int8 cache's bytes.
+static inline bool cache_serves(c10::ScalarType cache, c10::ScalarType dtype) {
+  return cache == dtype || cache == c10::ScalarType::Float8_e4m3fn || cache == c10::ScalarType::Float8_e5m2 ||
+         cache == c10::ScalarType::Byte;
 }
 
 // The cache lines of one head's dim values from `row` asked for ahead of their use: heads of a row (or a cached token)

@@ -153,13 +153,15 @@ class DecoderStack : public torch::CustomClassHolder {
                 "DecoderStack: the layer's projections do not fit its hidden size and heads");
     TORCH_CHECK(input_norm.numel() == hidden_ && post_norm.numel() == hidden_, "DecoderStack: bad norm weights");
     TORCH_CHECK(k_cache.is_contiguous() && v_cache.is_contiguous() && k_cache.dim() == 4 &&
-                    k_cache.sizes() == v_cache.sizes() && k_cache.size(2) == kv_heads_ && k_cache.size(3) == head_dim_,
-                "DecoderStack: the caches must be contiguous [blocks, block_size, kv_heads, head_dim]");
+                    k_cache.sizes() == v_cache.sizes() && k_cache.size(2) == kv_heads_ &&
+                    k_cache.size(3) == head_dim_ + (k_cache.scalar_type() == at::kByte ? 4 : 0),
+                "DecoderStack: the caches must be contiguous [blocks, block_size, kv_heads, head_dim] (an int8 "
+                "cache's rows head_dim + 4 wide)");
     nanovllm::check_key_tiles(k_cache.element_size(), k_cache.size(1));
     const auto dtype = final_norm_.scalar_type(), cache = k_cache.scalar_type();
     bool same = input_norm.scalar_type() == dtype && post_norm.scalar_type() == dtype &&
                 v_cache.scalar_type() == cache && (layers_.empty() || layers_[0].k_cache.scalar_type() == cache) &&
-                (cache == dtype || cache == at::kFloat8_e4m3fn || cache == at::kFloat8_e5m2);
+                cache_serves(cache, dtype);
     bool supported = true;
     for (const auto* linear : {qkv.get(), o.get(), gate_up.get(), down.get()}) {
       same = same && (!linear->bias || linear->bias->scalar_type() == dtype);
@@ -168,7 +170,7 @@ class DecoderStack : public torch::CustomClassHolder {
                                                           linear->segments[i].size(0));
     }
     TORCH_CHECK(same, "DecoderStack: the norms and biases must share the activations' dtype, the caches hold it (or "
-                "8-bit floats, in every layer)");
+                "8-bit floats or an int8 cache's bytes, in every layer)");
     TORCH_CHECK(supported, "DecoderStack: a projection's GGML type has no kernel on this path");
     layers_.push_back(
         {input_norm.contiguous(), post_norm.contiguous(), k_cache, v_cache, qkv, o, gate_up, down, {}});
@@ -301,8 +303,8 @@ class DecoderStack : public torch::CustomClassHolder {
           });
         l.qkv->run(team, normed, M, qkv, scratch, isa_, each);
         l.lora[QKV_PROJ].add(team, normed, M, H, qkv, qkv_width, lora_slots);
-        C* k_cache = l.k_cache.data_ptr<C>();
-        C* v_cache = l.v_cache.data_ptr<C>();
+        C* k_cache = static_cast<C*>(l.k_cache.data_ptr());
+        C* v_cache = static_cast<C*>(l.v_cache.data_ptr());
         // Rotary by head (at one row, a row each left one thread idle): a query head, or a KV head's K, then its K
         // and V into the cache.
         const int64_t row_heads = heads_ + kv_heads_;
@@ -320,7 +322,7 @@ class DecoderStack : public torch::CustomClassHolder {
           nanovllm::rotary_row(row + q + g * D, k_rot + m * kv + g * D, table, D / 2);
           if (slots[m] >= 0) {
             store_key(k_rot + m * kv + g * D, k_cache, slots[m], g, kv_heads_, D);
-            store_row(row + q + kv + g * D, v_cache + slots[m] * kv + g * D, D);
+            store_value(row + q + kv + g * D, v_cache, slots[m], g, kv_heads_, D);
           }
         });
         nanovllm::paged_decode_rows(q_rot, k_cache, v_cache, tables, context_lens, attn, M, heads_, kv_heads_, D,

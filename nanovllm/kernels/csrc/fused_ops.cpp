@@ -187,15 +187,16 @@ at::Tensor silu_and_mul(at::Tensor x) {
 }
 
 // Each token's K and V `[tokens, kv_heads, head_dim]` into its cache slot (`slot_mapping`, -1: not stored) of
-// caches `[blocks, block_size, kv_heads, head_dim]` that hold the keys' dtype, or 8-bit floats (rounded as torch
-// rounds, saturated: `store_row`; K in tiles: `store_key`).
+// caches `[blocks, block_size, kv_heads, head_dim]` that hold the keys' dtype, 8-bit floats (rounded as torch
+// rounds, saturated: `store_row`), or an int8 cache's bytes (rows head_dim + 4 wide: `store_int8`); an 8-bit K in
+// tiles (`store_key`).
 void store_kvcache(at::Tensor k, at::Tensor v, at::Tensor k_cache, at::Tensor v_cache, at::Tensor slot_mapping) {
   const auto cache = k_cache.scalar_type();
   TORCH_CHECK(k_cache.is_contiguous() && v_cache.is_contiguous() && v_cache.scalar_type() == cache &&
                   v.scalar_type() == k.scalar_type() &&
-                  (cache == k.scalar_type() || cache == at::kFloat8_e4m3fn || cache == at::kFloat8_e5m2),
-              "the caches must be contiguous and hold the keys' dtype or 8-bit floats");
-  const int64_t kv_heads = k_cache.size(2), head_dim = k_cache.size(3), width = kv_heads * head_dim;
+                  cache_serves(cache, k.scalar_type()) && k_cache.size(3) == k.size(2) + (cache == at::kByte ? 4 : 0),
+              "the caches must be contiguous and hold the keys' dtype, 8-bit floats or an int8 cache's bytes");
+  const int64_t kv_heads = k_cache.size(2), head_dim = k.size(2), width = kv_heads * head_dim;
   const int64_t tokens = k.size(0);
   nanovllm::check_key_tiles(k_cache.element_size(), k_cache.size(1));
   auto rows = [&](at::Tensor x) {  // one token's heads adjacent, as in the cache
@@ -210,14 +211,15 @@ void store_kvcache(at::Tensor k, at::Tensor v, at::Tensor k_cache, at::Tensor v_
       using C = decltype(zero);
       const scalar_t* k_src = k.const_data_ptr<scalar_t>();
       const scalar_t* v_src = v.const_data_ptr<scalar_t>();
-      C* k_dst = k_cache.data_ptr<C>();
-      C* v_dst = v_cache.data_ptr<C>();
+      C* k_dst = static_cast<C*>(k_cache.data_ptr());
+      C* v_dst = static_cast<C*>(v_cache.data_ptr());
       at::parallel_for(0, tokens, grain(width), [&](int64_t begin, int64_t end) {
         for (int64_t t = begin; t < end; ++t) {
           if (slots[t] < 0) continue;
-          for (int64_t g = 0; g < kv_heads; ++g)
+          for (int64_t g = 0; g < kv_heads; ++g) {
             store_key(k_src + t * k.stride(0) + g * head_dim, k_dst, slots[t], g, kv_heads, head_dim);
-          store_row(v_src + t * v.stride(0), v_dst + slots[t] * width, width);
+            store_value(v_src + t * v.stride(0) + g * head_dim, v_dst, slots[t], g, kv_heads, head_dim);
+          }
         }
       });
     });

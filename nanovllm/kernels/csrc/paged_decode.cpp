@@ -50,11 +50,23 @@ typedef int32_t Ints __attribute__((vector_size(32)));
 #endif
 constexpr int64_t LANES = sizeof(Lanes) / sizeof(float);
 
-// LANES values from `in` as floats (8-bit ones by the CPU's float16 instructions where it has them).
+// LANES values from `in` as floats (8-bit ones by the CPU's float16 instructions where it has them; an int8 cache's
+// signed magnitudes, unscaled, by its integer ones).
 template <typename C>
 static inline Lanes to_lanes(const C* in) {
   if constexpr (std::is_same_v<C, float>) {
     return *reinterpret_cast<const Lanes*>(in);
+#if defined(__AVX2__)
+  } else if constexpr (std::is_same_v<C, Int8Scaled>) {  // the magnitude as a float, the sign bit put in its place
+#if defined(__AVX512F__)
+    const Ints x = (Ints)_mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(in)));
+#else
+    const Ints x = (Ints)_mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(in)));
+#endif
+    const Lanes magnitude = __builtin_convertvector(x & 0x7F, Lanes);
+    const Ints bits = reinterpret_cast<const Ints&>(magnitude) | (x & 0x80) << 24;
+    return reinterpret_cast<const Lanes&>(bits);
+#endif
 #if defined(__AVX512F__)
   } else if constexpr (sizeof(C) == 1) {
     return (Lanes)fp8_lanes16(in);
@@ -399,32 +411,46 @@ static inline void tile_dots(const c10::BFloat16* query, const C* tile, f32x16 o
 constexpr int64_t PREFETCH_TILES = 4;
 
 // `tiled_scores` for an 8-bit cache's tiled K (g: the KV head): each tile's keys widened once for the group's heads.
-// A tile the keys [first, first + length) cover in part gives the scores of its keys in the range only.
+// A tile the keys [first, first + length) cover in part gives the scores of its keys in the range only. An int8
+// cache's V scales are read here too, into value_scales[t] (its V tile asked for with K's, its scales read as K's
+// are: a pass of their own after the scores waited on each tile, 45 us a layer over 4,096 tokens).
 template <typename Operand, typename C, int64_t HEAD_DIM>
 static void tiled_key_scores(const Operand* query, float scale, const C* k_cache, const C* v_cache,
                              const int32_t* table, int64_t first, int64_t length, int64_t group, int64_t block_size,
-                             int64_t block_stride, int64_t token_stride, int64_t g, float* scores) {
+                             int64_t block_stride, int64_t token_stride, int64_t g, float* scores,
+                             float* value_scales) {
+  constexpr int64_t WIDTH = row_width<C>(HEAD_DIM);
   const auto tile_at = [&](int64_t t) {  // t: a multiple of KEY_TILE
-    return k_cache + table[t / block_size] * block_stride + t % block_size * token_stride + g * KEY_TILE * HEAD_DIM;
+    return k_cache + table[t / block_size] * block_stride + t % block_size * token_stride + g * KEY_TILE * WIDTH;
   };
   const int64_t end = first + length;
   int64_t ahead = first, ahead_block = first / block_size, ahead_offset = first % block_size;  // the next V to ask for
   for (int64_t t0 = first - first % KEY_TILE; t0 < end; t0 += KEY_TILE) {
-    if (const int64_t next = t0 + PREFETCH_TILES * KEY_TILE; next < end)
-      prefetch_head(tile_at(next), KEY_TILE * HEAD_DIM);
-    for (; ahead < std::min(end, t0 + KEY_TILE + PREFETCH_TOKENS); ++ahead) {
-      prefetch_head<2>(v_cache + table[ahead_block] * block_stride + ahead_offset * token_stride + g * HEAD_DIM,
-                       HEAD_DIM);
+    if (const int64_t next = t0 + PREFETCH_TILES * KEY_TILE; next < end) {
+      prefetch_head(tile_at(next), KEY_TILE * WIDTH);
+      if constexpr (std::is_same_v<C, Int8Scaled>)  // V's tile, where K's lies in its cache
+        prefetch_head<2>(v_cache + (tile_at(next) - k_cache), KEY_TILE * WIDTH);
+    }
+    for (; ahead < std::min(end, t0 + KEY_TILE + PREFETCH_TOKENS) && !std::is_same_v<C, Int8Scaled>; ++ahead) {
+      prefetch_head<2>(v_cache + table[ahead_block] * block_stride + ahead_offset * token_stride + g * WIDTH, WIDTH);
       if (++ahead_offset == block_size) ++ahead_block, ahead_offset = 0;
     }
     const C* tile = tile_at(t0);
     const int64_t from = std::max(first, t0), to = std::min(end, t0 + KEY_TILE);
+    f32x16 scales = f32x16{} + scale;  // each key's scores' scale (an int8 key's own too)
+    if constexpr (std::is_same_v<C, Int8Scaled>) {
+      f32x16 own;
+      std::memcpy(&own, tile_scale(tile, HEAD_DIM, 0), sizeof own);
+      scales *= own;
+      const float* values = reinterpret_cast<const float*>(tile_scale(v_cache + (tile - k_cache), HEAD_DIM, 0));
+      std::copy(values + from - t0, values + to - t0, value_scales + from - first);
+    }
     by_three_heads(group, [&](int64_t h, auto heads) {  // each tile widened once for them
       constexpr int64_t HEADS = decltype(heads)::value;
       f32x16 dots[HEADS];
       tile_dots<HEADS, HEAD_DIM>(query + h * HEAD_DIM, tile, dots);
       for (int64_t k = 0; k < HEADS; ++k) {
-        const f32x16 scaled = dots[k] * scale;
+        const f32x16 scaled = dots[k] * scales;
         float* out = scores + (h + k) * length;
         if (to - from == KEY_TILE)
           *reinterpret_cast<f32x16*>(out + t0 - first) = scaled;
@@ -446,17 +472,17 @@ static constexpr int64_t value_slice(int64_t heads, int64_t head_dim) {
 }
 template <int64_t HEADS, typename C, int64_t HEAD_DIM>
 static void weighted_values(const C* v_cache, const int32_t* table, int64_t head, int64_t from, int64_t to,
-                            int64_t block_size, int64_t block_stride, int64_t token_stride, int64_t head_offset,
-                            const float* weights, float* partial) {
+                            int64_t block_size, int64_t kv_heads, int64_t g, const float* weights, float* partial) {
   constexpr int64_t SLICE = value_slice(HEADS, HEAD_DIM), PARTS = SLICE / LANES;
   const int64_t length = to - from;
   for (int64_t d0 = 0; d0 < HEAD_DIM; d0 += SLICE) {
     Lanes acc[HEADS][PARTS] = {};
     for (int64_t t0 = from - from % block_size; t0 < to; t0 += block_size) {
-      const C* block = v_cache + table[t0 / block_size] * block_stride + head_offset + d0;
+      const int64_t block = table[t0 / block_size] * block_size - t0;  // + t: token t's slot
       for (int64_t t = std::max(t0, from); t < std::min(t0 + block_size, to); ++t) {
+        const C* row = v_cache + value_offset<C>(block + t, g, kv_heads, HEAD_DIM) + d0;
         Lanes v[PARTS];
-        for (int64_t p = 0; p < PARTS; ++p) v[p] = to_lanes(block + (t - t0) * token_stride + LANES * p);
+        for (int64_t p = 0; p < PARTS; ++p) v[p] = to_lanes(row + LANES * p);
         for (int64_t h = 0; h < HEADS; ++h) {
           const float w = weights[(head + h) * length + t - from];
           for (int64_t p = 0; p < PARTS; ++p) acc[h][p] += w * v[p];
@@ -475,8 +501,8 @@ static void weighted_values(const C* v_cache, const int32_t* table, int64_t head
 // widened by table. The same pairs from an 8-bit cache and from a 16-bit one holding its values.
 template <int64_t HEADS, typename C, int64_t HEAD_DIM>
 static void weighted_value_pairs(const C* v_cache, const int32_t* table, int64_t head, int64_t from, int64_t to,
-                                 int64_t block_size, int64_t block_stride, int64_t token_stride, int64_t head_offset,
-                                 const float* weights, float* partial) {
+                                 int64_t block_size, int64_t kv_heads, int64_t g, const float* weights,
+                                 float* partial) {
   constexpr int64_t GROUPS = HEAD_DIM / 16;
   const int64_t length = to - from;
   alignas(64) static const C zeros[HEAD_DIM] = {};
@@ -489,10 +515,10 @@ static void weighted_value_pairs(const C* v_cache, const int32_t* table, int64_t
     }
   __m512 acc[HEADS][GROUPS];
   for (int64_t h = 0; h < HEADS; ++h)
-    for (int64_t g = 0; g < GROUPS; ++g) acc[h][g] = _mm512_setzero_ps();
+    for (int64_t k = 0; k < GROUPS; ++k) acc[h][k] = _mm512_setzero_ps();
   int64_t block = from / block_size, offset = from % block_size;
   const auto next = [&]() {
-    const C* v = v_cache + table[block] * block_stride + offset * token_stride + head_offset;
+    const C* v = v_cache + value_offset<C>(table[block] * block_size + offset, g, kv_heads, HEAD_DIM);
     if (++offset == block_size) ++block, offset = 0;
     return v;
   };
@@ -505,11 +531,11 @@ static void weighted_value_pairs(const C* v_cache, const int32_t* table, int64_t
       int32_t both;
       std::memcpy(&both, pair_weights[h] + t, sizeof both);
       const __m512bh w = (__m512bh)_mm512_set1_epi32(both);
-      for (int64_t g = 0; g < GROUPS; ++g) acc[h][g] = _mm512_dpbf16_ps(acc[h][g], (__m512bh)pairs[g], w);
+      for (int64_t k = 0; k < GROUPS; ++k) acc[h][k] = _mm512_dpbf16_ps(acc[h][k], (__m512bh)pairs[k], w);
     }
   }
   for (int64_t h = 0; h < HEADS; ++h)
-    for (int64_t g = 0; g < GROUPS; ++g) _mm512_storeu_ps(partial + (head + h) * (HEAD_DIM + 2) + 16 * g, acc[h][g]);
+    for (int64_t k = 0; k < GROUPS; ++k) _mm512_storeu_ps(partial + (head + h) * (HEAD_DIM + 2) + 16 * k, acc[h][k]);
 }
 #endif
 
@@ -517,21 +543,20 @@ static void weighted_value_pairs(const C* v_cache, const int32_t* table, int64_t
 // where `PAIRS`.
 template <typename C, int64_t HEAD_DIM, bool PAIRS>
 static void group_values(const C* v_cache, const int32_t* table, int64_t from, int64_t to, int64_t group,
-                         int64_t block_size, int64_t block_stride, int64_t token_stride, int64_t head_offset,
-                         const float* weights, float* partial) {
+                         int64_t block_size, int64_t kv_heads, int64_t g, const float* weights, float* partial) {
   constexpr int64_t MOST = std::clamp<int64_t>(256 / HEAD_DIM, 1, 4);
   for (int64_t head = 0; head < group;) {
     const int64_t heads = std::min(MOST, group - head);
     const auto run = [&](auto n) {
 #ifdef NANOVLLM_BF16_TABLES
       if constexpr (PAIRS) {
-        weighted_value_pairs<decltype(n)::value, C, HEAD_DIM>(v_cache, table, head, from, to, block_size,
-                                                             block_stride, token_stride, head_offset, weights, partial);
+        weighted_value_pairs<decltype(n)::value, C, HEAD_DIM>(v_cache, table, head, from, to, block_size, kv_heads,
+                                                             g, weights, partial);
         return;
       }
 #endif
-      weighted_values<decltype(n)::value, C, HEAD_DIM>(v_cache, table, head, from, to, block_size, block_stride,
-                                                      token_stride, head_offset, weights, partial);
+      weighted_values<decltype(n)::value, C, HEAD_DIM>(v_cache, table, head, from, to, block_size, kv_heads, g,
+                                                      weights, partial);
     };
     if (heads == 4) {
       if constexpr (MOST >= 4) run(std::integral_constant<int64_t, 4>{});
@@ -554,15 +579,15 @@ static void group_values(const C* v_cache, const int32_t* table, int64_t from, i
 constexpr int64_t VALUE_TILE = 16;
 template <typename C, int64_t HEAD_DIM>
 static void eight_bit_values(const C* v_cache, const int32_t* table, int64_t g, int64_t from, int64_t to,
-                             int64_t group, int64_t runtime_head_dim, int64_t block_size, int64_t block_stride,
-                             int64_t token_stride, const float* weights, float* values, float* partial) {
+                             int64_t group, int64_t runtime_head_dim, int64_t block_size, int64_t kv_heads,
+                             const float* weights, float* values, float* partial) {
   const int64_t head_dim = HEAD_DIM ? HEAD_DIM : runtime_head_dim, length = to - from;
   for (int64_t h = 0; h < group; ++h) std::fill_n(partial + h * (head_dim + 2), head_dim, 0.f);
   for (int64_t t0 = from; t0 < to; t0 += VALUE_TILE) {
     const int64_t n = std::min<int64_t>(VALUE_TILE, to - t0);
     for (int64_t j = 0; j < n; ++j) {
       const int64_t t = t0 + j;
-      to_floats(v_cache + table[t / block_size] * block_stride + t % block_size * token_stride + g * head_dim,
+      to_floats(v_cache + value_offset<C>(table[t / block_size] * block_size + t % block_size, g, kv_heads, head_dim),
                 values + j * head_dim, head_dim);
     }
     for (int64_t h = 0; h < group; ++h) {
@@ -621,9 +646,9 @@ template <typename T, typename C, int64_t HEAD_DIM>
 static void decode_chunk(const T* q, const C* k_cache, const C* v_cache, const int32_t* table, int64_t row,
                          int64_t g, int64_t from, int64_t to, int64_t heads, int64_t group, int64_t head_dim,
                          int64_t block_size, int64_t block_stride, int64_t token_stride, float scale, float softcap,
-                         std::vector<float>& query, std::vector<float>& scores, std::vector<float>& key,
+                         std::vector<float>& query, std::vector<float>& scores, std::vector<float>& floats,
                          std::vector<float>& values, float* partial) {
-  const int64_t length = to - from;
+  const int64_t length = to - from, width = row_width<C>(head_dim), kv_heads = token_stride / width;
 #ifdef NANOVLLM_TILED_SCORES
   constexpr bool bf16_dots = HEAD_DIM > 0 && !std::is_same_v<DotOperand<T, HEAD_DIM>, float>;
 #else
@@ -644,21 +669,21 @@ static void decode_chunk(const T* q, const C* k_cache, const C* v_cache, const i
       group_query = q + (row * heads + g * group) * head_dim, after = scale;
     if constexpr (sizeof(C) == 1)
       tiled_key_scores<Operand, C, HEAD_DIM>(group_query, after, k_cache, v_cache, table, from, length, group,
-                                             block_size, block_stride, token_stride, g, scores.data());
+                                             block_size, block_stride, token_stride, g, scores.data(),
+                                             floats.data());
     else
       tiled_scores<Operand, C, HEAD_DIM>(group_query, after, k_cache, v_cache, table, from, length, group,
-                                         block_size, block_stride, token_stride, g * head_dim, scores.data());
+                                         block_size, block_stride, token_stride, g * width, scores.data());
   } else
 #endif
   for (int64_t t0 = from - from % block_size; t0 < to; t0 += block_size) {
     for (int64_t t = std::max(t0, from); t < std::min(t0 + block_size, to); ++t) {
-      key_to_floats(k_cache, table[t0 / block_size] * block_size + t - t0, g, token_stride / head_dim, head_dim,
-                    key.data());
+      key_to_floats(k_cache, table[t0 / block_size] * block_size + t - t0, g, kv_heads, head_dim, floats.data());
       for (int64_t h = 0; h < group; ++h) {
         const float* qh = query.data() + h * head_dim;
         float dot = 0.f;
 #pragma omp simd reduction(+ : dot)
-        for (int64_t d = 0; d < head_dim; ++d) dot += qh[d] * key[d];
+        for (int64_t d = 0; d < head_dim; ++d) dot += qh[d] * floats[d];
         scores[h * length + t - from] = dot;
       }
     }
@@ -673,6 +698,26 @@ static void decode_chunk(const T* q, const C* k_cache, const C* v_cache, const i
     out[head_dim] = top;
     out[head_dim + 1] = total;
   }
+  if constexpr (std::is_same_v<C, Int8Scaled>) {  // an int8 V's scales, in its weights
+#ifdef NANOVLLM_TILED_SCORES
+    if constexpr (HEAD_DIM % 16 == 0 && HEAD_DIM > 0) {
+      for (int64_t h = 0; h < group; ++h) {
+        float* p = scores.data() + h * length;
+#pragma omp simd
+        for (int64_t t = 0; t < length; ++t) p[t] *= floats[t];
+      }
+    } else
+#endif
+    for (int64_t t0 = from - from % block_size; t0 < to; t0 += block_size) {
+      const int64_t block = table[t0 / block_size] * block_size - t0;  // + t: token t's slot
+      for (int64_t t = std::max(t0, from); t < std::min(t0 + block_size, to); ++t) {
+        const int64_t j = (block + t) % KEY_TILE;
+        const C* tile = v_cache + value_offset<C>(block + t - j, g, kv_heads, head_dim);
+        const float s = scale_at(tile_scale(tile, head_dim, j));
+        for (int64_t h = 0; h < group; ++h) scores[h * length + t - from] *= s;
+      }
+    }
+  }
 #ifdef NANOVLLM_TILED_SCORES
   if constexpr (HEAD_DIM % 16 == 0 && HEAD_DIM > 0) {
 #ifdef NANOVLLM_BF16_TABLES
@@ -680,21 +725,21 @@ static void decode_chunk(const T* q, const C* k_cache, const C* v_cache, const i
 #else
     constexpr bool pairs = false;
 #endif
-    group_values<C, HEAD_DIM, pairs>(v_cache, table, from, to, group, block_size, block_stride, token_stride,
-                                     g * head_dim, scores.data(), partial);
+    group_values<C, HEAD_DIM, pairs>(v_cache, table, from, to, group, block_size, kv_heads, g, scores.data(),
+                                     partial);
     return;
   }
 #endif
   if constexpr (sizeof(C) == 1) {
-    eight_bit_values<C, HEAD_DIM>(v_cache, table, g, from, to, group, head_dim, block_size, block_stride,
-                                  token_stride, scores.data(), values.data(), partial);
+    eight_bit_values<C, HEAD_DIM>(v_cache, table, g, from, to, group, head_dim, block_size, kv_heads, scores.data(),
+                                  values.data(), partial);
     return;
   }
   for (int64_t h = 0; h < group; ++h) {
     const float* p = scores.data() + h * length;
     float acc[HEAD_DIM ? HEAD_DIM : nanovllm::MAX_HEAD_DIM] = {};  // in registers when HEAD_DIM is a constant
     for (int64_t t0 = from - from % block_size; t0 < to; t0 += block_size) {
-      const C* block = v_cache + table[t0 / block_size] * block_stride + g * head_dim;
+      const C* block = v_cache + table[t0 / block_size] * block_stride + g * width;
       for (int64_t t = std::max(t0, from); t < std::min(t0 + block_size, to); ++t) {
         const C* v = block + (t - t0) * token_stride;
 #pragma omp simd
@@ -748,7 +793,7 @@ static void decode_rows(const T* q, const C* k_cache, const C* v_cache, const in
                         int64_t window, float softcap, const nanovllm::Team* team, float* shared_partials) {
   const int64_t head_dim = HEAD_DIM ? HEAD_DIM : runtime_head_dim;  // a constant lets the compiler unroll
   const int64_t group = heads / kv_heads;
-  const int64_t token_stride = kv_heads * head_dim;   // next token in a block
+  const int64_t token_stride = kv_heads * row_width<C>(head_dim);  // next token in a block
   const int64_t block_stride = block_size * token_stride;
   const int64_t stride = group * (head_dim + 2);      // one work item's partial results
   const WorkItems items(context_lens, rows, kv_heads, window);
@@ -756,7 +801,7 @@ static void decode_rows(const T* q, const C* k_cache, const C* v_cache, const in
   std::vector<float> own(team ? 0 : item_start[rows] * stride);
   float* partials = team ? shared_partials : own.data();
   const auto run_items = [&](int64_t begin, int64_t end) {
-    std::vector<float> query(group * head_dim), scores(group * CHUNK), key(head_dim);
+    std::vector<float> query(group * head_dim), scores(group * CHUNK), floats(std::max(head_dim, CHUNK));
     std::vector<float> values(sizeof(C) == 1 ? VALUE_TILE * head_dim : 0);  // an 8-bit cache's V, as floats
     for (int64_t item = begin; item < end; ++item) {
       const int64_t row = std::upper_bound(item_start.begin(), item_start.end(), item) - item_start.begin() - 1;
@@ -764,7 +809,7 @@ static void decode_rows(const T* q, const C* k_cache, const C* v_cache, const in
       const int64_t from = first[row] + c * CHUNK, to = std::min<int64_t>(from + CHUNK, context_lens[row]);
       decode_chunk<T, C, HEAD_DIM>(q, k_cache, v_cache, block_tables + row * table_width, row, g, from, to, heads,
                                 group, head_dim, block_size, block_stride, token_stride, scale, softcap, query,
-                                scores, key, values, partials + item * stride);
+                                scores, floats, values, partials + item * stride);
     }
   };
   if (team) {
@@ -822,7 +867,8 @@ int64_t nanovllm::paged_decode_partials(const int32_t* context_lens, int64_t row
                                                   int64_t, float, const Team*, float*);
 #define NANOVLLM_PAGED_DECODE_CACHES(T) \
   NANOVLLM_PAGED_DECODE(T, T)           \
-  NANOVLLM_PAGED_DECODE(T, c10::Float8_e4m3fn) NANOVLLM_PAGED_DECODE(T, c10::Float8_e5m2)
+  NANOVLLM_PAGED_DECODE(T, c10::Float8_e4m3fn) NANOVLLM_PAGED_DECODE(T, c10::Float8_e5m2) \
+  NANOVLLM_PAGED_DECODE(T, Int8Scaled)
 NANOVLLM_PAGED_DECODE_CACHES(float)
 NANOVLLM_PAGED_DECODE_CACHES(c10::BFloat16)
 NANOVLLM_PAGED_DECODE_CACHES(c10::Half)
@@ -840,9 +886,10 @@ at::Tensor paged_decode(at::Tensor q, at::Tensor k_cache, at::Tensor v_cache, at
   TORCH_CHECK(q.dim() == 3 && k_cache.dim() == 4 && v_cache.sizes() == k_cache.sizes(), "bad shapes");
   TORCH_CHECK(k_cache.is_contiguous() && v_cache.is_contiguous(), "the caches must be contiguous");
   const auto cache = k_cache.scalar_type();
-  TORCH_CHECK(v_cache.scalar_type() == cache && (cache == q.scalar_type() || cache == at::kFloat8_e4m3fn ||
-                                                 cache == at::kFloat8_e5m2),
-              "the caches must hold q's dtype or 8-bit floats (float8_e4m3fn, float8_e5m2)");
+  TORCH_CHECK(v_cache.scalar_type() == cache && cache_serves(cache, q.scalar_type()),
+              "the caches must hold q's dtype, 8-bit floats (float8_e4m3fn, float8_e5m2) or an int8 cache's bytes");
+  TORCH_CHECK(k_cache.size(3) == q.size(2) + (cache == at::kByte ? 4 : 0),
+              "the caches' rows must be head_dim wide (an int8 cache's: head_dim + 4, the scale's bytes)");
   TORCH_CHECK(q.size(2) <= nanovllm::MAX_HEAD_DIM, nanovllm::message("head_dim above ", nanovllm::MAX_HEAD_DIM));
   nanovllm::check_key_tiles(k_cache.element_size(), k_cache.size(1));
   q = q.contiguous();
@@ -852,7 +899,8 @@ at::Tensor paged_decode(at::Tensor q, at::Tensor k_cache, at::Tensor v_cache, at
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, q.scalar_type(), "paged_decode", [&] {
     auto run = [&](auto zero) {
       using C = decltype(zero);
-      nanovllm::paged_decode_rows(q.data_ptr<scalar_t>(), k_cache.const_data_ptr<C>(), v_cache.const_data_ptr<C>(),
+      nanovllm::paged_decode_rows(q.data_ptr<scalar_t>(), static_cast<const C*>(k_cache.const_data_ptr()),
+                                  static_cast<const C*>(v_cache.const_data_ptr()),
                                   block_tables.data_ptr<int32_t>(), context_lens.data_ptr<int32_t>(),
                                   out.data_ptr<scalar_t>(), q.size(0), q.size(1), k_cache.size(2), q.size(2),
                                   k_cache.size(1), block_tables.size(1), static_cast<float>(scale), window,
