@@ -112,7 +112,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--kvcache-block-size", type=int, help="engine KV block size (default: the engine's)")
     p.add_argument("--kv-cache-dtype", default="auto",
                    help="engine KV cache dtype, vLLM's kv_cache_dtype: auto (the model's), fp8 (= fp8_e4m3) or "
-                        "fp8_e5m2, 8-bit K/V: twice the tokens per GiB")
+                        "fp8_e5m2, 8-bit K/V: twice the tokens per GiB; int8 (a scale per token and head: 1.9x)")
     p.add_argument("--max-num-batched-tokens", type=int, help="engine token budget per step (CUDA 16384, CPU 512)")
     p.add_argument("--scheduling", default="chunked,prefill-first",
                    help="comma-separated scheduling modes to run, each a row: 'chunked' (vLLM V1: chunked prefill, "
