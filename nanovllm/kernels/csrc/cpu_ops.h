@@ -78,7 +78,8 @@ void silu_mul_row(const T* gate, const T* up, T* out, int64_t n);
 // [blocks, block_size, kv_heads, head_dim], row i's blocks in block_tables[i * table_width...]); rows with context
 // length 0 are left as they are. Threads over (row, KV head, chunk of keys), then over (row, KV head). The caches
 // hold T, or 8-bit floats (c10::Float8_e4m3fn, c10::Float8_e5m2) for every T, K then in tiles (`KEY_TILE` in
-// cpu_math.h). A team shares `partials` (`paged_decode_partials` floats).
+// cpu_math.h), or an int8 cache's bytes (`Int8Scaled`: rows head_dim + 4 wide, K and V in tiles). A team shares
+// `partials` (`paged_decode_partials` floats).
 constexpr int64_t MAX_HEAD_DIM = 1024;
 // Refuses an 8-bit K cache (`element_size` 1) whose blocks of `block_size` tokens cannot hold whole tiles.
 void check_key_tiles(int64_t element_size, int64_t block_size);

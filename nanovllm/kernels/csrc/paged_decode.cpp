@@ -11,7 +11,9 @@
 // pair products, where the CPU also permutes bytes by table: AVX512-VBMI). The cache holds the queries' dtype T, or
 // 8-bit floats C (`kv_cache_dtype="fp8"`), each value read back exactly as it is loaded; there K lies in tiles of 16
 // tokens (`KEY_TILE` in cpu_math.h), scored a value of 16 keys at a time with no sums across lanes, twice as fast as
-// keys in rows, whose products it sums in another order (the same results to rounding).
+// keys in rows, whose products it sums in another order (the same results to rounding). An int8 cache
+// (`kv_cache_dtype="int8"`, `Int8Scaled`) keeps V in tiles too, each tile's scales after it: K's scale each tile's
+// scores, V's its softmax weights.
 #include <ATen/Dispatch.h>
 #include <ATen/Parallel.h>
 #include <ATen/core/Tensor.h>
