@@ -4,8 +4,9 @@ value, then rounded to nearest as torch converts (a value beyond it would become
 and then their float32 scale (the row's largest magnitude / 127): each value its magnitude / scale rounded to nearest
 even in the low 7 bits, its sign in the top bit (sign and magnitude, not two's complement: the compiled kernels widen
 such bytes by the same tables as 8-bit floats). The compiled CPU store (`store_row`, `store_int8`, `store_key` in
-`csrc/cpu_math.h`) rounds the same way, and keeps K in tiles of 16 tokens for the decode kernel (its blocks a multiple
-of 16 tokens); every reader converts the stored values back and computes in the model's dtype."""
+`csrc/cpu_math.h`) rounds the same way, and keeps K (an int8 cache's V too) in tiles of 16 tokens for the decode
+kernel (its blocks a multiple of 16 tokens); the torch fallback keeps rows. Every reader converts the stored values
+back and computes in the model's dtype."""
 import torch
 
 INT8_CACHE = torch.uint8

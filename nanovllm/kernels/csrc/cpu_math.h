@@ -41,8 +41,8 @@ static inline float to_float(c10::Float8_e5m2 x) {
 }
 
 // kv_cache_dtype="int8": each (token, KV head) row of head_dim values as a sign and a 7-bit magnitude (so that it
-// widens by the same byte tables as an 8-bit float), times the float32 scale (the row's largest magnitude / 127) the
-// cache keeps after the row's values (`SCALE_BYTES`); the row's value is magnitude * scale.
+// widens by the same byte tables as an 8-bit float), times the row's float32 scale (its largest magnitude / 127),
+// which the cache keeps beside it (`SCALE_BYTES` more a row; where: `tile_scale`); a value is magnitude * scale.
 struct Int8Scaled {
   uint8_t x;
   struct from_bits_t {};
@@ -58,10 +58,13 @@ static inline float to_float(Int8Scaled v) {  // the magnitude, signed (not yet 
 // Bytes of a (token, KV head) row's scale after its values: 4 in an int8 cache, none in the others.
 template <typename C>
 constexpr int64_t SCALE_BYTES = std::is_same_v<C, Int8Scaled> ? 4 : 0;
-// A cache row's width in elements of C: head_dim values, then the scale's bytes.
+// A cache row's width in elements of C: head_dim values, then the scale's bytes; `cache_row_width` by dtype.
 template <typename C>
 constexpr int64_t row_width(int64_t head_dim) {
   return head_dim + SCALE_BYTES<C> / static_cast<int64_t>(sizeof(C));
+}
+static inline int64_t cache_row_width(c10::ScalarType cache, int64_t head_dim) {
+  return cache == c10::ScalarType::Byte ? row_width<Int8Scaled>(head_dim) : head_dim;
 }
 
 // out[i] = to_float(in[i]) for n values.
@@ -166,7 +169,7 @@ static inline void store_row(const T* x, C* out, int64_t n) {
 }
 
 // An int8 cache's row of n values: their scale (the largest magnitude / 127, or 0), and each value's magnitude
-// |x| / scale rounded to nearest even (at most 127), at out[i * stride] (`to_int8` in kv_quant.py, the same bytes).
+// |x| / scale rounded to nearest even (at most 127), at out[i * stride] (`_to_int8` in kv_quant.py: the same bytes).
 template <typename T>
 static inline float store_int8(const T* x, Int8Scaled* out, int64_t n, int64_t stride) {
   float largest = 0.f;
@@ -189,7 +192,7 @@ static inline float store_int8(const T* x, Int8Scaled* out, int64_t n, int64_t s
 constexpr int64_t KEY_TILE = 16;
 
 // Where value d of key `slot`'s head g lies in a tiled K cache with `kv_heads` heads of rows `width` wide
-// (`row_width`; d = head_dim: the tile's scales).
+// (`row_width`).
 static inline int64_t tiled_key_offset(int64_t slot, int64_t g, int64_t d, int64_t kv_heads, int64_t width) {
   return ((slot / KEY_TILE * kv_heads + g) * width + d) * KEY_TILE + slot % KEY_TILE;
 }

@@ -154,7 +154,7 @@ class DecoderStack : public torch::CustomClassHolder {
     TORCH_CHECK(input_norm.numel() == hidden_ && post_norm.numel() == hidden_, "DecoderStack: bad norm weights");
     TORCH_CHECK(k_cache.is_contiguous() && v_cache.is_contiguous() && k_cache.dim() == 4 &&
                     k_cache.sizes() == v_cache.sizes() && k_cache.size(2) == kv_heads_ &&
-                    k_cache.size(3) == head_dim_ + (k_cache.scalar_type() == at::kByte ? 4 : 0),
+                    k_cache.size(3) == cache_row_width(k_cache.scalar_type(), head_dim_),
                 "DecoderStack: the caches must be contiguous [blocks, block_size, kv_heads, head_dim] (an int8 "
                 "cache's rows head_dim + 4 wide)");
     nanovllm::check_key_tiles(k_cache.element_size(), k_cache.size(1));

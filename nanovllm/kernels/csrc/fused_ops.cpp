@@ -194,7 +194,7 @@ void store_kvcache(at::Tensor k, at::Tensor v, at::Tensor k_cache, at::Tensor v_
   const auto cache = k_cache.scalar_type();
   TORCH_CHECK(k_cache.is_contiguous() && v_cache.is_contiguous() && v_cache.scalar_type() == cache &&
                   v.scalar_type() == k.scalar_type() &&
-                  cache_serves(cache, k.scalar_type()) && k_cache.size(3) == k.size(2) + (cache == at::kByte ? 4 : 0),
+                  cache_serves(cache, k.scalar_type()) && k_cache.size(3) == cache_row_width(cache, k.size(2)),
               "the caches must be contiguous and hold the keys' dtype, 8-bit floats or an int8 cache's bytes");
   const int64_t kv_heads = k_cache.size(2), head_dim = k.size(2), width = kv_heads * head_dim;
   const int64_t tokens = k.size(0);

@@ -890,7 +890,7 @@ at::Tensor paged_decode(at::Tensor q, at::Tensor k_cache, at::Tensor v_cache, at
   const auto cache = k_cache.scalar_type();
   TORCH_CHECK(v_cache.scalar_type() == cache && cache_serves(cache, q.scalar_type()),
               "the caches must hold q's dtype, 8-bit floats (float8_e4m3fn, float8_e5m2) or an int8 cache's bytes");
-  TORCH_CHECK(k_cache.size(3) == q.size(2) + (cache == at::kByte ? 4 : 0),
+  TORCH_CHECK(k_cache.size(3) == cache_row_width(cache, q.size(2)),
               "the caches' rows must be head_dim wide (an int8 cache's: head_dim + 4, the scale's bytes)");
   TORCH_CHECK(q.size(2) <= nanovllm::MAX_HEAD_DIM, nanovllm::message("head_dim above ", nanovllm::MAX_HEAD_DIM));
   nanovllm::check_key_tiles(k_cache.element_size(), k_cache.size(1));
