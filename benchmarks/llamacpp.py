@@ -139,6 +139,7 @@ def nanovllm_rates(llm, vocab_size: int, rng: random.Random) -> Rates:
 def run(args: argparse.Namespace) -> dict:
     """Run both engines `args.repeat` times, alternating, and print the table of median rates and their ratio."""
     from nanovllm import LLM, SamplingParams
+    from nanovllm.models.hf_config import head_dim
 
     bin_dir = find_llamacpp(args.llamacpp_bin)
     threads = args.threads or torch.get_num_threads()
@@ -164,7 +165,8 @@ def run(args: argparse.Namespace) -> dict:
         bandwidth = max(probes)
         dtype = str(llm.config.torch_dtype).removeprefix("torch.")
         weights, kv = token_bytes(args.model, llm.config.hf_config, PROMPT_TOKENS + OUTPUT_TOKENS // 2)
-        ours_kv = llm.config.torch_dtype.itemsize if args.kv_cache_dtype == "auto" else 1
+        cache = llm.engine.model_runner.kv_cache.tensor  # bytes a value: an int8 cache's scales count too
+        ours_kv = cache.element_size() * cache.size(-1) / head_dim(llm.config.hf_config)
         kv_itemsize = {"nanovllm": ours_kv, "llamacpp": 2}
     rows = []
     for kind, batch in [(kind, batch) for kind in ("prompt", "decode") for batch in BATCHES]:
@@ -183,9 +185,9 @@ def run(args: argparse.Namespace) -> dict:
         paired[engine] = median((weights + kv * itemsize) * r["decode", 1] / probe
                                 for r, probe in zip(rounds, beside[engine]))
     print(f"batch-1 decode reads {weights / 1e6:.1f} MB of weights per token and {kv * 2 / 1e6:.1f} MB of K/V at 2 "
-          f"bytes ({PROMPT_TOKENS + OUTPUT_TOKENS // 2} tokens of context; nanovllm's cache {ours_kv} byte(s) a value)"
-          f"; the machine reads {bandwidth / 1e9:.1f} GB/s ({threads} threads, a 1 GiB sum, the best of the run's "
-          f"probes): nanovllm decodes at {shares['nanovllm']:.0%} of it, llama.cpp at {shares['llamacpp']:.0%}; "
+          f"bytes ({PROMPT_TOKENS + OUTPUT_TOKENS // 2} tokens of context; nanovllm's cache {ours_kv:.3g} byte(s) a "
+          f"value); the machine reads {bandwidth / 1e9:.1f} GB/s ({threads} threads, a 1 GiB sum, the best of the "
+          f"run's probes): nanovllm decodes at {shares['nanovllm']:.0%} of it, llama.cpp at {shares['llamacpp']:.0%}; "
           f"paired with the probes beside each round ({min(probes) / 1e9:.1f} to {max(probes) / 1e9:.1f} GB/s): "
           f"nanovllm {paired['nanovllm']:.0%}, llama.cpp {paired['llamacpp']:.0%}")
     result = {"llamacpp": rows, "threads": threads, "read_bandwidth": bandwidth, "weight_bytes_per_token": weights,

@@ -508,23 +508,26 @@ def test_llamacpp_baseline_at_long_contexts(tmp_path, capsys):
         bench.parse_args(["--model", model, "--context-depths", "512"])  # only beside llama.cpp
 
 
-def test_llamacpp_baseline_over_an_8bit_cache(tmp_path, capsys):
-    """--kv-cache-dtype fp8: nanovllm's rounds run over an 8-bit cache, whose K/V count one byte a value in the
-    batch-1 bandwidth share (llama.cpp's two); the long-context decodes are given as shares of the batch-1 rate."""
+@pytest.mark.parametrize("kv_cache_dtype", ["fp8", "int8"])
+def test_llamacpp_baseline_over_an_8bit_cache(tmp_path, capsys, kv_cache_dtype):
+    """--kv-cache-dtype fp8 / int8: nanovllm's rounds run over an 8-bit cache, whose K/V count one byte a value in the
+    batch-1 bandwidth share (int8: and its scales, 4 bytes a head_dim of values; llama.cpp's two); the long-context
+    decodes are given as shares of the batch-1 rate."""
     model, source, bin_dir = fake_llamacpp(tmp_path, FAKE_DEPTH_BENCH)
     result = bench.main(["--model", model, "--baseline", "llamacpp", "--llamacpp-bin", str(bin_dir), "--threads",
-                         "1", "--dtype", "float32", "--kv-cache-dtype", "fp8", "--context-depths", "40"])
+                         "1", "--dtype", "float32", "--kv-cache-dtype", kv_cache_dtype, "--context-depths", "40"])
     from transformers import AutoConfig
 
     config = AutoConfig.from_pretrained(source)
     kv = 2 * config.num_hidden_layers * config.num_key_value_heads * config.head_dim * (128 + 64)
+    ours = kv * (1 if kv_cache_dtype == "fp8" else (config.head_dim + 4) / config.head_dim)
     weights, bandwidth = result["weight_bytes_per_token"], result["read_bandwidth"]
     rate = {engine: next(r[engine] for r in result["llamacpp"] if (r["rate"], r["batch"]) == ("decode", 1))
             for engine in ("nanovllm", "llamacpp")}
     shares = result["bandwidth_share_batch1"]
-    assert shares["nanovllm"] == pytest.approx((weights + kv) * rate["nanovllm"] / bandwidth)
+    assert shares["nanovllm"] == pytest.approx((weights + ours) * rate["nanovllm"] / bandwidth)
     assert shares["llamacpp"] == pytest.approx((weights + 2 * kv) * rate["llamacpp"] / bandwidth)
-    assert "K/V of nanovllm in fp8, llama.cpp's 16-bit: 40: nanovllm" in capsys.readouterr().out
+    assert f"K/V of nanovllm in {kv_cache_dtype}, llama.cpp's 16-bit: 40: nanovllm" in capsys.readouterr().out
 
 
 def test_llamacpp_baseline_without_its_tools_says_how_to_build_them(tmp_path, monkeypatch):
