@@ -139,6 +139,7 @@ def nanovllm_rates(llm, vocab_size: int, rng: random.Random) -> Rates:
 def run(args: argparse.Namespace) -> dict:
     """Run both engines `args.repeat` times, alternating, and print the table of median rates and their ratio."""
     from nanovllm import LLM, SamplingParams
+    from nanovllm.kernels.attention.kv_quant import cache_row_width
     from nanovllm.models.hf_config import head_dim
 
     bin_dir = find_llamacpp(args.llamacpp_bin)
@@ -165,8 +166,8 @@ def run(args: argparse.Namespace) -> dict:
         bandwidth = max(probes)
         dtype = str(llm.config.torch_dtype).removeprefix("torch.")
         weights, kv = token_bytes(args.model, llm.config.hf_config, PROMPT_TOKENS + OUTPUT_TOKENS // 2)
-        cache = llm.engine.model_runner.kv_cache.tensor  # bytes a value: an int8 cache's scales count too
-        ours_kv = cache.element_size() * cache.size(-1) / head_dim(llm.config.hf_config)
+        values, cache = head_dim(llm.config.hf_config), llm.config.kv_cache_torch_dtype  # an int8 cache's scales too
+        ours_kv = cache.itemsize * cache_row_width(values, cache) / values
         kv_itemsize = {"nanovllm": ours_kv, "llamacpp": 2}
     rows = []
     for kind, batch in [(kind, batch) for kind in ("prompt", "decode") for batch in BATCHES]:
