@@ -157,8 +157,8 @@ class Config:
     Q8_0 or Q4_1 blocks of 32 (round to nearest). `kv_cache_dtype` (one of `KV_CACHE_DTYPES`): "fp8" stores K/V in
     8-bit floats, twice the tokens in the same memory; the torch and Triton backends read them, flash-attn not. "int8"
     stores 8-bit integers with a scale per token and KV head (1.9x the tokens of a 16-bit cache, closer to it than
-    fp8); the torch backend reads them. On the CPU an 8-bit cache's blocks hold a multiple of 16 tokens (the compiled
-    kernels keep K in tiles of 16).
+    fp8); the torch and Triton backends read them too. On the CPU an 8-bit cache's blocks hold a multiple of 16
+    tokens (the compiled kernels keep K in tiles of 16).
     `attention_backend` names the attention kernels ("auto", "flash-attn", "flash-attn-4", "triton", "torch"; see
     `nanovllm.kernels.attention.select_backend`); like `device` and `dtype`, "auto" is replaced by what was chosen.
     On CPU the KV cache is sized from `cpu_kvcache_gib` (GiB of host memory); on CUDA from `gpu_memory_utilization`

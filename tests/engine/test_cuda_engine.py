@@ -15,6 +15,7 @@ from cuda_backends import BACKENDS, require_backend
 from transformers import Qwen3ForCausalLM
 
 from nanovllm import LLM, SamplingParams
+from nanovllm.kernels.attention.kv_quant import INT8_CACHE
 
 pytestmark = pytest.mark.cuda
 
@@ -130,14 +131,15 @@ def test_float32_ngram_speculation_beside_the_graphs_is_exact_and_priced(gpu_mod
         assert_all_blocks_free(llm)
 
 
-@pytest.mark.parametrize("kv_cache_dtype", ["fp8_e4m3", "fp8_e5m2"])
+@pytest.mark.parametrize("kv_cache_dtype", ["fp8_e4m3", "fp8_e5m2", "int8"])
 @pytest.mark.parametrize("name", BACKENDS)
 def test_float32_tokens_over_an_8bit_cache_do_not_depend_on_cache_hits_or_the_batch(gpu_model, name, kv_cache_dtype):
-    """kv_cache_dtype="fp8" on the backends that read it, with their CUDA graphs (the others refuse it: see
-    test_kv_cache_8bit.py). float32 only: in bfloat16 cuBLAS rounds a row differently with the number of rows (see
-    the test below); on an H100 the torch backend's bfloat16 tokens did differ between batches."""
+    """kv_cache_dtype="fp8" and "int8" on the backends that read them, with their CUDA graphs (the others refuse
+    them: see test_kv_cache_8bit.py, test_kv_cache_int8.py). float32 only: in bfloat16 cuBLAS rounds a row differently
+    with the number of rows (see the test below); on an H100 the torch backend's bfloat16 tokens did differ between
+    batches."""
     block_size = block_size_for(name)
-    cache = getattr(torch, {"fp8_e4m3": "float8_e4m3fn", "fp8_e5m2": "float8_e5m2"}[kv_cache_dtype])
+    cache = {"fp8_e4m3": torch.float8_e4m3fn, "fp8_e5m2": torch.float8_e5m2, "int8": INT8_CACHE}[kv_cache_dtype]
     backend = require_backend(name, torch.float32, block_size, HEAD_DIM, cache)
     prompts = prompts_with_shared_prefixes(8, block_size)
     with LLM(gpu_model, dtype="float32", kv_cache_dtype=kv_cache_dtype, attention_backend=name,

@@ -2,7 +2,7 @@
 sign bit and the row's float32 scale (`to_cache_dtype`); the compiled CPU store writes the same bytes in its tiles
 (K and V: `key_tiles.py`); `paged_decode` over such a cache is attention over its values scaled back, on the unrolled
 paths (head_dim 64 and 128) and the runtime one (32), with a window and capped scores too; the torch backend without
-the compiled kernels stores and reads rows; GPU backends other than torch refuse the cache."""
+the compiled kernels stores and reads rows; flash-attn refuses the cache (Triton reads it: test_kv_cache_8bit.py)."""
 import pytest
 import torch
 from key_tiles import tile_keys, tile_values, untile_keys, untile_values
@@ -101,9 +101,12 @@ def test_the_torch_backend_without_compiled_kernels_stores_and_reads_rows(monkey
 
 def test_backends_that_cannot_read_an_int8_cache_are_passed_over_or_refused():
     gpu = Platform("cuda", (9, 0), lambda name: True)
-    assert select_backend("auto", gpu, torch.bfloat16, 256, 128, INT8_CACHE)[0] == "torch"
-    for name in ("triton", "flash-attn"):
-        with pytest.raises(ValueError, match=f"{name} cannot read an int8 KV cache.*attention_backend='torch'"):
+    assert select_backend("auto", gpu, torch.bfloat16, 256, 128, INT8_CACHE)[0] == "triton"
+    assert select_backend("auto", gpu, torch.bfloat16, 256, 128, torch.bfloat16)[0] == "flash-attn"
+    without_triton = Platform("cuda", (9, 0), lambda name: name != "triton")
+    assert select_backend("auto", without_triton, torch.bfloat16, 256, 128, INT8_CACHE)[0] == "torch"
+    for name in ("flash-attn", "flash-attn-4"):
+        with pytest.raises(ValueError, match=f"{name} cannot read an int8 KV cache.*attention_backend='triton'"):
             select_backend(name, gpu, torch.bfloat16, 256, 128, INT8_CACHE)
     assert unsupported("torch", Platform("cpu"), torch.float32, 16, 64, INT8_CACHE) is None
     with pytest.raises(ValueError, match="kvcache_block_size must be a multiple of 16, got 8"):

@@ -77,29 +77,33 @@ def test_attend_rejects_inputs_it_cannot_serve(change, message):
 
 
 def compile_attention(capability: int, dtype: torch.dtype, heads: int, kv_heads: int, head_dim: int,
-                      page: int, softcap: bool = False) -> None:
-    """Both kernels, with the argument types the backend gives them; pointers and strides hinted."""
+                      page: int, softcap: bool = False, cache: str | None = None) -> None:
+    """Both kernels, with the argument types the backend gives them; pointers and strides hinted. `cache`: the KV
+    cache's element type where it is not the queries' ("*fp8e4nv": kv_cache_dtype="fp8", "*u8": "int8")."""
     from nanovllm.kernels.attention import triton_attention as ta
 
     element = ELEMENT[dtype]
-    types = {"out_ptr": element, "q_ptr": element, "k_cache_ptr": element, "v_cache_ptr": element,
+    types = {"out_ptr": element, "q_ptr": element, "k_cache_ptr": cache or element, "v_cache_ptr": cache or element,
              "part_m_ptr": "*fp32", "part_l_ptr": "*fp32", "part_acc_ptr": "*fp32", "qk_scale": "fp32",
              "score_scale": "fp32", "softcap": "fp32"}
-    constants = {**ta.kernel_constants(heads, kv_heads, head_dim, page, dtype), "SOFTCAP": softcap}
+    constants = {**ta.kernel_constants(heads, kv_heads, head_dim, page, dtype), "SOFTCAP": softcap,
+                 "INT8": cache == "*u8"}
     kernels = ((ta._attention_kernel, constants, ta.ATTENTION_LAUNCH),
                (ta._reduce_segments_kernel, ta.reduce_constants(constants), ta.REDUCE_LAUNCH))
     compile_for_nvidia(kernels, capability, types, "*i32", lambda param: not param.do_not_specialize and (
         param.name.endswith("_ptr") or param.name.startswith("stride")))
 
 
-@pytest.mark.parametrize("capability, dtype, heads, kv_heads, head_dim, page, softcap", [
-    (90, torch.bfloat16, 16, 8, 128, 256, False),  # Qwen3-0.6B on an H100
-    (80, torch.float32, 14, 2, 24, 16, False),  # a group of 7, true float32 dots, head_dim padded to 32
-    (90, torch.bfloat16, 8, 4, 256, 256, True),  # Gemma 2: capped scores
+@pytest.mark.parametrize("capability, dtype, heads, kv_heads, head_dim, page, softcap, cache", [
+    (90, torch.bfloat16, 16, 8, 128, 256, False, None),  # Qwen3-0.6B on an H100
+    (80, torch.float32, 14, 2, 24, 16, False, None),  # a group of 7, true float32 dots, head_dim padded to 32
+    (90, torch.bfloat16, 8, 4, 256, 256, True, None),  # Gemma 2: capped scores
+    (90, torch.bfloat16, 16, 8, 128, 256, False, "*fp8e4nv"),  # kv_cache_dtype="fp8"
+    (80, torch.float16, 14, 2, 64, 16, True, "*u8"),  # kv_cache_dtype="int8"
 ])
-def test_kernels_compile_for_nvidia_gpus(capability, dtype, heads, kv_heads, head_dim, page, softcap):
+def test_kernels_compile_for_nvidia_gpus(capability, dtype, heads, kv_heads, head_dim, page, softcap, cache):
     require_nvidia_backend()
-    compile_attention(capability, dtype, heads, kv_heads, head_dim, page, softcap)
+    compile_attention(capability, dtype, heads, kv_heads, head_dim, page, softcap, cache)
 
 
 # The compiled kernels on a GPU.

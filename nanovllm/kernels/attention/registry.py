@@ -80,7 +80,8 @@ BACKENDS: dict[str, BackendSpec] = {spec.name: spec for spec in (
     BackendSpec("triton", "nanovllm.kernels.attention.triton_backend:TritonBackend",
                 capability=((7, 0), (99, 0)), capability_reason="needs compute capability 7.0 or newer",
                 bfloat16_from=(8, 0), capturable=True, own_kv_writer=True, interpretable=True,
-                reads_8bit_cache=True, library=("triton", None), install="pip install 'nanovllm[cuda]'"),
+                reads_8bit_cache=True, reads_int8_cache=True, library=("triton", None),
+                install="pip install 'nanovllm[cuda]'"),
     BackendSpec("torch", "nanovllm.kernels.attention.torch_backend:TorchBackend", devices=("cpu", "cuda"),
                 own_kv_writer=True, reads_8bit_cache=True, reads_int8_cache=True, cpu_8bit_block_multiple=16),
 )}

@@ -37,8 +37,8 @@ def unsupported(name: str, platform: Platform, dtype: torch.dtype, block_size: i
     spec = registry.BACKENDS[name]
     eight_bit = kv_cache_dtype is not None and kv_cache_dtype.itemsize == 1
     if kv_cache_dtype == INT8_CACHE and not spec.reads_int8_cache:
-        return ("cannot read an int8 KV cache (kv_cache_dtype='int8'): use attention_backend='torch', or "
-                "kv_cache_dtype='fp8'")
+        return ("cannot read an int8 KV cache (kv_cache_dtype='int8'): use attention_backend='triton' (or 'torch'), "
+                "or leave kv_cache_dtype='auto'")
     if eight_bit and not spec.reads_8bit_cache:
         return (f"cannot read an 8-bit KV cache ({str(kv_cache_dtype).removeprefix('torch.')}, from kv_cache_dtype): "
                 "leave kv_cache_dtype='auto', or use attention_backend='triton'")

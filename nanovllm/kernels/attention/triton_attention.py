@@ -41,7 +41,10 @@ Cost of the guarantee: every step uses the decode-sized Q tile (16 rows, as vLLM
 kernel), so a long prefill re-reads K/V once per 16 rows from L2 rather than per 64-128 rows.
 
 An 8-bit cache (`kv_cache_dtype="fp8"`) is read as it is stored and each tile converted to the queries' dtype
-(exactly: every 8-bit float is a float16, bfloat16 and float32 value) before its dots.
+(exactly: every 8-bit float is a float16, bfloat16 and float32 value) before its dots. An int8 cache
+(`kv_cache_dtype="int8"`, rows of head_dim signed magnitudes and a float32 scale, `kv_quant`) goes into the dots as its
+magnitudes (exact in every dtype, as they are at most 127), each key's scale then multiplying its scores and each
+value's its probabilities, as the CPU kernels apply them.
 
 `tl.dot` takes float16/bfloat16 on tensor cores with float32 accumulation; float32 uses
 `input_precision="ieee"` (true float32, not TF32). Triton's interpreter misreads bfloat16 dot
@@ -56,6 +59,7 @@ import triton
 import triton.language as tl
 
 from nanovllm.kernels.attention.context import Context
+from nanovllm.kernels.attention.kv_quant import INT8_CACHE, cache_row_width
 
 SEGMENT = 256  # keys per split-KV segment: fixed, so that segment boundaries never depend on the batch
 SPLIT_KV_MAX_PROGRAMS = 512  # decode batches with fewer (sequence, KV head) pairs split their keys
@@ -63,7 +67,7 @@ SPLIT_KV_PROGRAMS = 16  # programs per (sequence, KV head) that share its segmen
 MIN_BLOCK_M = 16  # tl.dot's smallest M
 KV_TILE_BYTES = 16384  # one K (or V) tile per pipeline stage: 64 keys of 128 float16 dims
 SUPPORTED_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
-CACHE_8BIT_DTYPES = (torch.float8_e4m3fn, torch.float8_e5m2)  # kv_cache_dtype="fp8": loaded, then upcast exactly
+CACHE_8BIT_DTYPES = (torch.float8_e4m3fn, torch.float8_e5m2, INT8_CACHE)  # "fp8": upcast exactly; "int8": scaled
 ATTENTION_LAUNCH = dict(num_warps=4, num_stages=2, enable_fp_fusion=False)
 REDUCE_LAUNCH = dict(num_warps=2, enable_fp_fusion=False)
 
@@ -117,15 +121,28 @@ def _capped(s, score_scale, softcap):
 
 
 @triton.jit
+def _magnitudes(x, dtype):
+    """An int8 cache's bytes (sign bit, 7-bit magnitude) as the signed magnitudes, in `dtype`."""
+    magnitude = (x & 0x7F).to(tl.float32)
+    return tl.where(x >= 0x80, -magnitude, magnitude).to(dtype)
+
+
+@triton.jit
+def _row_scales(cache_ptr, rows, ok, HEAD_DIM: tl.constexpr):
+    """The float32 scale after each int8 cache row's head_dim bytes (0 where not `ok`)."""
+    return tl.load((cache_ptr + rows + HEAD_DIM).to(tl.pointer_type(tl.float32)), mask=ok, other=0.0)
+
+
+@triton.jit
 def _segment(q, pos, k_ptr, v_ptr, table_ptr, context_len, key_start, window, first_tile, end_tile, qk_scale,
              score_scale, softcap, stride_kb, stride_ks, stride_vb, stride_vs, BLOCK_M: tl.constexpr,
              BLOCK_N: tl.constexpr, HEAD_DIM: tl.constexpr, HEAD_DIM_PAD: tl.constexpr, PAGE: tl.constexpr,
-             DOT_FP32: tl.constexpr, SOFTCAP: tl.constexpr):
+             DOT_FP32: tl.constexpr, SOFTCAP: tl.constexpr, INT8: tl.constexpr):
     """Softmax state of Q-tile rows at absolute positions `pos` over key tiles first_tile..end_tile-1, from scratch.
 
     K/V pointers are already offset to the KV head; scores are raw dot products (scaled inside exp2), or with
     SOFTCAP the capped scaled scores. Keys below `key_start` (outside every row's window) are never read; with
-    `window` > 0 a row sees keys pos - window < key <= pos.
+    `window` > 0 a row sees keys pos - window < key <= pos. `INT8`: the caches are an int8 cache's rows.
     """
     dims = tl.arange(0, HEAD_DIM_PAD)
     dim_ok = dims < HEAD_DIM
@@ -136,9 +153,11 @@ def _segment(q, pos, k_ptr, v_ptr, table_ptr, context_len, key_start, window, fi
         block = tl.load(table_ptr + keys // PAGE, mask=key_ok, other=0).to(tl.int64)
         k_rows = block * stride_kb + (keys % PAGE) * stride_ks
         v_rows = block * stride_vb + (keys % PAGE) * stride_vs
-        k = tl.load(k_ptr + k_rows[None, :] + dims[:, None], mask=key_ok[None, :] & dim_ok[:, None],
-                    other=0.0).to(q.dtype)
-        s = dot(q, k, None, DOT_FP32)
+        k = tl.load(k_ptr + k_rows[None, :] + dims[:, None], mask=key_ok[None, :] & dim_ok[:, None], other=0.0)
+        if INT8:
+            s = dot(q, _magnitudes(k, q.dtype), None, DOT_FP32) * _row_scales(k_ptr, k_rows, key_ok, HEAD_DIM)[None, :]
+        else:
+            s = dot(q, k.to(q.dtype), None, DOT_FP32)
         if SOFTCAP:
             s = _capped(s, score_scale, softcap)
         visible = (keys[None, :] <= pos[:, None]) & ((window == 0) | (keys[None, :] > pos[:, None] - window))
@@ -147,9 +166,12 @@ def _segment(q, pos, k_ptr, v_ptr, table_ptr, context_len, key_start, window, fi
         p = tl.exp2((s - _finite(m_new)[:, None]) * qk_scale)
         alpha = _rescale(m, m_new, qk_scale)
         l = tl.fma(l, alpha, tl.sum(p, 1))
-        v = tl.load(v_ptr + v_rows[:, None] + dims[None, :], mask=key_ok[:, None] & dim_ok[None, :],
-                    other=0.0).to(q.dtype)
-        acc = dot(p.to(v.dtype), v, acc * alpha[:, None], DOT_FP32)
+        v = tl.load(v_ptr + v_rows[:, None] + dims[None, :], mask=key_ok[:, None] & dim_ok[None, :], other=0.0)
+        if INT8:
+            weights = p * _row_scales(v_ptr, v_rows, key_ok, HEAD_DIM)[None, :]
+            acc = dot(weights.to(q.dtype), _magnitudes(v, q.dtype), acc * alpha[:, None], DOT_FP32)
+        else:
+            acc = dot(p.to(q.dtype), v.to(q.dtype), acc * alpha[:, None], DOT_FP32)
         m = m_new
     return m, l, acc
 
@@ -176,7 +198,7 @@ def _attention_kernel(out_ptr, q_ptr, k_cache_ptr, v_cache_ptr, block_tables_ptr
                       stride_vh, stride_bt, NUM_HEADS: tl.constexpr, GROUP: tl.constexpr, HEAD_DIM: tl.constexpr,
                       HEAD_DIM_PAD: tl.constexpr, PAGE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_Q: tl.constexpr,
                       BLOCK_N: tl.constexpr, TILES_PER_SEGMENT: tl.constexpr, DOT_FP32: tl.constexpr,
-                      SOFTCAP: tl.constexpr):
+                      SOFTCAP: tl.constexpr, INT8: tl.constexpr):
     """Unified (split == 0): grid (Q-tile programs, KV heads, 1), each Q tile over all its keys, into out.
     Split (split == 1, decode only): grid (sequences, KV heads, splits), every splits-th segment, into the partials."""
     kv_head = tl.program_id(1)
@@ -218,7 +240,7 @@ def _attention_kernel(out_ptr, q_ptr, k_cache_ptr, v_cache_ptr, block_tables_ptr
         seg_m, seg_l, seg_acc = _segment(q, pos, k_ptr, v_ptr, table_ptr, context_len, key_start, window,
                                          first_tile, tl.minimum(first_tile + TILES_PER_SEGMENT, num_tiles), qk_scale,
                                          score_scale, softcap, stride_kb, stride_ks, stride_vb, stride_vs,
-                                         BLOCK_M, BLOCK_N, HEAD_DIM, HEAD_DIM_PAD, PAGE, DOT_FP32, SOFTCAP)
+                                         BLOCK_M, BLOCK_N, HEAD_DIM, HEAD_DIM_PAD, PAGE, DOT_FP32, SOFTCAP, INT8)
         if split != 0:
             tl.store(part_m_ptr + part + seg, seg_m, mask=row_ok)
             tl.store(part_l_ptr + part + seg, seg_l, mask=row_ok)
@@ -294,11 +316,12 @@ def _check(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor) -> Non
     if q.dtype not in SUPPORTED_DTYPES or k_cache.dtype not in (q.dtype, *CACHE_8BIT_DTYPES) \
             or v_cache.dtype != k_cache.dtype:
         raise ValueError(f"Triton attention takes float16, bfloat16 or float32 queries and caches of the same dtype "
-                         f"(or of 8-bit floats), got {q.dtype}, {k_cache.dtype} and {v_cache.dtype}")
-    if q.size(1) % k_cache.size(2) or k_cache.shape != v_cache.shape or q.size(2) != k_cache.size(3):
+                         f"(or 8-bit ones), got {q.dtype}, {k_cache.dtype} and {v_cache.dtype}")
+    if q.size(1) % k_cache.size(2) or k_cache.shape != v_cache.shape \
+            or cache_row_width(q.size(2), k_cache.dtype) != k_cache.size(3):
         raise ValueError(f"queries {tuple(q.shape)} do not fit caches {tuple(k_cache.shape)} and "
-                         f"{tuple(v_cache.shape)} [blocks, page, kv_heads, head_dim]; heads must be a multiple of "
-                         "kv_heads")
+                         f"{tuple(v_cache.shape)} [blocks, page, kv_heads, head_dim (an int8 cache's: + 4)]; heads "
+                         "must be a multiple of kv_heads")
     if q.stride(-1) != 1 or k_cache.stride(-1) != 1 or v_cache.stride(-1) != 1:
         raise ValueError("queries and caches must be contiguous along head_dim")
 
@@ -331,7 +354,7 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
                             part_l, part_acc, qk_scale, scale, softcap or 1.0, window, num_seqs, segments,
                             1 if segments else 0, q.stride(0), q.stride(1), out.stride(0), out.stride(1),
                             *k_cache.stride()[:3], *v_cache.stride()[:3], ctx.block_tables.stride(0), **constants,
-                            SOFTCAP=bool(softcap), **ATTENTION_LAUNCH)
+                            SOFTCAP=bool(softcap), INT8=k_cache.dtype == INT8_CACHE, **ATTENTION_LAUNCH)
     if segments:
         _reduce_segments_kernel[(num_tokens, num_kv_heads)](out, part_m, part_l, part_acc, ctx.context_lens, qk_scale,
                                                             window, segments, out.stride(0), out.stride(1),

@@ -4,9 +4,9 @@ Semantics equal `TorchBackend.store_kvcache`, its reference: row i goes to flat 
 `slot_mapping[i]`, and slot -1 (a padded row) is skipped. Unlike the boolean-mask torch
 version it never syncs with the host, so CUDA graphs can capture it. The kernel only
 copies (no arithmetic), so it runs unchanged under `TRITON_INTERPRET=1` on CPU for
-float32, float16 and bfloat16. For an 8-bit cache the rows are converted first by torch (`to_cache_dtype`, one
-elementwise op, capturable too): the rounding is then the CPU path's, which Triton's interpreter does not reproduce
-(it rounds some values to the wrong neighbour).
+float32, float16 and bfloat16. For an 8-bit cache the rows are converted first by torch (`to_cache_dtype`: elementwise
+ops, capturable too; an int8 cache's rows with their scales): the rounding is then the CPU path's, which Triton's
+interpreter does not reproduce (it rounds some values to the wrong neighbour).
 """
 import torch
 import triton
@@ -38,10 +38,11 @@ def _check_row_layout(name: str, x: torch.Tensor) -> None:
 
 def store_kvcache(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                   slot_mapping: torch.Tensor) -> None:
-    """k/v `[tokens, kv_heads, head_dim]` into caches `[num_blocks, block_size, kv_heads, head_dim]`."""
-    num_tokens, num_kv_heads, head_dim = k.shape
-    row = num_kv_heads * head_dim
+    """k/v `[tokens, kv_heads, head_dim]` into caches `[num_blocks, block_size, kv_heads, head_dim]` (an int8
+    cache's rows: head_dim + 4 bytes)."""
     k, v = to_cache_dtype(k, k_cache.dtype), to_cache_dtype(v, v_cache.dtype)
+    num_tokens, num_kv_heads, width = k.shape
+    row = num_kv_heads * width
     _check_row_layout("k", k)
     _check_row_layout("v", v)
     if not (k_cache.is_contiguous() and v_cache.is_contiguous()):
