@@ -29,32 +29,61 @@ enum Column { SLOT, A_ROW, RANK, OUT_OFFSET, OUT_SIZE, BT_OFFSET, COLUMNS };
 
 constexpr int64_t TILE = 4;  // rows of one adapter computed together, each A and B^T row read once for all of them
 
-// 16 floats in GCC's vector type: one AVX-512 register, or two AVX2 ones.
-typedef float f32x16 __attribute__((vector_size(64), aligned(4)));
-typedef uint16_t u16x16 __attribute__((vector_size(32), aligned(2)));
-typedef uint32_t u32x16 __attribute__((vector_size(64)));
+// 16 floats as the CPU's own vectors: one AVX-512 register, two AVX2 ones or four SSE ones (GCC's 16-float vectors on
+// AVX2 went through memory: a float times one was 16 stores and a reload). The same lanes on every path, so the same
+// sums.
+#if defined(__AVX512F__)
+constexpr int64_t LANES = 16;
+#elif defined(__AVX2__)
+constexpr int64_t LANES = 8;
+#else
+constexpr int64_t LANES = 4;
+#endif
+constexpr int64_t PARTS = 16 / LANES;
+typedef float Lanes __attribute__((vector_size(LANES * 4), aligned(4)));
+typedef uint16_t Halves __attribute__((vector_size(LANES * 2), aligned(2)));
+typedef uint32_t Words __attribute__((vector_size(LANES * 4)));
+struct Floats16 {
+  Lanes part[PARTS] = {};
 
-static inline f32x16 load16(const float* p) {
-  f32x16 v;
-  std::memcpy(&v, p, sizeof v);
+  void store(float* out) const {
+    for (int64_t p = 0; p < PARTS; ++p) *reinterpret_cast<Lanes*>(out + LANES * p) = part[p];
+  }
+  Floats16& add_product(const Floats16& a, const Floats16& b) {  // += a * b, lane by lane
+    for (int64_t p = 0; p < PARTS; ++p) part[p] += a.part[p] * b.part[p];
+    return *this;
+  }
+  Floats16& add_product(float c, const Floats16& b) {
+    for (int64_t p = 0; p < PARTS; ++p) part[p] += c * b.part[p];
+    return *this;
+  }
+};
+
+static inline Floats16 load16(const float* p) {
+  Floats16 v;
+  for (int64_t k = 0; k < PARTS; ++k) v.part[k] = *reinterpret_cast<const Lanes*>(p + LANES * k);
   return v;
 }
-static inline f32x16 load16(const c10::BFloat16* p) {  // bfloat16 is the high half of a float
-  u16x16 half;
-  std::memcpy(&half, p, sizeof half);
-  const u32x16 bits = __builtin_convertvector(half, u32x16) << 16;
-  f32x16 v;
-  std::memcpy(&v, &bits, sizeof v);
+static inline Floats16 load16(const c10::BFloat16* p) {  // bfloat16 is the high half of a float
+  Floats16 v;
+  for (int64_t k = 0; k < PARTS; ++k) {
+    Halves half;
+    std::memcpy(&half, p + LANES * k, sizeof half);
+    const Words bits = __builtin_convertvector(half, Words) << 16;
+    std::memcpy(&v.part[k], &bits, sizeof bits);
+  }
   return v;
 }
-static inline f32x16 load16(const c10::Half* p) {
-  f32x16 v;
-  for (int i = 0; i < 16; ++i) v[i] = static_cast<float>(p[i]);
-  return v;
+static inline Floats16 load16(const c10::Half* p) {
+  alignas(64) float x[16];
+  for (int i = 0; i < 16; ++i) x[i] = static_cast<float>(p[i]);
+  return load16(x);
 }
-static inline float sum16(f32x16 v) {
+static inline float sum16(const Floats16& v) {
+  alignas(64) float x[16];
+  v.store(x);
   float s = 0.f;
-  for (int i = 0; i < 16; ++i) s += v[i];
+  for (int64_t i = 0; i < 16; ++i) s += x[i];
   return s;
 }
 
@@ -65,10 +94,10 @@ void shrink(const T* a, int64_t rank, int64_t in, const float* xf, float scale, 
   const int64_t body = in / 16 * 16;
   for (int64_t k = 0; k < rank; ++k) {
     const T* ak = a + k * in;
-    f32x16 acc[NT] = {};
+    Floats16 acc[NT];
     for (int64_t i = 0; i < body; i += 16) {
-      const f32x16 w = load16(ak + i);
-      for (int64_t t = 0; t < NT; ++t) acc[t] += w * load16(xf + t * in + i);
+      const Floats16 w = load16(ak + i);
+      for (int64_t t = 0; t < NT; ++t) acc[t].add_product(w, load16(xf + t * in + i));
     }
     for (int64_t t = 0; t < NT; ++t) {
       float dot = sum16(acc[t]);
@@ -78,26 +107,28 @@ void shrink(const T* a, int64_t rank, int64_t in, const float* xf, float scale, 
   }
 }
 
-// y_t[j] += sum_k shrunk[t * rank + k] * bt[k * size + j] for the tile's n of NT rows, 32 outputs at a time (each
-// B^T value read once for all NT rows), then a scalar tail.
+// y_t[j] += sum_k shrunk[t * rank + k] * bt[k * size + j] for the tile's n of NT rows, WIDTH outputs at a time (each
+// B^T value read once for all NT rows; 32 on AVX-512, 16 where 16 registers hold the sums), then a scalar tail: each
+// output's products added in the order of k from 0 either way.
 template <int64_t NT, typename T>
 void expand(const T* bt, int64_t rank, int64_t size, const float* shrunk, T* const* y, int64_t n) {
-  const int64_t body = size / 32 * 32;
-  for (int64_t j = 0; j < body; j += 32) {
-    f32x16 lo[NT] = {}, hi[NT] = {};
+  constexpr int64_t WIDTH = LANES == 16 ? 32 : 16;
+  const int64_t body = size / WIDTH * WIDTH;
+  for (int64_t j = 0; j < body; j += WIDTH) {
+    Floats16 acc[NT][WIDTH / 16];
     for (int64_t k = 0; k < rank; ++k) {
-      const f32x16 b0 = load16(bt + k * size + j), b1 = load16(bt + k * size + j + 16);
+      Floats16 b[WIDTH / 16];
+      for (int64_t h = 0; h < WIDTH / 16; ++h) b[h] = load16(bt + k * size + j + 16 * h);
       for (int64_t t = 0; t < NT; ++t) {
         const float c = shrunk[t * rank + k];
-        lo[t] += c * b0;
-        hi[t] += c * b1;
+        for (int64_t h = 0; h < WIDTH / 16; ++h) acc[t][h].add_product(c, b[h]);
       }
     }
-    for (int64_t t = 0; t < n; ++t)
-      for (int64_t l = 0; l < 16; ++l) {
-        y[t][j + l] = from_float<T>(to_float(y[t][j + l]) + lo[t][l]);
-        y[t][j + 16 + l] = from_float<T>(to_float(y[t][j + 16 + l]) + hi[t][l]);
-      }
+    for (int64_t t = 0; t < n; ++t) {
+      alignas(64) float sums[WIDTH];
+      for (int64_t h = 0; h < WIDTH / 16; ++h) acc[t][h].store(sums + 16 * h);
+      for (int64_t l = 0; l < WIDTH; ++l) y[t][j + l] = from_float<T>(to_float(y[t][j + l]) + sums[l]);
+    }
   }
   for (int64_t t = 0; t < n; ++t)
     for (int64_t j = body; j < size; ++j) {
