@@ -38,16 +38,18 @@ def cases(device: str) -> dict:
                     "triton_exact": torch.equal(out, attend(TritonBackend, batch, *upcast)),
                     "torch_error": (torch_out - attend(TorchBackend, batch, *upcast).float()).abs().max().item(),
                     "error_vs_torch": (out.float() - torch_out).abs().max().item()}
-            k8, v8 = (to_cache_dtype(c * 4, INT8_CACHE) for c in (batch.k_cache, batch.v_cache))
-            out = attend(TritonBackend, batch, k8, v8).float()
-            values = Batch(batch.q.float(), from_cache(k8, torch.float32), from_cache(v8, torch.float32), batch.ctx,
-                           batch.rows, batch.scale)
-            scaled_back = attend(TorchBackend, values, values.k_cache, values.v_cache)
-            tiled = as_torch_backend_keeps(k8)
-            torch_out = attend(TorchBackend, batch, tiled, v8 if tiled is k8 else tile_values(v8)).float()
-            results[f"{dtype}/{step}/int8"] = {
-                "error_vs_values": (out - scaled_back).abs().max().item(),
-                "error_vs_torch": (out - torch_out).abs().max().item()}
+            for head_dim in (16, 18) if dtype == torch.float32 else (16,):  # 18: scales not 4-byte aligned
+                batch = make_batch(seqs, dtype=dtype, device=device, head_dim=head_dim)
+                k8, v8 = (to_cache_dtype(c * 4, INT8_CACHE) for c in (batch.k_cache, batch.v_cache))
+                out = attend(TritonBackend, batch, k8, v8).float()
+                values = Batch(batch.q.float(), from_cache(k8, torch.float32), from_cache(v8, torch.float32),
+                               batch.ctx, batch.rows, batch.scale)
+                scaled_back = attend(TorchBackend, values, values.k_cache, values.v_cache)
+                tiled = as_torch_backend_keeps(k8)
+                torch_out = attend(TorchBackend, batch, tiled, v8 if tiled is k8 else tile_values(v8)).float()
+                results[f"{dtype}/{step}/int8/head_dim {head_dim}"] = {
+                    "error_vs_values": (out - scaled_back).abs().max().item(),
+                    "error_vs_torch": (out - torch_out).abs().max().item()}
     stores = {}
     for name, cache_dtype in STORES.items():
         k = (torch.randn(40, 2, 16) * torch.logspace(-4, 5, 40)[:, None, None]).to(device)  # subnormals to past max

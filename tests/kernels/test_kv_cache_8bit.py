@@ -168,7 +168,7 @@ def interpreted(request) -> dict:
 
 def test_triton_attention_over_an_8bit_cache_is_attention_over_its_values_upcast(interpreted):
     for name, result in interpreted["attention"].items():
-        if name.endswith("int8"):
+        if "/int8/" in name:
             continue
         assert result["triton_exact"], name
         tolerance = 0.07 if "bfloat16" in name else 1e-5
@@ -176,8 +176,8 @@ def test_triton_attention_over_an_8bit_cache_is_attention_over_its_values_upcast
 
 
 def test_triton_attention_over_an_int8_cache_is_attention_over_its_values(interpreted):
-    int8 = {name: result for name, result in interpreted["attention"].items() if name.endswith("int8")}
-    assert len(int8) == 4
+    int8 = {name: result for name, result in interpreted["attention"].items() if "/int8/" in name}
+    assert len(int8) == 6  # float32 with head_dim 16 and 18 (its rows' scales not 4-byte aligned), bfloat16 with 16
     for name, result in int8.items():
         tolerance = 0.1 if "bfloat16" in name else 1e-5  # bfloat16: under two steps of the outputs (up to ~12)
         assert result["error_vs_values"] <= tolerance and result["error_vs_torch"] <= tolerance, (name, result)

@@ -129,8 +129,11 @@ def _magnitudes(x, dtype):
 
 @triton.jit
 def _row_scales(cache_ptr, rows, ok, HEAD_DIM: tl.constexpr):
-    """The float32 scale after each int8 cache row's head_dim bytes (0 where not `ok`)."""
-    return tl.load((cache_ptr + rows + HEAD_DIM).to(tl.pointer_type(tl.float32)), mask=ok, other=0.0)
+    """The float32 scale after each int8 cache row's head_dim bytes (0 where not `ok`), read byte by byte: a row's
+    scale is 4-byte aligned only where head_dim is a multiple of 4."""
+    byte = tl.arange(0, 4)
+    bits = tl.load(cache_ptr + rows[:, None] + HEAD_DIM + byte[None, :], mask=ok[:, None], other=0).to(tl.uint32)
+    return tl.sum(bits << (8 * byte[None, :]).to(tl.uint32), 1).to(tl.float32, bitcast=True)
 
 
 @triton.jit
